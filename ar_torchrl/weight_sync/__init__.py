@@ -1,0 +1,5 @@
+"""Weight sync: which tensors the rollout engine gets, and senders for each backend."""
+
+from ar_torchrl.weight_sync.names import VALUE_HEAD_PREFIX, named_policy_tensors
+
+__all__ = ["VALUE_HEAD_PREFIX", "named_policy_tensors"]

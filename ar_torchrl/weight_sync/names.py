@@ -1,0 +1,38 @@
+"""The tensors a rollout engine loads: HF-named parameters and persistent buffers, no value head."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+__all__ = ["VALUE_HEAD_PREFIX", "named_policy_tensors"]
+
+VALUE_HEAD_PREFIX = "value_head."
+
+
+def named_policy_tensors(model: nn.Module, *, detach: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` for every tensor of the policy the rollout engine loads.
+
+    These are exactly the model's ``state_dict`` entries (parameters and persistent buffers, with
+    the HF checkpoint names) minus ``value_head.*``, which is train-only. Tied weights appear once
+    per name, as in ``state_dict``. Tensors are detached views, not copies.
+
+    Args:
+        model: an HF causal LM, optionally with an attached value head (DDP/FSDP ``module.``
+            prefixes are not stripped: unwrap the model first).
+        detach: return detached tensors (default).
+
+    Example:
+        >>> from ar_torchrl.assets import build_tiny_qwen3
+        >>> from ar_torchrl.modules import attach_value_head
+        >>> model = attach_value_head(build_tiny_qwen3(99))
+        >>> names = [n for n, _ in named_policy_tensors(model)]
+        >>> any(n.startswith("value_head.") for n in names), "model.embed_tokens.weight" in names
+        (False, True)
+    """
+    for name, tensor in model.state_dict(keep_vars=not detach).items():
+        if name.startswith(VALUE_HEAD_PREFIX):
+            continue
+        yield name, tensor.detach() if detach else tensor
