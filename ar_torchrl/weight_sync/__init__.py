@@ -3,3 +3,6 @@
 from ar_torchrl.weight_sync.names import VALUE_HEAD_PREFIX, named_policy_tensors
 
 __all__ = ["VALUE_HEAD_PREFIX", "named_policy_tensors"]
+from ar_torchrl.weight_sync.trainside import TrainsideSender, WeightSyncError  # noqa: E402
+
+__all__ += ["TrainsideSender", "WeightSyncError"]

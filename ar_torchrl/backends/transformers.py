@@ -1,0 +1,296 @@
+"""Trainside rollout backend: batched KV-cache sampling from an in-process HF causal LM.
+
+The sampling loop is our own (not ``model.generate``) so that every detail the PPO data relies on is
+explicit:
+
+- prompts are left-padded; position ids are ``cumsum(attention_mask) - 1``, so padding never shifts
+  positions (DESIGN.md section 1);
+- completions are tracked by *length*, not by pad id: a sampled token equal to the pad id (or a
+  tokenizer with ``pad == eos``) is never mistaken for padding;
+- the EOS/stop token that ends a completion is kept in it, with its log-prob;
+- the log-prob of every sampled token (the first included) comes from the distribution it was
+  sampled from, see :func:`next_token_log_probs`.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Literal
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from ar_torchrl.backends.base import Completion, GenerationBackend, SamplingParams
+from ar_torchrl.weight_sync.trainside import TrainsideSender
+
+__all__ = ["LogProbMode", "TransformersBackend", "next_token_log_probs"]
+
+logger = logging.getLogger(__name__)
+
+LogProbMode = Literal["processed", "temperature"]
+
+
+def next_token_log_probs(
+    logits: torch.Tensor,
+    sampling: SamplingParams,
+) -> torch.Tensor:
+    """Log-probs of the distribution the next token is sampled from.
+
+    The logits are cast to float32, divided by the temperature (``T = 1`` when greedy), then
+    filtered: top-k keeps the tokens whose logit is ``>=`` the k-th largest (ties at the boundary are
+    kept), top-p (SGLang's rule) keeps, in descending probability order, every token whose
+    preceding cumulative probability is ``< top_p`` (so at least one token). Removed tokens get
+    ``-inf`` and the rest is renormalised with ``log_softmax``. Greedy (``temperature == 0``) applies
+    no filter: it returns ``log_softmax(logits)``.
+
+    Args:
+        logits: ``[B, V]`` next-token logits.
+        sampling: temperature / top-k / top-p.
+
+    Returns:
+        ``[B, V]`` float32 log-probs (``-inf`` for filtered tokens).
+
+    Example:
+        >>> logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+        >>> lp = next_token_log_probs(logits, SamplingParams(temperature=1.0, top_k=2))
+        >>> [round(p, 4) for p in lp.exp()[0].tolist()]
+        [0.7311, 0.2689, 0.0, 0.0]
+    """
+    logits = logits.float()
+    if sampling.greedy:
+        return torch.log_softmax(logits, dim=-1)
+    logits = logits / sampling.temperature
+    if sampling.top_k != -1 and sampling.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        remove_sorted = mass_before >= sampling.top_p
+        remove = remove_sorted.scatter(-1, order, remove_sorted)
+        logits = logits.masked_fill(remove, float("-inf"))
+    return torch.log_softmax(logits, dim=-1)
+
+
+class TransformersBackend(GenerationBackend):
+    """Rollouts from an HF causal LM in the trainer's process ("trainside").
+
+    Args:
+        model: the trainer's HF causal LM (a value head, if attached, is ignored).
+        mode: ``"copy"`` keeps a private deep copy (``sync_weights`` copies tensors in);
+            ``"share"`` samples from ``model`` itself (``sync_weights`` only checks names and
+            records the version).
+        eos_token_id: id(s) that end a completion; default: ``model.generation_config.eos_token_id``.
+        pad_token_id: id written in the (never returned) padding; default: the model config's pad id,
+            else 0. Padding is tracked with masks, never by comparing ids.
+        max_batch_size: most sequences per forward (``None``: all at once).
+        logprob_mode: ``"processed"`` (default) reports ``log p`` under the exact distribution the
+            token was drawn from (temperature-scaled, top-k/top-p filtered and renormalised);
+            ``"temperature"`` reports ``log_softmax(logits / T)`` before filtering (what SGLang
+            returns and what the trainer recomputes). The two agree when top-k/top-p are off.
+        seed: seed of the backend's own generator (used when ``SamplingParams.seed`` is None).
+
+    Example:
+        >>> from ar_torchrl.assets import build_tiny_qwen3
+        >>> backend = TransformersBackend(build_tiny_qwen3(99), seed=0)
+        >>> out = backend.generate([[5, 6, 7], [8]], n=2, sampling=SamplingParams(max_new_tokens=4))
+        >>> len(out), [c.prompt_index for c in out], all(len(c) <= 4 for c in out)
+        (4, [0, 0, 1, 1], True)
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        mode: Literal["copy", "share"] = "copy",
+        eos_token_id: int | Sequence[int] | None = None,
+        pad_token_id: int | None = None,
+        max_batch_size: int | None = None,
+        logprob_mode: LogProbMode = "processed",
+        seed: int = 0,
+    ) -> None:
+        if mode not in ("copy", "share"):
+            raise ValueError(f"TransformersBackend: mode must be 'copy' or 'share', got {mode!r}")
+        if logprob_mode not in ("processed", "temperature"):
+            raise ValueError(
+                f"TransformersBackend: logprob_mode must be 'processed' or 'temperature', "
+                f"got {logprob_mode!r}"
+            )
+        if max_batch_size is not None and max_batch_size < 1:
+            raise ValueError(
+                f"TransformersBackend: max_batch_size must be >= 1, got {max_batch_size}"
+            )
+        self.mode = mode
+        self.model = model if mode == "share" else copy.deepcopy(model).eval().requires_grad_(False)
+        self.sender = TrainsideSender(self.model, mode=mode)
+        self.eos_token_ids = _resolve_eos(self.model, eos_token_id)
+        pad = (
+            pad_token_id
+            if pad_token_id is not None
+            else getattr(model.config, "pad_token_id", None)
+        )
+        self.pad_token_id = int(pad) if pad is not None else 0
+        self.max_batch_size = max_batch_size
+        self.logprob_mode = logprob_mode
+        self.policy_version = 0
+        self._generator = torch.Generator().manual_seed(seed)
+        self._cache_kwarg = (
+            "cache"
+            if "cache" in inspect.signature(self.model.forward).parameters
+            else "past_key_values"
+        )
+
+    # ------------------------------------------------------------------ interface
+    def generate(
+        self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams
+    ) -> list[Completion]:
+        """Sample ``n`` completions per prompt; prompt-major flat list (item ``i * n + j``)."""
+        prompts = _validate_prompts(prompt_token_ids, n)
+        flat = [p for p in prompts for _ in range(n)]
+        index = [i for i in range(len(prompts)) for _ in range(n)]
+        generator = (
+            torch.Generator().manual_seed(sampling.seed)
+            if sampling.seed is not None
+            else self._generator
+        )
+        step = self.max_batch_size or len(flat)
+        starts = range(0, len(flat), step)
+        out: list[Completion] = []
+        for s in tqdm(starts, desc="generate", disable=len(starts) <= 1, leave=False):
+            out.extend(
+                self._generate_chunk(flat[s : s + step], index[s : s + step], sampling, generator)
+            )
+        return out
+
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load ``named_tensors`` (via :class:`TrainsideSender`) and tag the weights ``version``.
+
+        Raises:
+            WeightSyncError: the tensors were rejected; weights and version are unchanged.
+        """
+        self.sender.send(named_tensors)
+        self.policy_version = int(version)
+
+    def state_dict(self) -> dict:
+        """RNG state and weight version (for checkpoint/resume; the weights come from the trainer)."""
+        return {"generator": self._generator.get_state(), "policy_version": self.policy_version}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._generator.set_state(state["generator"])
+        self.policy_version = int(state["policy_version"])
+
+    # ------------------------------------------------------------------ internals
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def _forward(self, ids, mask, positions, cache) -> torch.Tensor:
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask.long(),
+            position_ids=positions,
+            use_cache=True,
+            **{self._cache_kwarg: cache},
+        )
+        return out.logits[:, -1]
+
+    def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.bool)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p) :] = True
+        device = self._device()
+        return ids.to(device), mask.to(device)
+
+    def _sample(self, logits: torch.Tensor, sampling: SamplingParams, generator) -> tuple:
+        """``[B, V]`` logits -> sampled ids ``[B]`` and their log-probs ``[B]``."""
+        log_probs = next_token_log_probs(logits, sampling)
+        if sampling.greedy:
+            tokens = log_probs.argmax(dim=-1)
+        else:
+            probs = log_probs.exp().cpu()
+            tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(logits.device)
+            if self.logprob_mode == "temperature":
+                log_probs = torch.log_softmax(logits.float() / sampling.temperature, dim=-1)
+        return tokens, log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+    @torch.no_grad()
+    def _generate_chunk(
+        self, prompts, index, sampling: SamplingParams, generator
+    ) -> list[Completion]:
+        ids, mask = self._left_pad(prompts)
+        bsz, device, max_new = len(prompts), ids.device, sampling.max_new_tokens
+        stop_ids = torch.tensor(
+            sorted(set(self.eos_token_ids) | set(sampling.stop_token_ids)), device=device
+        )
+        tokens = torch.zeros((bsz, max_new), dtype=torch.long, device=device)
+        log_probs = torch.zeros((bsz, max_new), dtype=torch.float32, device=device)
+        lengths = torch.zeros(bsz, dtype=torch.long, device=device)
+        stopped = torch.zeros(bsz, dtype=torch.bool, device=device)
+        cache = DynamicCache(config=self.model.config)
+        logits = self._forward(ids, mask, (mask.long().cumsum(-1) - 1).clamp(min=0), cache)
+        for t in range(max_new):
+            active = ~stopped
+            tok, lp = self._sample(logits, sampling, generator)
+            tokens[:, t] = torch.where(active, tok, tokens[:, t])
+            log_probs[:, t] = torch.where(active, lp, log_probs[:, t])
+            lengths += active.long()
+            stopped |= active & torch.isin(tok, stop_ids)
+            if bool(stopped.all()) or t == max_new - 1:
+                break
+            running = ~stopped
+            mask = torch.cat([mask, running.unsqueeze(-1)], dim=-1)
+            step_ids = torch.where(running, tok, torch.full_like(tok, self.pad_token_id))
+            positions = (mask.long().sum(-1, keepdim=True) - 1).clamp(min=0)
+            logits = self._forward(step_ids.unsqueeze(-1), mask, positions, cache)
+        return _to_completions(tokens, log_probs, lengths, stopped, index, self.policy_version)
+
+
+def _resolve_eos(model: nn.Module, eos_token_id) -> tuple[int, ...]:
+    if eos_token_id is None:
+        gen_config = getattr(model, "generation_config", None)
+        eos_token_id = getattr(gen_config, "eos_token_id", None)
+        if eos_token_id is None:
+            eos_token_id = getattr(model.config, "eos_token_id", None)
+    if eos_token_id is None:
+        raise ValueError(
+            "TransformersBackend: the model config has no eos_token_id; pass `eos_token_id=`"
+        )
+    if isinstance(eos_token_id, int):
+        return (eos_token_id,)
+    return tuple(int(e) for e in eos_token_id)
+
+
+def _validate_prompts(prompt_token_ids: Sequence[Sequence[int]], n: int) -> list[list[int]]:
+    if n < 1:
+        raise ValueError(f"TransformersBackend.generate: n must be >= 1, got {n}")
+    prompts = [list(map(int, p)) for p in prompt_token_ids]
+    if not prompts:
+        raise ValueError("TransformersBackend.generate: got no prompts")
+    empty = [i for i, p in enumerate(prompts) if not p]
+    if empty:
+        raise ValueError(
+            f"TransformersBackend.generate: prompts {empty} are empty (need >= 1 token)"
+        )
+    return prompts
+
+
+def _to_completions(tokens, log_probs, lengths, stopped, index, version) -> list[Completion]:
+    tokens, log_probs, lengths, stopped = (x.cpu() for x in (tokens, log_probs, lengths, stopped))
+    return [
+        Completion(
+            prompt_index=index[i],
+            token_ids=tokens[i, : lengths[i]].tolist(),
+            log_probs=log_probs[i, : lengths[i]].tolist(),
+            finish_reason="stop" if bool(stopped[i]) else "length",
+            weight_version=str(version),
+        )
+        for i in range(len(index))
+    ]
