@@ -1,0 +1,547 @@
+"""Pure tensor math for token-level PPO/GRPO on language models.
+
+Every function here works on plain tensors (no TensorDict), documents its shapes, and treats a
+boolean ``mask`` with ``True`` = "this token is trained on" (generated tokens only, DESIGN.md
+section 1). Masked positions never influence a result, a reduction or a gradient: inputs there are
+replaced with zeros through :func:`torch.where` before any arithmetic, so even ``inf``/``nan``
+garbage at masked positions is harmless.
+
+References:
+    GAE: Schulman et al. 2015, https://arxiv.org/abs/1506.02438
+    PPO: Schulman et al. 2017, https://arxiv.org/abs/1707.06347
+    GRPO: Shao et al. 2024, https://arxiv.org/abs/2402.03300
+    DAPO (clip-higher, token-mean, dynamic sampling): Yu et al. 2025, https://arxiv.org/abs/2503.14476
+    Dr.GRPO (no std scaling, constant length normaliser): Liu et al. 2025, https://arxiv.org/abs/2503.20783
+    VAPO (decoupled / length-adaptive lambda): Yue et al. 2025, https://arxiv.org/abs/2504.05118
+    Dual-clip PPO: Ye et al. 2020, https://arxiv.org/abs/1912.09729
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, get_args
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "AggregationMode",
+    "aggregate_loss",
+    "clipped_surrogate",
+    "clipped_value_loss",
+    "explained_variance",
+    "grpo_advantage",
+    "k3_kl",
+    "length_adaptive_lmbda",
+    "loss_normalizer",
+    "masked_mean",
+    "masked_whiten",
+    "token_gae",
+]
+
+AggregationMode = Literal[
+    "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
+]
+AGGREGATION_MODES: tuple[str, ...] = get_args(AggregationMode)
+
+# float64 keeps c**n representable for n up to ~700 / |log c| steps; chunks stay below that.
+_MAX_LOG_RANGE = 600.0
+
+
+def _check_same_shape(name: str, tensor: Tensor, ref_name: str, ref: Tensor) -> None:
+    if tensor.shape != ref.shape:
+        raise ValueError(
+            f"{name} has shape {tuple(tensor.shape)} but {ref_name} has shape {tuple(ref.shape)}; "
+            f"both must be [B, L] (squeeze a trailing 1 first)."
+        )
+
+
+def _check_mask(mask: Tensor, ref: Tensor, ref_name: str = "reward") -> None:
+    if mask.dtype != torch.bool:
+        raise TypeError(f"mask must be a bool tensor, got dtype {mask.dtype}")
+    _check_same_shape("mask", mask, ref_name, ref)
+
+
+# ----------------------------------------------------------------------------- masked reductions
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of ``x`` over positions where ``mask`` is True (0 where nothing is selected).
+
+    Args:
+        x: any shape ``S``.
+        mask: bool, shape ``S`` (no broadcasting).
+        dim: reduce over this dim only (``None``: over everything).
+
+    Example:
+        >>> x = torch.tensor([[1.0, 2.0, 100.0]]); m = torch.tensor([[True, True, False]])
+        >>> masked_mean(x, m).item()
+        1.5
+    """
+    _check_mask(mask, x, "x")
+    total = torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    if dim is None:
+        return total.sum() / mask.sum().clamp_min(1)
+    return total.sum(dim) / mask.sum(dim).clamp_min(1)
+
+
+def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
+    """Variance of ``x`` over ``mask`` (scalar); Bessel-corrected when ``unbiased`` and n > 1."""
+    mean = masked_mean(x, mask)
+    sq = masked_mean((x - mean) ** 2, mask)
+    n = mask.sum()
+    if unbiased and n > 1:
+        sq = sq * n / (n - 1)
+    return sq
+
+
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    """Normalise ``x`` to zero mean / unit variance over ``mask``; 0 at masked positions.
+
+    ``(x - mean) / sqrt(var + eps)`` with mean and (biased) variance over the masked elements only.
+    With ``shift_mean=False`` the mean is added back (scale-only whitening).
+
+    Args:
+        x: any shape ``S``; mask: bool, shape ``S``.
+
+    Example:
+        >>> x = torch.tensor([1.0, 3.0, 1e6]); m = torch.tensor([True, True, False])
+        >>> masked_whiten(x, m).tolist()
+        [-1.0, 1.0, 0.0]
+    """
+    mean = masked_mean(x, mask)
+    var = masked_var(x, mask, unbiased=False)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return torch.where(mask, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+def explained_variance(value: Tensor, target: Tensor, mask: Tensor) -> Tensor:
+    """``1 - Var[target - value] / Var[target]`` over ``mask`` (scalar; nan if Var[target] == 0).
+
+    Example:
+        >>> v = torch.tensor([1.0, 2.0, 9.0]); t = torch.tensor([1.0, 2.0, -9.0])
+        >>> explained_variance(v, t, torch.tensor([True, True, False])).item()
+        1.0
+    """
+    var_t = masked_var(target, mask, unbiased=False)
+    var_err = masked_var(target - value, mask, unbiased=False)
+    return 1.0 - var_err / var_t
+
+
+# ----------------------------------------------------------------------------- GAE
+def _chunk_size(c: Tensor, length: int) -> int:
+    positive = c[c > 0]
+    if positive.numel() == 0:
+        return max(length, 1)
+    log_c = -math.log(float(positive.min()))
+    if log_c == 0.0:
+        return max(length, 1)
+    return max(1, min(length, int(_MAX_LOG_RANGE / log_c)))
+
+
+def _masked_discounted_cumsum(delta: Tensor, mask: Tensor, c: Tensor) -> Tensor:
+    """``X_t = delta_t + c * X_{next trained}`` on trained tokens, skipping masked ones.
+
+    Closed form per row: ``X_t = sum_{k >= t, trained} c**(n_k - n_t) * delta_k`` where ``n_t`` is
+    the number of trained tokens before ``t``. Computed in chunks small enough that ``c**n`` stays
+    representable in float64, carrying the value across chunk boundaries right to left.
+
+    Shapes: delta ``[B, L]`` float64 (0 where masked), mask ``[B, L]`` bool, c ``[B, 1]`` float64
+    in ``(0, 1]``. Returns ``[B, L]`` (pass-through values at masked positions).
+    """
+    batch, length = delta.shape
+    log_c = torch.log(c)
+    n = torch.cumsum(mask, dim=-1, dtype=delta.dtype)
+    n = n - mask.to(delta.dtype)  # exclusive count
+    chunk = _chunk_size(c, length)
+    out = torch.empty_like(delta)
+    carry = delta.new_zeros(batch, 1)
+    for start in reversed(range(0, length, chunk)):
+        end = min(start + chunk, length)
+        rel = n[:, start:end] - n[:, start : start + 1]
+        count = rel[:, -1:] + mask[:, end - 1 : end].to(delta.dtype)
+        weight = torch.exp(rel * log_c)  # c ** rel
+        suffix = (delta[:, start:end] * weight).flip(-1).cumsum(-1).flip(-1)
+        block = suffix / weight + torch.exp((count - rel) * log_c) * carry
+        out[:, start:end] = block
+        carry = block[:, :1]
+    return out
+
+
+def _next_trained_value(value: Tensor, mask: Tensor, bootstrap: Tensor) -> Tensor:
+    """Value at the next trained position strictly after ``t`` (``bootstrap`` past the last one).
+
+    Shapes: value ``[B, L]``, mask ``[B, L]``, bootstrap ``[B]`` -> ``[B, L]``.
+    """
+    batch, length = value.shape
+    pos = torch.arange(length, device=value.device).expand(batch, length)
+    idx = torch.where(mask, pos, torch.full_like(pos, length))
+    suffix_min = idx.flip(-1).cummin(-1).values.flip(-1)
+    nxt = torch.cat([suffix_min[:, 1:], suffix_min.new_full((batch, 1), length)], dim=-1)
+    padded = torch.cat([value, bootstrap.reshape(batch, 1).to(value.dtype)], dim=-1)
+    return padded.gather(-1, nxt)
+
+
+def _as_row_coeff(x: float | Tensor, name: str, batch: int, like: Tensor) -> Tensor:
+    t = torch.as_tensor(x, dtype=torch.float64, device=like.device)
+    if t.ndim == 0:
+        t = t.expand(batch)
+    if t.shape != (batch,):
+        raise ValueError(
+            f"{name} must be a float or a [B]={batch} tensor, got shape {tuple(t.shape)}"
+        )
+    if ((t < 0) | (t > 1)).any() or not torch.isfinite(t).all():
+        raise ValueError(f"{name} must be in [0, 1], got {t.tolist() if t.numel() < 9 else t}")
+    return t.reshape(batch, 1)
+
+
+def _check_gae_inputs(reward: Tensor, value: Tensor, mask: Tensor) -> None:
+    if reward.ndim != 2:
+        raise ValueError(
+            f"token_gae expects [B, L] tensors, got reward of shape {tuple(reward.shape)}; "
+            "squeeze the trailing feature dim ([B, L, 1] -> [B, L])."
+        )
+    _check_same_shape("value", value, "reward", reward)
+    _check_mask(mask, reward)
+    stray = (reward != 0) & ~mask
+    if stray.any():
+        row, col = (int(i) for i in stray.nonzero()[0])
+        raise ValueError(
+            f"token_gae: {int(stray.sum())} non-zero reward(s) on masked tokens (first at row {row}, "
+            f"position {col}, reward {reward[row, col].item():g}). Put the task reward on the last "
+            "generated token (loss_mask True) and shaping rewards on trained tokens only."
+        )
+
+
+def token_gae(
+    reward: Tensor,
+    value: Tensor,
+    loss_mask: Tensor,
+    *,
+    gamma: float,
+    lmbda: float | Tensor,
+    critic_lmbda: float | Tensor | None = None,
+    bootstrap_value: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Token-level GAE over the trained tokens of each row, skipping masked tokens.
+
+    Per row, backwards over ``t`` with ``loss_mask[t]`` True (masked tokens are skipped and do not
+    change the carried ``V_next``, ``A_next``)::
+
+        delta_t = r_t + gamma * V_next - V_t
+        A_t     = delta_t + gamma * lmbda * A_next ;  V_next, A_next = V_t, A_t
+
+    ``V_next`` starts at ``bootstrap_value`` (0 when ``None``: terminal), ``A_next`` at 0.
+    ``value_target = A' + V`` where ``A'`` uses ``critic_lmbda`` (defaults to ``lmbda``; VAPO's
+    decoupled lambdas). Masked positions get ``advantage = value_target = 0``. Computed in float64
+    with a chunked closed form (no Python loop over tokens), returned in ``reward.dtype``.
+
+    Args:
+        reward: ``[B, L]`` per-token reward; must be 0 wherever ``loss_mask`` is False.
+        value: ``[B, L]`` V(s_t) (values at masked positions are ignored).
+        loss_mask: ``[B, L]`` bool.
+        gamma: discount in ``[0, 1]``.
+        lmbda: GAE lambda in ``[0, 1]``, a float or a per-row ``[B]`` tensor (length-adaptive).
+        critic_lmbda: lambda for ``value_target`` (float or ``[B]``); ``None`` = ``lmbda``.
+        bootstrap_value: ``[B]`` value after the last trained token (truncated responses); ``None``
+            means 0 for every row.
+
+    Returns:
+        ``(advantage, value_target)``, both ``[B, L]``.
+
+    Raises:
+        ValueError: mismatched shapes, a non-zero reward on a masked token, or hyper-parameters
+            outside ``[0, 1]``.
+
+    Example:
+        >>> r = torch.tensor([[0.0, 0.0, 0.0, 1.0, 0.0]])
+        >>> v = torch.tensor([[9.0, 0.5, 0.5, 0.5, 9.0]])
+        >>> m = torch.tensor([[False, True, True, True, False]])
+        >>> adv, ret = token_gae(r, v, m, gamma=1.0, lmbda=1.0)
+        >>> adv.tolist(), ret.tolist()
+        ([[0.0, 0.5, 0.5, 0.5, 0.0]], [[0.0, 1.0, 1.0, 1.0, 0.0]])
+    """
+    _check_gae_inputs(reward, value, loss_mask)
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+    batch = reward.shape[0]
+    zero = torch.zeros((), dtype=torch.float64, device=reward.device)
+    r64 = torch.where(loss_mask, reward.to(torch.float64), zero)
+    v64 = torch.where(loss_mask, value.to(torch.float64), zero)
+    if bootstrap_value is None:
+        bootstrap = torch.zeros(batch, dtype=torch.float64, device=reward.device)
+    else:
+        if bootstrap_value.shape != (batch,):
+            raise ValueError(
+                f"bootstrap_value must have shape [B]=({batch},), got {tuple(bootstrap_value.shape)}"
+            )
+        bootstrap = bootstrap_value.to(torch.float64)
+    delta = r64 + gamma * _next_trained_value(v64, loss_mask, bootstrap) - v64
+    delta = torch.where(loss_mask, delta, zero)
+    lam = _as_row_coeff(lmbda, "lmbda", batch, reward)
+    advantage = _gae_with(delta, loss_mask, gamma * lam)
+    if critic_lmbda is None:
+        critic_adv = advantage
+    else:
+        critic_adv = _gae_with(
+            delta, loss_mask, gamma * _as_row_coeff(critic_lmbda, "critic_lmbda", batch, reward)
+        )
+    value_target = torch.where(loss_mask, critic_adv + v64, zero)
+    return advantage.to(reward.dtype), value_target.to(reward.dtype)
+
+
+def _gae_with(delta: Tensor, mask: Tensor, c: Tensor) -> Tensor:
+    """Masked discounted sum with per-row ``c`` in [0, 1] (rows with c == 0 get ``delta``)."""
+    zero_rows = c == 0
+    safe_c = torch.where(zero_rows, torch.ones_like(c), c)
+    out = _masked_discounted_cumsum(delta, mask, safe_c)
+    out = torch.where(zero_rows, delta, out)
+    return torch.where(mask, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+def length_adaptive_lmbda(response_length: Tensor, alpha: float = 0.05) -> Tensor:
+    """VAPO's length-adaptive lambda ``1 - 1 / (alpha * l)`` per row, clamped to ``[0, 1]``.
+
+    Args:
+        response_length: ``[B]`` number of trained tokens per row.
+
+    Example:
+        >>> length_adaptive_lmbda(torch.tensor([100, 1000])).tolist()
+        [0.8, 0.98]
+    """
+    if alpha <= 0:
+        raise ValueError(f"alpha must be > 0, got {alpha}")
+    lengths = response_length.to(torch.float64).clamp_min(1.0)
+    return (1.0 - 1.0 / (alpha * lengths)).clamp(0.0, 1.0)
+
+
+# ----------------------------------------------------------------------------- GRPO
+def grpo_advantage(
+    seq_reward: Tensor, group_id: Tensor, *, scale: bool = True, eps: float = 1e-6
+) -> tuple[Tensor, Tensor]:
+    """Group-relative advantage: ``(r - mean_group) / (std_group + eps)``.
+
+    ``std`` is the Bessel-corrected standard deviation over the group (as verl and TRL compute it);
+    ``scale=False`` drops the division (Dr.GRPO). A group whose rewards are all equal (zero spread,
+    which includes groups of one sample) gets advantage 0.
+
+    Args:
+        seq_reward: ``[B]`` float sequence rewards.
+        group_id: ``[B]`` int64 group ids (all samples of one prompt share one id).
+        scale: divide by the group std.
+        eps: added to the std.
+
+    Returns:
+        ``(advantage [B], zero_spread [B] bool)``: ``zero_spread`` flags rows in zero-spread groups.
+
+    Example:
+        >>> adv, flat = grpo_advantage(torch.tensor([1.0, -1.0, 1.0, 1.0]), torch.tensor([0, 0, 1, 1]))
+        >>> [round(a, 4) for a in adv.tolist()], flat.tolist()
+        ([0.7071, -0.7071, 0.0, 0.0], [False, False, True, True])
+    """
+    if seq_reward.ndim != 1 or group_id.shape != seq_reward.shape:
+        raise ValueError(
+            f"grpo_advantage expects seq_reward [B] and group_id [B], got "
+            f"{tuple(seq_reward.shape)} and {tuple(group_id.shape)}"
+        )
+    if group_id.is_floating_point():
+        raise TypeError(f"group_id must be an integer tensor, got {group_id.dtype}")
+    _, inverse, counts = torch.unique(group_id, return_inverse=True, return_counts=True)
+    r = seq_reward.to(torch.float64)
+    sums = torch.zeros(counts.shape, dtype=torch.float64, device=r.device).index_add_(0, inverse, r)
+    mean = (sums / counts)[inverse]
+    sq = torch.zeros_like(sums).index_add_(0, inverse, (r - mean) ** 2)
+    std = (sq / (counts - 1).clamp_min(1)).sqrt()[inverse]
+    spread = (sq > 0)[inverse]
+    adv = r - mean
+    if scale:
+        adv = adv / (std + eps)
+    adv = torch.where(spread, adv, torch.zeros_like(adv))
+    return adv.to(seq_reward.dtype), ~spread
+
+
+# ----------------------------------------------------------------------------- aggregation
+def _check_mode(mode: str) -> None:
+    if mode not in AGGREGATION_MODES:
+        raise ValueError(
+            f"unknown loss aggregation mode {mode!r}; expected one of {AGGREGATION_MODES}"
+        )
+
+
+def loss_normalizer(mask: Tensor, mode: AggregationMode) -> Tensor:
+    """The denominator :func:`aggregate_loss` uses by default for ``mask`` (a scalar tensor).
+
+    ``token_mean``: number of trained tokens; every ``seq_*`` mode: number of rows with at least one
+    trained token. Summing it over the micro-batches of a mini-batch (or all-reducing it across ranks)
+    gives the *global normaliser* that makes gradient accumulation equal the full-batch gradient.
+
+    Args:
+        mask: ``[B, L]`` bool.
+
+    Example:
+        >>> m = torch.tensor([[True, True], [False, False], [True, False]])
+        >>> loss_normalizer(m, "token_mean").item(), loss_normalizer(m, "seq_mean_token_mean").item()
+        (3.0, 2.0)
+    """
+    _check_mode(mode)
+    if mode == "token_mean":
+        return mask.sum().to(torch.float32)
+    return mask.any(-1).sum().to(torch.float32)
+
+
+def aggregate_loss(
+    loss: Tensor,
+    mask: Tensor,
+    mode: AggregationMode = "token_mean",
+    normalizer: Tensor | float | None = None,
+    *,
+    norm_length: int | None = None,
+) -> Tensor:
+    """Reduce a per-token loss ``[B, L]`` to a scalar over ``mask``.
+
+    - ``token_mean``: ``sum(loss * mask) / N_tokens`` (DAPO).
+    - ``seq_mean_token_mean``: mean over rows of each row's token mean (GRPO paper).
+    - ``seq_mean_token_sum``: mean over rows of each row's token sum.
+    - ``seq_mean_token_sum_norm``: mean over rows of ``token sum / norm_length`` (Dr.GRPO; the
+      constant ``norm_length``, e.g. the generation budget, is required).
+
+    Rows without trained tokens contribute 0 and are not counted. ``normalizer`` replaces the
+    default denominator (:func:`loss_normalizer`) with a global one for gradient accumulation.
+
+    Args:
+        loss: ``[B, L]`` float; mask: ``[B, L]`` bool.
+
+    Example:
+        >>> loss = torch.tensor([[1.0, 3.0], [2.0, 99.0]]); m = torch.tensor([[True, True], [True, False]])
+        >>> aggregate_loss(loss, m, "token_mean").item(), aggregate_loss(loss, m, "seq_mean_token_mean").item()
+        (2.0, 2.0)
+    """
+    _check_mode(mode)
+    _check_mask(mask, loss, "loss")
+    if loss.ndim != 2:
+        raise ValueError(f"aggregate_loss expects loss [B, L], got shape {tuple(loss.shape)}")
+    masked = torch.where(mask, loss, torch.zeros((), dtype=loss.dtype, device=loss.device))
+    if mode == "token_mean":
+        numerator = masked.sum()
+    elif mode == "seq_mean_token_mean":
+        numerator = (masked.sum(-1) / mask.sum(-1).clamp_min(1)).sum()
+    elif mode == "seq_mean_token_sum":
+        numerator = masked.sum()
+    else:
+        if norm_length is None or norm_length <= 0:
+            raise ValueError(
+                "aggregate_loss: mode 'seq_mean_token_sum_norm' needs a positive constant "
+                f"`norm_length` (e.g. max_new_tokens), got {norm_length!r}"
+            )
+        numerator = masked.sum() / norm_length
+    if normalizer is None:
+        normalizer = loss_normalizer(mask, mode)
+    normalizer = torch.as_tensor(normalizer, dtype=loss.dtype, device=loss.device)
+    return numerator / normalizer.clamp_min(1)
+
+
+# ----------------------------------------------------------------------------- PPO terms
+def clipped_surrogate(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantage: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-token clipped PPO policy loss (clip-higher and optional dual-clip).
+
+    ``ratio = exp(log_prob - old_log_prob)``;
+    ``loss = -min(ratio * A, clamp(ratio, 1 - clip_low, 1 + clip_high) * A)``; with ``dual_clip = c``
+    (> 1), tokens with ``A < 0`` use ``min(loss, -c * A)``. Masked positions give loss 0, ratio 1 and
+    zero gradient whatever their inputs hold.
+
+    Args:
+        log_prob, old_log_prob, advantage: ``[B, L]`` float; mask: ``[B, L]`` bool.
+
+    Returns:
+        ``(loss [B, L], ratio [B, L], clipped [B, L] bool)``; ``clipped`` marks tokens where the
+        clipped branch was taken (the PPO ``clip_fraction`` numerator).
+
+    Example:
+        >>> lp = torch.tensor([[0.5, 0.0]]); old = torch.zeros(1, 2); a = torch.ones(1, 2)
+        >>> loss, ratio, clipped = clipped_surrogate(lp, old, a, torch.ones(1, 2, dtype=torch.bool),
+        ...                                          clip_low=0.2, clip_high=0.28)
+        >>> [round(x, 2) for x in loss[0].tolist()], clipped.tolist()
+        ([-1.28, -1.0], [[True, False]])
+    """
+    _check_mask(mask, log_prob, "log_prob")
+    _check_same_shape("old_log_prob", old_log_prob, "log_prob", log_prob)
+    _check_same_shape("advantage", advantage, "log_prob", log_prob)
+    zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
+    log_ratio = torch.where(mask, log_prob - old_log_prob, zero)
+    adv = torch.where(mask, advantage, zero)
+    ratio = torch.exp(log_ratio)
+    surr = -ratio * adv
+    surr_clipped = -ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
+    loss = torch.maximum(surr, surr_clipped)
+    clipped = (surr_clipped > surr) & mask
+    if dual_clip is not None:
+        dual = torch.minimum(loss, -dual_clip * adv)
+        clipped = clipped | ((adv < 0) & (dual < loss) & mask)
+        loss = torch.where(adv < 0, dual, loss)
+    return torch.where(mask, loss, zero), ratio, clipped
+
+
+def clipped_value_loss(
+    value: Tensor, old_value: Tensor, target: Tensor, mask: Tensor, *, clip_value: float | None
+) -> tuple[Tensor, Tensor]:
+    """Per-token clipped value loss ``0.5 * max((V - R)^2, (V_clip - R)^2)``.
+
+    ``V_clip = V_old + clamp(V - V_old, -clip_value, clip_value)``; ``clip_value=None`` gives the
+    plain ``0.5 * (V - R)^2``. Masked positions give 0 and zero gradient.
+
+    Args:
+        value, old_value, target: ``[B, L]`` float; mask: ``[B, L]`` bool.
+
+    Returns:
+        ``(loss [B, L], clipped [B, L] bool)`` where ``clipped`` marks tokens whose clipped branch is
+        the larger one (``value_clip_fraction`` numerator).
+
+    Example:
+        >>> v = torch.tensor([[1.0]]); old = torch.zeros(1, 1); r = torch.tensor([[2.0]])
+        >>> loss, clipped = clipped_value_loss(v, old, r, torch.ones(1, 1, dtype=torch.bool), clip_value=0.2)
+        >>> round(loss.item(), 3), clipped.item()
+        (1.62, True)
+    """
+    _check_mask(mask, value, "value")
+    _check_same_shape("old_value", old_value, "value", value)
+    _check_same_shape("target", target, "value", value)
+    zero = torch.zeros((), dtype=value.dtype, device=value.device)
+    v = torch.where(mask, value, zero)
+    tgt = torch.where(mask, target, zero)
+    unclipped = (v - tgt) ** 2
+    if clip_value is None:
+        return torch.where(mask, 0.5 * unclipped, zero), torch.zeros_like(mask)
+    old = torch.where(mask, old_value, zero)
+    v_clip = old + (v - old).clamp(-clip_value, clip_value)
+    clipped_sq = (v_clip - tgt) ** 2
+    loss = 0.5 * torch.maximum(unclipped, clipped_sq)
+    return torch.where(mask, loss, zero), (clipped_sq > unclipped) & mask
+
+
+def k3_kl(log_prob: Tensor, ref_log_prob: Tensor, mask: Tensor, *, clamp: float = 10.0) -> Tensor:
+    """Per-token k3 estimator of KL(pi || pi_ref): ``exp(ref - lp) - (ref - lp) - 1`` (>= 0).
+
+    Schulman's low-variance estimator (http://joschu.net/blog/kl-approx.html), as GRPO uses it. The
+    log-ratio is clamped to ``[-20, 20]`` and the result to ``[0, clamp]`` for stability (as verl's
+    ``low_var_kl``). 0 at masked positions.
+
+    Example:
+        >>> m = torch.ones(1, 2, dtype=torch.bool)
+        >>> k3_kl(torch.tensor([[0.0, -1.0]]), torch.tensor([[0.0, 0.0]]), m).tolist()[0][0]
+        0.0
+    """
+    _check_mask(mask, log_prob, "log_prob")
+    _check_same_shape("ref_log_prob", ref_log_prob, "log_prob", log_prob)
+    zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
+    diff = torch.where(mask, ref_log_prob - log_prob, zero).clamp(-20.0, 20.0)
+    kl = (torch.exp(diff) - diff - 1.0).clamp(0.0, clamp)
+    return torch.where(mask, kl, zero)

@@ -1,0 +1,197 @@
+"""``LMActorCritic``: one backbone forward -> per-token log-probs of ``"tokens"`` and ``state_value``.
+
+Alignment (DESIGN.md section 1): ``log_prob[t] = log pi(tokens[t] | tokens[<t])`` from the logits at
+``t - 1``, and ``state_value[t] = V(h[t - 1])`` (the state before token ``t``); position 0 gets 0 for
+both. Position ids are ``cumsum(attention_mask) - 1`` so left padding never shifts positions.
+
+The ``[B, L, V]`` float32 logits are never materialised for the whole batch: the LM head and
+log-softmax run over chunks of ``logits_chunk_tokens`` token positions, each chunk wrapped in
+activation checkpointing when gradients are on (only the hidden states are kept for backward).
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import TensorDictModuleBase
+from tensordict.utils import NestedKey
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["LMActorCritic", "token_log_probs"]
+
+
+def token_log_probs(
+    hidden: Tensor,
+    tokens: Tensor,
+    lm_head: nn.Module,
+    *,
+    temperature: float = 1.0,
+    chunk_tokens: int = 4096,
+    with_entropy: bool = False,
+    use_checkpoint: bool | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs (and entropies) of ``tokens[:, t]`` under ``softmax(lm_head(hidden[:, t-1]) / T)``.
+
+    Args:
+        hidden: ``[B, L, H]`` final hidden states.
+        tokens: ``[B, L]`` int64 token ids.
+        lm_head: maps ``[N, H] -> [N, V]``.
+        temperature: divides the logits (match the rollout's sampling temperature).
+        chunk_tokens: token positions per LM-head chunk.
+        with_entropy: also return the entropy of each predictive distribution.
+        use_checkpoint: recompute each chunk in backward (default: when grad is enabled).
+
+    Returns:
+        ``(log_prob [B, L] float32, entropy [B, L] float32 or None)``, 0 at position 0.
+
+    Example:
+        >>> head = torch.nn.Linear(4, 7, bias=False)
+        >>> lp, ent = token_log_probs(torch.randn(2, 5, 4), torch.randint(7, (2, 5)), head,
+        ...                           chunk_tokens=3, with_entropy=True)
+        >>> lp.shape, bool((lp[:, 1:] < 0).all()), lp[:, 0].tolist()
+        (torch.Size([2, 5]), True, [0.0, 0.0])
+    """
+    batch, length, width = hidden.shape
+    if tokens.shape != (batch, length):
+        raise ValueError(f"tokens has shape {tuple(tokens.shape)}, expected {(batch, length)}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
+    if use_checkpoint is None:
+        use_checkpoint = torch.is_grad_enabled()
+    flat_h = hidden[:, :-1].reshape(-1, width)
+    flat_t = tokens[:, 1:].reshape(-1)
+
+    def chunk_fn(h: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
+        logits = lm_head(h).float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        logp = torch.log_softmax(logits, dim=-1)
+        picked = logp.gather(-1, t.unsqueeze(-1)).squeeze(-1)
+        if not with_entropy:
+            return picked, picked.new_zeros(())
+        return picked, -(logp.exp() * logp).sum(-1)
+
+    pieces, entropies = [], []
+    for start in range(0, flat_h.shape[0], chunk_tokens):
+        sl = slice(start, start + chunk_tokens)
+        if use_checkpoint:
+            lp, ent = checkpoint(chunk_fn, flat_h[sl], flat_t[sl], use_reentrant=False)
+        else:
+            lp, ent = chunk_fn(flat_h[sl], flat_t[sl])
+        pieces.append(lp)
+        entropies.append(ent)
+    zero_col = hidden.new_zeros(batch, 1, dtype=torch.float32)
+    log_prob = torch.cat([zero_col, torch.cat(pieces).reshape(batch, length - 1)], dim=1)
+    if not with_entropy:
+        return log_prob, None
+    entropy = torch.cat([zero_col, torch.cat(entropies).reshape(batch, length - 1)], dim=1)
+    return log_prob, entropy
+
+
+class LMActorCritic(TensorDictModuleBase):
+    """Actor-critic over an HF causal LM with an attached value head (one backbone forward).
+
+    Reads ``tokens`` and ``attention_mask`` (``[B, L]``) and writes ``log_prob`` ``[B, L]``,
+    ``state_value`` ``[B, L, 1]`` and, with ``return_entropy``, ``entropy`` ``[B, L]``. Keys are
+    configurable with :meth:`set_keys`.
+
+    Args:
+        model: an HF causal LM (``get_decoder()`` and ``get_output_embeddings()``) carrying a
+            ``value_head`` (see :func:`~ar_torchrl.modules.attach_value_head`). Only models whose
+            logits are ``lm_head(last_hidden_state)`` are supported (no final-logit soft-capping).
+        return_entropy: also compute per-token entropies.
+        temperature: logits are divided by it (use the rollout sampling temperature).
+        logits_chunk_tokens: token positions per LM-head / log-softmax chunk.
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> from ar_torchrl.assets import build_tiny_qwen3
+        >>> from ar_torchrl.modules import attach_value_head
+        >>> ac = LMActorCritic(attach_value_head(build_tiny_qwen3(99)))
+        >>> td = TensorDict({"tokens": torch.randint(3, 99, (2, 6)),
+        ...                  "attention_mask": torch.ones(2, 6, dtype=torch.bool)}, [2, 6])
+        >>> out = ac(td)
+        >>> out["log_prob"].shape, out["state_value"].shape, out["state_value"].abs().sum().item()
+        (torch.Size([2, 6]), torch.Size([2, 6, 1]), 0.0)
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        return_entropy: bool = False,
+        temperature: float = 1.0,
+        logits_chunk_tokens: int = 4096,
+    ) -> None:
+        super().__init__()
+        if not isinstance(getattr(model, "value_head", None), nn.Module):
+            raise ValueError(
+                f"LMActorCritic: {type(model).__name__} has no `value_head`; "
+                "call ar_torchrl.modules.attach_value_head(model) first"
+            )
+        if temperature <= 0:
+            raise ValueError(f"LMActorCritic: temperature must be > 0, got {temperature}")
+        self.model = model
+        self.return_entropy = return_entropy
+        self.temperature = float(temperature)
+        self.logits_chunk_tokens = int(logits_chunk_tokens)
+        self.tokens_key: NestedKey = "tokens"
+        self.attention_mask_key: NestedKey = "attention_mask"
+        self.log_prob_key: NestedKey = "log_prob"
+        self.value_key: NestedKey = "state_value"
+        self.entropy_key: NestedKey = "entropy"
+        self._refresh_keys()
+
+    def set_keys(self, **keys: NestedKey) -> LMActorCritic:
+        """Rename keys: ``tokens``, ``attention_mask``, ``log_prob``, ``value``, ``entropy``."""
+        for name, key in keys.items():
+            attr = f"{name}_key"
+            if not hasattr(self, attr):
+                raise KeyError(
+                    f"LMActorCritic.set_keys: unknown key name {name!r}; expected one of "
+                    "tokens, attention_mask, log_prob, value, entropy"
+                )
+            setattr(self, attr, key)
+        self._refresh_keys()
+        return self
+
+    def _refresh_keys(self) -> None:
+        self.in_keys = [self.tokens_key, self.attention_mask_key]
+        self.out_keys = [self.log_prob_key, self.value_key]
+        if self.return_entropy:
+            self.out_keys.append(self.entropy_key)
+
+    def hidden_states(self, tokens: Tensor, attention_mask: Tensor) -> Tensor:
+        """Final hidden states ``[B, L, H]`` of the backbone (position ids from the mask)."""
+        mask = attention_mask.long()
+        position_ids = (mask.cumsum(-1) - 1).clamp_min(0)
+        out = self.model.get_decoder()(
+            input_ids=tokens, attention_mask=mask, position_ids=position_ids, use_cache=False
+        )
+        return out.last_hidden_state
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        tokens = tensordict.get(self.tokens_key)
+        attention_mask = tensordict.get(self.attention_mask_key)
+        if tokens.ndim != 2 or attention_mask.shape != tokens.shape:
+            raise ValueError(
+                f"LMActorCritic expects {self.tokens_key!r} and {self.attention_mask_key!r} of one "
+                f"shape [B, L]; got {tuple(tokens.shape)} and {tuple(attention_mask.shape)}"
+            )
+        hidden = self.hidden_states(tokens, attention_mask)
+        log_prob, entropy = token_log_probs(
+            hidden,
+            tokens,
+            self.model.get_output_embeddings(),
+            temperature=self.temperature,
+            chunk_tokens=self.logits_chunk_tokens,
+            with_entropy=self.return_entropy,
+        )
+        values = self.model.value_head(hidden[:, :-1])
+        value = torch.cat([values.new_zeros(values.shape[0], 1, 1), values], dim=1)
+        tensordict.set(self.log_prob_key, log_prob)
+        tensordict.set(self.value_key, value)
+        if self.return_entropy:
+            tensordict.set(self.entropy_key, entropy)
+        return tensordict

@@ -1,0 +1,151 @@
+"""The value head: a zero-initialised float32 ``nn.Linear(hidden, 1)`` living inside the HF model.
+
+It is registered as the submodule ``value_head`` of the causal LM, so ``model.state_dict()`` keys are
+exactly the HF checkpoint keys plus ``value_head.weight`` / ``value_head.bias`` (DESIGN.md section 3).
+``model.save_pretrained`` writes a clean HF checkpoint (the head is listed in the instance's
+``_keys_to_ignore_on_save``); :func:`save_value_head` writes the head to its own file beside it.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+__all__ = [
+    "VALUE_HEAD_FILE",
+    "ValueHead",
+    "attach_value_head",
+    "load_value_head",
+    "save_policy",
+    "save_value_head",
+]
+
+logger = logging.getLogger(__name__)
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+_HEAD_KEYS = ("value_head.weight", "value_head.bias")
+
+
+class ValueHead(nn.Linear):
+    """``nn.Linear(hidden_size, 1)`` in float32 with zero weight and bias (``V = 0`` at start).
+
+    The input hidden state is cast to float32 first, so a bf16 backbone still gets an fp32 critic.
+
+    Example:
+        >>> head = ValueHead(8)
+        >>> head(torch.randn(2, 3, 8)).shape, head(torch.randn(2, 8)).abs().sum().item()
+        (torch.Size([2, 3, 1]), 0.0)
+    """
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__(hidden_size, 1, dtype=torch.float32)
+        nn.init.zeros_(self.weight)
+        nn.init.zeros_(self.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return super().forward(hidden.to(self.weight.dtype))
+
+
+def _hidden_size(model: nn.Module) -> int:
+    config = getattr(model, "config", None)
+    size = getattr(config, "hidden_size", None)
+    if size is None and config is not None and hasattr(config, "get_text_config"):
+        size = getattr(config.get_text_config(), "hidden_size", None)
+    if size is None:
+        raise ValueError(
+            f"attach_value_head: cannot find `config.hidden_size` on {type(model).__name__}; "
+            "pass an HF causal LM (e.g. Qwen3ForCausalLM)"
+        )
+    return int(size)
+
+
+def attach_value_head(model: nn.Module, path: str | Path | None = None) -> nn.Module:
+    """Attach a zero-initialised :class:`ValueHead` as ``model.value_head`` (in place; returns model).
+
+    Calling it on a model that already has a head keeps the existing head. With ``path`` (a
+    directory holding ``value_head.safetensors``, or the file itself) the head weights are loaded.
+
+    Args:
+        model: an HF causal LM with ``config.hidden_size``.
+        path: optional saved head to load.
+
+    Example:
+        >>> from ar_torchrl.assets import build_tiny_qwen3
+        >>> model = attach_value_head(build_tiny_qwen3(99))
+        >>> [k for k in model.state_dict() if k.startswith("value_head")]
+        ['value_head.weight', 'value_head.bias']
+    """
+    if not isinstance(getattr(model, "value_head", None), nn.Module):
+        device = next(model.parameters()).device
+        model.value_head = ValueHead(_hidden_size(model)).to(device)
+    ignore = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    model._keys_to_ignore_on_save = ignore | set(_HEAD_KEYS)
+    if path is not None:
+        load_value_head(model, path)
+    return model
+
+
+def _head_file(path: str | Path) -> Path:
+    path = Path(path)
+    return path / VALUE_HEAD_FILE if path.is_dir() else path
+
+
+def save_value_head(model: nn.Module, path: str | Path) -> Path:
+    """Write ``model.value_head`` to ``path`` (a directory gets ``value_head.safetensors``)."""
+    head = getattr(model, "value_head", None)
+    if head is None:
+        raise ValueError(
+            "save_value_head: the model has no `value_head`; call attach_value_head first"
+        )
+    out = _head_file(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    state = {f"value_head.{k}": v.detach().cpu().contiguous() for k, v in head.state_dict().items()}
+    save_file(state, str(out))
+    return out
+
+
+def load_value_head(model: nn.Module, path: str | Path) -> nn.Module:
+    """Load a head saved by :func:`save_value_head` into ``model.value_head`` (attached if missing)."""
+    file = _head_file(path)
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"load_value_head: no value head at {file}; save one with save_value_head(model, dir)"
+        )
+    if getattr(model, "value_head", None) is None:
+        attach_value_head(model)
+    state = load_file(str(file))
+    missing = set(_HEAD_KEYS) - set(state)
+    if missing:
+        raise KeyError(f"load_value_head: {file} lacks {sorted(missing)}; it holds {sorted(state)}")
+    device = model.value_head.weight.device
+    model.value_head.load_state_dict(
+        {k.removeprefix("value_head."): v.to(device, torch.float32) for k, v in state.items()}
+    )
+    return model
+
+
+def save_policy(model: nn.Module, path: str | Path, tokenizer=None) -> Path:
+    """``model.save_pretrained(path)`` (a clean HF checkpoint) plus the head file and tokenizer.
+
+    Example:
+        >>> import tempfile
+        >>> from transformers import AutoModelForCausalLM
+        >>> from ar_torchrl.assets import build_tiny_qwen3
+        >>> model = attach_value_head(build_tiny_qwen3(99))
+        >>> _ = torch.nn.init.constant_(model.value_head.bias, 0.5)
+        >>> d = save_policy(model, tempfile.mkdtemp())
+        >>> again = attach_value_head(AutoModelForCausalLM.from_pretrained(d), d)
+        >>> again.value_head.bias.item()
+        0.5
+    """
+    path = Path(path)
+    model.save_pretrained(path, safe_serialization=True)
+    save_value_head(model, path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    logger.info("saved policy and value head to %s", path)
+    return path
