@@ -1,0 +1,209 @@
+"""One PPO update over a rollout batch: epochs x mini-batches x micro-batches, with NaN/inf skipping.
+
+The micro-batches are those of the :class:`~ar_torchrl.data.MicroBatchPlan` that computed the
+anchors, so at unchanged weights the first forward reproduces ``sample_log_prob`` and
+``state_value`` exactly (DESIGN.md section 4). Each epoch shuffles the micro-batches and groups them
+into ``num_minibatches`` mini-batches; a mini-batch accumulates the gradients of its micro-batches,
+each loss divided by the mini-batch's *global* normaliser, so the accumulated gradient equals the
+gradient of one big batch. A mini-batch whose loss or gradient norm is not finite is skipped (no
+optimizer step, gradients dropped) and counted in ``train/skipped_steps``: nothing is silently lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from tensordict import TensorDictBase
+from torch import nn
+
+__all__ = ["minibatch_groups", "ppo_update", "total_loss"]
+
+logger = logging.getLogger(__name__)
+
+
+def total_loss(out: TensorDictBase, loss_keys: Sequence[str] | None = None) -> torch.Tensor:
+    """Sum of the ``loss_*`` entries of a loss output (or of ``loss_keys`` only).
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> out = TensorDict({"loss_objective": torch.tensor(1.0), "loss_critic": torch.tensor(2.0),
+        ...                   "clip_fraction": torch.tensor(0.5)}, [])
+        >>> total_loss(out).item(), total_loss(out, ["loss_critic"]).item()
+        (3.0, 2.0)
+    """
+    keys = [k for k in out.keys() if isinstance(k, str) and k.startswith("loss_")]
+    if loss_keys is not None:
+        missing = sorted(set(loss_keys) - set(keys))
+        if missing:
+            raise KeyError(f"total_loss: loss output has no {missing}; it has {sorted(keys)}")
+        keys = list(loss_keys)
+    if not keys:
+        raise KeyError(f"total_loss: no 'loss_*' entries in {sorted(out.keys())}")
+    return sum(out[k] for k in keys)
+
+
+def minibatch_groups(
+    num_micro: int, num_minibatches: int, generator: torch.Generator | None = None
+) -> list[list[int]]:
+    """Shuffle ``range(num_micro)`` and split it into ``min(num_minibatches, num_micro)`` groups.
+
+    Example:
+        >>> minibatch_groups(5, 2, torch.Generator().manual_seed(0))
+        [[4, 0, 1], [3, 2]]
+    """
+    if num_minibatches < 1:
+        raise ValueError(f"num_minibatches must be >= 1, got {num_minibatches}")
+    order = torch.randperm(num_micro, generator=generator).tolist()
+    groups = min(num_minibatches, num_micro)
+    return _chunk(order, groups)
+
+
+def _chunk(items: list[int], groups: int) -> list[list[int]]:
+    size, extra = divmod(len(items), groups)
+    out, start = [], 0
+    for g in range(groups):
+        end = start + size + (1 if g < extra else 0)
+        out.append(items[start:end])
+        start = end
+    return out
+
+
+def _mask_count(td: TensorDictBase, mask_key: str) -> float:
+    return float(td.get(mask_key).sum())
+
+
+def _minibatch_step(
+    loss_fn: Callable,
+    optimizer: torch.optim.Optimizer,
+    micro: list[TensorDictBase],
+    *,
+    normalizer: Callable[[list[TensorDictBase]], object],
+    params: list[nn.Parameter],
+    trainable: set[int] | None,
+    grad_clip: float | None,
+    loss_keys: Sequence[str] | None,
+    mask_key: str,
+) -> tuple[dict[str, float], bool]:
+    """Accumulate gradients over ``micro``; step unless the loss or grad norm is not finite."""
+    optimizer.zero_grad(set_to_none=True)
+    norm = normalizer(micro)
+    sums: dict[str, float] = {}
+    weights = sum(_mask_count(mb, mask_key) for mb in micro) or 1.0
+    for mb in micro:
+        out = loss_fn(mb, normalizer=norm)
+        loss = total_loss(out, loss_keys)
+        if not torch.isfinite(loss):
+            optimizer.zero_grad(set_to_none=True)
+            return {}, False
+        loss.backward()
+        w = _mask_count(mb, mask_key) / weights
+        for key, value in out.items():
+            if isinstance(key, str) and value.numel() == 1:
+                # loss_* are already normalised by the whole mini-batch: sum them; average metrics.
+                scale = 1.0 if key.startswith("loss_") else w
+                sums[key] = sums.get(key, 0.0) + scale * float(value.detach())
+    if trainable is not None:
+        for p in params:
+            if id(p) not in trainable:
+                p.grad = None
+    grad_norm = _grad_norm(params, grad_clip)
+    if not math.isfinite(grad_norm):
+        optimizer.zero_grad(set_to_none=True)
+        return {}, False
+    optimizer.step()
+    sums["grad_norm"] = grad_norm
+    return sums, True
+
+
+def _grad_norm(params: list[nn.Parameter], grad_clip: float | None) -> float:
+    with_grad = [p for p in params if p.grad is not None]
+    if not with_grad:
+        return 0.0
+    max_norm = grad_clip if grad_clip is not None else float("inf")
+    return float(torch.nn.utils.clip_grad_norm_(with_grad, max_norm))
+
+
+def ppo_update(
+    loss_fn: Callable,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: Sequence[TensorDictBase],
+    *,
+    epochs: int = 1,
+    num_minibatches: int = 1,
+    grad_clip: float | None = 1.0,
+    normalizer: Callable[[list[TensorDictBase]], object] | None = None,
+    loss_keys: Sequence[str] | None = None,
+    trainable: Iterable[nn.Parameter] | None = None,
+    generator: torch.Generator | None = None,
+    mask_key: str = "loss_mask",
+) -> dict[str, float]:
+    """Run ``epochs`` passes of clipped-PPO mini-batch updates over ``micro_batches``.
+
+    Args:
+        loss_fn: called as ``loss_fn(micro_batch, normalizer=norm)``, returns a TensorDict of
+            ``loss_*`` terms and scalar metrics (e.g. :class:`~ar_torchrl.objectives.TokenPPOLoss`).
+        optimizer: steps once per mini-batch.
+        micro_batches: the plan's micro-batches (``list(plan.split(td))``) carrying anchors and
+            advantages.
+        epochs: passes over the data (PPO epochs).
+        num_minibatches: optimizer steps per epoch (micro-batches are shuffled, then grouped).
+        grad_clip: max global gradient norm (``None``: no clipping, the norm is still reported).
+        normalizer: maps a mini-batch's micro-batches to the ``normalizer`` argument of
+            ``loss_fn`` (default: ``loss_fn.global_normalizer`` of the concatenated mini-batch).
+        loss_keys: which ``loss_*`` terms to optimise (default all; ``("loss_critic",)`` together
+            with ``trainable=value_head.parameters()`` is a critic-only warm-up step).
+        trainable: only these parameters are updated (others' gradients are dropped).
+        generator: RNG of the shuffles (seed it for reproducible runs).
+        mask_key: the mask that weights per-micro-batch metrics.
+
+    Returns:
+        ``train/<metric>`` averaged over the mini-batches that stepped, plus ``train/grad_norm``,
+        ``train/optimizer_steps`` and ``train/skipped_steps`` (non-finite loss or gradient).
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> w = nn.Parameter(torch.tensor([1.0]))
+        >>> def loss_fn(td, normalizer):
+        ...     return TensorDict({"loss_objective": (w * td["x"]).sum() / normalizer}, [])
+        >>> mbs = [TensorDict({"x": torch.ones(2, 3), "loss_mask": torch.ones(2, 3, dtype=torch.bool)},
+        ...                   [2, 3]) for _ in range(2)]
+        >>> out = ppo_update(loss_fn, torch.optim.SGD([w], lr=0.1), mbs, epochs=2,
+        ...                  normalizer=lambda m: sum(float(t["loss_mask"].sum()) for t in m))
+        >>> out["train/optimizer_steps"], out["train/skipped_steps"], round(w.item(), 2)
+        (2.0, 0.0, 0.8)
+    """
+    if epochs < 1:
+        raise ValueError(f"ppo_update: epochs must be >= 1, got {epochs}")
+    if not micro_batches:
+        raise ValueError("ppo_update: got no micro-batches")
+    normalizer = normalizer or _default_normalizer(loss_fn)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    keep = None if trainable is None else {id(p) for p in trainable}
+    totals: dict[str, float] = {}
+    steps = skipped = 0
+    for _ in range(epochs):
+        for group in minibatch_groups(len(micro_batches), num_minibatches, generator):
+            metrics, ok = _minibatch_step(
+                loss_fn, optimizer, [micro_batches[i] for i in group], normalizer=normalizer,
+                params=params, trainable=keep, grad_clip=grad_clip, loss_keys=loss_keys,
+                mask_key=mask_key,
+            )  # fmt: skip
+            steps, skipped = steps + ok, skipped + (not ok)
+            for key, value in metrics.items():
+                totals[key] = totals.get(key, 0.0) + value
+    if skipped:
+        logger.warning("ppo_update: skipped %d of %d steps (non-finite)", skipped, steps + skipped)
+    out = {f"train/{k}": v / max(steps, 1) for k, v in totals.items()}
+    out.update({"train/optimizer_steps": float(steps), "train/skipped_steps": float(skipped)})
+    return out
+
+
+def _default_normalizer(loss_fn: Callable) -> Callable[[list[TensorDictBase]], object]:
+    if not hasattr(loss_fn, "global_normalizer"):
+        raise TypeError(
+            f"ppo_update: {type(loss_fn).__name__} has no global_normalizer(); pass normalizer="
+        )
+    return lambda micro: sum(loss_fn.global_normalizer(mb) for mb in micro)
