@@ -1,0 +1,297 @@
+"""Prompt datasets in the DAPO-Math-17k schema: a validating loader and an offline arithmetic generator.
+
+A row is a plain dict (DESIGN.md section 5)::
+
+    {"data_source": str, "prompt": [{"role": "user", "content": str}, ...], "ability": str,
+     "reward_model": {"ground_truth": str, "style": str}, "extra_info": {"index": int}}
+
+:class:`MathDataset` is a ``Sequence`` of such rows, so anything that takes DAPO rows (the warm start,
+:class:`~ar_torchrl.envs.LLMEnv`) takes it. Rows are validated on load; an invalid row raises an error
+naming its index and field, or, with ``skip_invalid=True``, is skipped *and counted*
+(``dataset.num_skipped``, ``dataset.skipped``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Literal
+
+__all__ = [
+    "DAPO_TEMPLATE",
+    "SHORT_TEMPLATE",
+    "MathDataset",
+    "arithmetic_dataset",
+    "load_dapo_math",
+    "make_row",
+    "train_holdout_split",
+    "validate_row",
+]
+
+logger = logging.getLogger(__name__)
+
+#: DAPO-Math-17k's prompt, verbatim (``{problem}`` is substituted).
+DAPO_TEMPLATE = (
+    "Solve the following math problem step by step. The last line of your response should be of the "
+    "form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{problem}\n\n"
+    'Remember to put your answer on its own line after "Answer:".'
+)
+#: A short DAPO-style prompt for tiny character-level models (DESIGN.md section 5).
+SHORT_TEMPLATE = "Solve step by step. End with a line Answer: $Answer\n\n{problem}"
+TEMPLATES = {"dapo": DAPO_TEMPLATE, "short": SHORT_TEMPLATE}
+
+
+def make_row(
+    problem: str,
+    answer: str,
+    *,
+    index: int,
+    template: Literal["dapo", "short"] = "dapo",
+    data_source: str = "arithmetic",
+) -> dict:
+    """Build one DAPO-schema row for ``problem`` with reference ``answer``.
+
+    Example:
+        >>> row = make_row("What is 7 + 5?", "12", index=3, template="short")
+        >>> row["prompt"][0]["content"].splitlines()[-1], row["reward_model"]["ground_truth"]
+        ('What is 7 + 5?', '12')
+    """
+    if template not in TEMPLATES:
+        raise ValueError(f"make_row: template must be one of {sorted(TEMPLATES)}, got {template!r}")
+    return {
+        "data_source": data_source,
+        "prompt": [{"role": "user", "content": TEMPLATES[template].format(problem=problem)}],
+        "ability": "MATH",
+        "reward_model": {"ground_truth": str(answer), "style": "rule-lighteval/MATH_v2"},
+        "extra_info": {"index": int(index)},
+    }
+
+
+def _plain(value):
+    """numpy arrays / pandas objects from parquet -> plain lists and dicts."""
+    if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):
+        value = value.tolist()
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _check_messages(messages, index: int) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(
+            f"row {index}: field 'prompt' must be a non-empty list of chat messages, got {messages!r:.80}"
+        )
+    for j, m in enumerate(messages):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+            raise ValueError(
+                f"row {index}: field 'prompt[{j}]' needs a string 'role', got {m!r:.80}"
+            )
+        if not isinstance(m.get("content"), str) or not m["content"]:
+            raise ValueError(
+                f"row {index}: field 'prompt[{j}].content' must be a non-empty string, got {m!r:.80}"
+            )
+
+
+def validate_row(row, index: int) -> dict:
+    """Check one row against the DAPO-Math schema; return it as plain Python objects.
+
+    Integer ground truths are turned into strings; missing optional fields get defaults
+    (``extra_info.index`` defaults to ``index``).
+
+    Raises:
+        ValueError: naming the row index and the field that is wrong.
+
+    Example:
+        >>> validate_row({"prompt": [{"role": "user", "content": "1+1?"}],
+        ...               "reward_model": {"ground_truth": 2}}, 0)["reward_model"]["ground_truth"]
+        '2'
+    """
+    row = _plain(row)
+    if not isinstance(row, Mapping):
+        raise ValueError(f"row {index}: expected a mapping, got {type(row).__name__}")
+    _check_messages(row.get("prompt"), index)
+    reward_model = row.get("reward_model")
+    if not isinstance(reward_model, Mapping) or "ground_truth" not in reward_model:
+        raise ValueError(
+            f"row {index}: field 'reward_model.ground_truth' is missing (got reward_model="
+            f"{reward_model!r:.80})"
+        )
+    truth = reward_model["ground_truth"]
+    if isinstance(truth, bool) or not isinstance(truth, (str, int)) or str(truth).strip() == "":
+        raise ValueError(
+            f"row {index}: field 'reward_model.ground_truth' must be a non-empty string, got {truth!r}"
+        )
+    extra = dict(row.get("extra_info") or {})
+    extra.setdefault("index", index)
+    return {
+        "data_source": str(row.get("data_source", "")),
+        "prompt": [dict(m) for m in row["prompt"]],
+        "ability": str(row.get("ability", "")),
+        "reward_model": {**reward_model, "ground_truth": str(truth)},
+        "extra_info": extra,
+    }
+
+
+class MathDataset(Sequence):
+    """Validated DAPO-schema rows, with a record of skipped rows.
+
+    Args:
+        rows: raw rows (dicts, or parquet records).
+        skip_invalid: skip (and count) invalid rows instead of raising.
+        name: shown in log messages.
+
+    Example:
+        >>> ds = MathDataset([{"prompt": [{"role": "user", "content": "1+1?"}],
+        ...                    "reward_model": {"ground_truth": "2"}}, {"prompt": []}],
+        ...                  skip_invalid=True)
+        >>> len(ds), ds.num_skipped, ds.ground_truth(0)
+        (1, 1, '2')
+    """
+
+    def __init__(
+        self, rows: Iterable, *, skip_invalid: bool = False, name: str = "dataset"
+    ) -> None:
+        self.rows: list[dict] = []
+        self.skipped: list[tuple[int, str]] = []
+        for i, raw in enumerate(rows):
+            try:
+                self.rows.append(validate_row(raw, i))
+            except ValueError as err:
+                if not skip_invalid:
+                    raise ValueError(f"{name}: {err} (pass skip_invalid=True to skip it)") from None
+                self.skipped.append((i, str(err)))
+        if self.skipped:
+            logger.warning(
+                "%s: skipped %d invalid rows, first: %s",
+                name,
+                len(self.skipped),
+                self.skipped[0][1],
+            )
+        if not self.rows:
+            raise ValueError(f"{name}: no valid rows ({len(self.skipped)} skipped)")
+
+    @property
+    def num_skipped(self) -> int:
+        return len(self.skipped)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+    def messages(self, i: int) -> list[dict]:
+        """Chat messages of row ``i``."""
+        return self.rows[i]["prompt"]
+
+    def ground_truth(self, i: int) -> str:
+        """Reference answer of row ``i``."""
+        return self.rows[i]["reward_model"]["ground_truth"]
+
+
+def load_dapo_math(
+    path: str | Path, *, skip_invalid: bool = False, limit: int | None = None
+) -> MathDataset:
+    """Load DAPO-Math-17k (``.parquet`` via pandas/pyarrow, or ``.jsonl``/``.json`` lines).
+
+    Args:
+        path: the file.
+        skip_invalid: skip invalid rows (counted in ``num_skipped``) instead of raising.
+        limit: keep only the first ``limit`` raw rows.
+
+    Example:
+        >>> import json, tempfile
+        >>> f = tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False)
+        >>> _ = f.write(json.dumps(make_row("What is 1 + 1?", "2", index=0)) + "\\n"); f.close()
+        >>> len(load_dapo_math(f.name))
+        1
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"load_dapo_math: no file at {path}")
+    if path.suffix == ".parquet":
+        import pandas as pd  # test/data extra; only needed for parquet
+
+        records = pd.read_parquet(path).to_dict(orient="records")
+    elif path.suffix in (".jsonl", ".json"):
+        records = _read_jsonl(path)
+    else:
+        raise ValueError(
+            f"load_dapo_math: unsupported file type {path.suffix!r}; use .parquet or .jsonl"
+        )
+    if limit is not None:
+        records = records[:limit]
+    return MathDataset(records, skip_invalid=skip_invalid, name=str(path))
+
+
+def _read_jsonl(path: Path) -> list:
+    records = []
+    with path.open() as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise ValueError(
+                    f"load_dapo_math: {path}:{line_no} is not valid JSON: {err}"
+                ) from None
+    return records
+
+
+def arithmetic_dataset(
+    num_rows: int,
+    *,
+    seed: int = 0,
+    template: Literal["dapo", "short"] = "short",
+    max_operand: int = 9,
+) -> MathDataset:
+    """Offline single-digit addition problems ("What is 7 + 5?") in the DAPO-Math schema.
+
+    Example:
+        >>> ds = arithmetic_dataset(4, seed=0)
+        >>> ds.messages(0)[0]["content"].splitlines()[-1], ds.ground_truth(0)
+        ('What is 6 + 6?', '12')
+    """
+    if num_rows < 1:
+        raise ValueError(f"arithmetic_dataset: num_rows must be >= 1, got {num_rows}")
+    rng = random.Random(seed)
+    rows = []
+    for i in range(num_rows):
+        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+        rows.append(make_row(f"What is {a} + {b}?", str(a + b), index=i, template=template))
+    return MathDataset(rows, name="arithmetic")
+
+
+def train_holdout_split(
+    dataset: Sequence[dict], holdout: int | float, *, seed: int = 0
+) -> tuple[MathDataset, MathDataset]:
+    """Split rows into a training set and a held-out set (seeded shuffle, disjoint).
+
+    Args:
+        dataset: rows.
+        holdout: number of held-out rows (int) or a fraction in ``(0, 1)``.
+        seed: shuffle seed.
+
+    Example:
+        >>> train, test = train_holdout_split(arithmetic_dataset(10), 0.2)
+        >>> len(train), len(test)
+        (8, 2)
+    """
+    n = len(dataset)
+    k = round(holdout * n) if isinstance(holdout, float) else int(holdout)
+    if not 0 < k < n:
+        raise ValueError(
+            f"train_holdout_split: holdout={holdout!r} gives {k} of {n} rows; both splits must be non-empty"
+        )
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    rows = list(dataset)
+    test = MathDataset([rows[i] for i in order[:k]], name="holdout")
+    train = MathDataset([rows[i] for i in order[k:]], name="train")
+    return train, test
