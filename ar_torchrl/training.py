@@ -19,7 +19,9 @@ import torch
 from tensordict import TensorDictBase
 from torch import nn
 
-__all__ = ["minibatch_groups", "ppo_update", "total_loss"]
+from ar_torchrl.data.micro_batch import MicroBatchPlan
+
+__all__ = ["ppo_update", "total_loss"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,32 +45,6 @@ def total_loss(out: TensorDictBase, loss_keys: Sequence[str] | None = None) -> t
     if not keys:
         raise KeyError(f"total_loss: no 'loss_*' entries in {sorted(out.keys())}")
     return sum(out[k] for k in keys)
-
-
-def minibatch_groups(
-    num_micro: int, num_minibatches: int, generator: torch.Generator | None = None
-) -> list[list[int]]:
-    """Shuffle ``range(num_micro)`` and split it into ``min(num_minibatches, num_micro)`` groups.
-
-    Example:
-        >>> minibatch_groups(5, 2, torch.Generator().manual_seed(0))
-        [[4, 0, 1], [3, 2]]
-    """
-    if num_minibatches < 1:
-        raise ValueError(f"num_minibatches must be >= 1, got {num_minibatches}")
-    order = torch.randperm(num_micro, generator=generator).tolist()
-    groups = min(num_minibatches, num_micro)
-    return _chunk(order, groups)
-
-
-def _chunk(items: list[int], groups: int) -> list[list[int]]:
-    size, extra = divmod(len(items), groups)
-    out, start = [], 0
-    for g in range(groups):
-        end = start + size + (1 if g < extra else 0)
-        out.append(items[start:end])
-        start = end
-    return out
 
 
 def _mask_count(td: TensorDictBase, mask_key: str) -> float:
@@ -129,7 +105,8 @@ def _grad_norm(params: list[nn.Parameter], grad_clip: float | None) -> float:
 def ppo_update(
     loss_fn: Callable,
     optimizer: torch.optim.Optimizer,
-    micro_batches: Sequence[TensorDictBase],
+    td: TensorDictBase,
+    plan: MicroBatchPlan,
     *,
     epochs: int = 1,
     num_minibatches: int = 1,
@@ -146,10 +123,11 @@ def ppo_update(
         loss_fn: called as ``loss_fn(micro_batch, normalizer=norm)``, returns a TensorDict of
             ``loss_*`` terms and scalar metrics (e.g. :class:`~ar_torchrl.objectives.TokenPPOLoss`).
         optimizer: steps once per mini-batch.
-        micro_batches: the plan's micro-batches (``list(plan.split(td))``) carrying anchors and
-            advantages.
+        td: the ``[B, L]`` rollout batch carrying anchors and advantages.
+        plan: the micro-batch plan the anchors were computed with.
         epochs: passes over the data (PPO epochs).
-        num_minibatches: optimizer steps per epoch (micro-batches are shuffled, then grouped).
+        num_minibatches: optimizer steps per epoch (:meth:`MicroBatchPlan.minibatches`: the
+            micro-batches are shuffled, then dealt into groups).
         grad_clip: max global gradient norm (``None``: no clipping, the norm is still reported).
         normalizer: maps a mini-batch's micro-batches to the ``normalizer`` argument of
             ``loss_fn`` (default: ``loss_fn.global_normalizer`` of the concatenated mini-batch).
@@ -168,26 +146,30 @@ def ppo_update(
         >>> w = nn.Parameter(torch.tensor([1.0]))
         >>> def loss_fn(td, normalizer):
         ...     return TensorDict({"loss_objective": (w * td["x"]).sum() / normalizer}, [])
-        >>> mbs = [TensorDict({"x": torch.ones(2, 3), "loss_mask": torch.ones(2, 3, dtype=torch.bool)},
-        ...                   [2, 3]) for _ in range(2)]
-        >>> out = ppo_update(loss_fn, torch.optim.SGD([w], lr=0.1), mbs, epochs=2,
+        >>> from ar_torchrl.data import plan_micro_batches
+        >>> td = TensorDict({"x": torch.ones(4, 3), "attention_mask": torch.ones(4, 3, dtype=torch.bool),
+        ...                  "loss_mask": torch.ones(4, 3, dtype=torch.bool)}, [4, 3])
+        >>> plan = plan_micro_batches(td, token_budget=6)  # 2 micro-batches of 2 rows
+        >>> out = ppo_update(loss_fn, torch.optim.SGD([w], lr=0.1), td, plan, epochs=2,
         ...                  normalizer=lambda m: sum(float(t["loss_mask"].sum()) for t in m))
         >>> out["train/optimizer_steps"], out["train/skipped_steps"], round(w.item(), 2)
         (2.0, 0.0, 0.8)
     """
     if epochs < 1:
         raise ValueError(f"ppo_update: epochs must be >= 1, got {epochs}")
-    if not micro_batches:
-        raise ValueError("ppo_update: got no micro-batches")
+    if tuple(td.batch_size[:2]) != plan.batch_size:
+        raise ValueError(
+            f"ppo_update: plan was made for batch size {plan.batch_size}, got {tuple(td.batch_size)}"
+        )
     normalizer = normalizer or _default_normalizer(loss_fn)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     keep = None if trainable is None else {id(p) for p in trainable}
     totals: dict[str, float] = {}
     steps = skipped = 0
     for _ in range(epochs):
-        for group in minibatch_groups(len(micro_batches), num_minibatches, generator):
+        for group in plan.minibatches(num_minibatches, generator):
             metrics, ok = _minibatch_step(
-                loss_fn, optimizer, [micro_batches[i] for i in group], normalizer=normalizer,
+                loss_fn, optimizer, [plan.crop(td, mb) for mb in group], normalizer=normalizer,
                 params=params, trainable=keep, grad_clip=grad_clip, loss_keys=loss_keys,
                 mask_key=mask_key,
             )  # fmt: skip
