@@ -1,0 +1,259 @@
+"""WeightSyncCollector: iterate token-trajectory batches from an LLMEnv, re-syncing weights after updates.
+
+Usage (the PPO loop)::
+
+    collector = WeightSyncCollector(env, model, total_batches=100, mode="async", max_policy_lag=1)
+    for batch in collector:          # batch["policy_version"] says which weights produced it
+        ...                          # anchors, advantages, PPO epochs
+        collector.update_policy_weights_()   # push named_policy_tensors(model), version += 1
+    collector.shutdown()
+
+``mode="sync"`` generates each batch when it is asked for, with the latest weights (lag 0).
+``mode="async"`` starts generating the next batch in one background thread as soon as a batch is
+handed out, so generation overlaps the trainer's update ("one-step off-policy"). The backend is
+guarded by a lock: a weight sync waits for an in-flight generation to finish, so a batch is always
+produced by exactly one weight version. A prefetched batch whose version is more than
+``max_policy_lag`` behind the trainer when it is handed out (the trainer synced more than once per
+batch) is dropped, counted in ``stale_batches_dropped``, logged, and regenerated (blocking).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Literal
+
+from tensordict import TensorDictBase
+from torch import nn
+from torchrl.collectors import BaseCollector
+
+from ar_torchrl.envs.llm_env import LLMEnv
+from ar_torchrl.weight_sync.names import named_policy_tensors
+from ar_torchrl.weight_sync.trainside import WeightSyncError
+
+__all__ = ["WeightSyncCollector", "batch_policy_version"]
+
+logger = logging.getLogger(__name__)
+
+
+def batch_policy_version(batch: TensorDictBase) -> int:
+    """The single weight version of a token-trajectory batch.
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> batch_policy_version(TensorDict({"policy_version": torch.full((2, 3), 4)}, [2, 3]))
+        4
+    """
+    versions = batch["policy_version"].unique()
+    if versions.numel() != 1:
+        raise ValueError(f"batch_policy_version: the batch mixes versions {versions.tolist()}")
+    return int(versions[0])
+
+
+class WeightSyncCollector(BaseCollector):
+    """Iterable collector over :class:`~ar_torchrl.envs.LLMEnv` batches with versioned weight sync.
+
+    Args:
+        env: the environment (its ``backend`` receives the weights).
+        policy_model: the trainer's HF model (a ``value_head`` is never sent).
+        total_batches: stop after this many batches (``None``: never stop).
+        mode: ``"sync"`` or ``"async"`` (generate the next batch in the background).
+        max_policy_lag: in async mode, the most versions a handed-out batch may lag the trainer
+            (``>= 1``).
+
+    Example:
+        >>> from ar_torchrl.assets import build_char_tokenizer, build_tiny_qwen3
+        >>> from ar_torchrl.backends import SamplingParams, TransformersBackend
+        >>> from ar_torchrl.data.datasets import arithmetic_dataset
+        >>> tok = build_char_tokenizer(); model = build_tiny_qwen3(len(tok))
+        >>> env = LLMEnv(arithmetic_dataset(8), tok, TransformersBackend(model), num_samples=2,
+        ...              prompts_per_batch=1, sampling=SamplingParams(max_new_tokens=3))
+        >>> collector = WeightSyncCollector(env, model, total_batches=2)
+        >>> versions = []
+        >>> for batch in collector:
+        ...     versions.append(batch_policy_version(batch))
+        ...     collector.update_policy_weights_()
+        >>> versions, collector.policy_version
+        ([0, 1], 2)
+    """
+
+    def __init__(
+        self,
+        env: LLMEnv,
+        policy_model: nn.Module,
+        *,
+        total_batches: int | None = None,
+        mode: Literal["sync", "async"] = "sync",
+        max_policy_lag: int = 1,
+    ) -> None:
+        super().__init__()
+        _check_args(env, mode, max_policy_lag, total_batches)
+        self.env, self.policy_model = env, policy_model
+        self.total_batches, self.mode, self.max_policy_lag = total_batches, mode, max_policy_lag
+        self.policy_version = env.policy_version
+        self.batches_yielded = 0
+        self.stale_batches_dropped = 0
+        self.last_policy_lag = 0
+        self.frames_per_batch = self.requested_frames_per_batch = int(env.batch_size[0])
+        self.total_frames = -1 if total_batches is None else total_batches * self.frames_per_batch
+        self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None
+        self._state_before_pending: dict | None = None
+
+    # ------------------------------------------------------------------ batches
+    def _collect(self) -> TensorDictBase:
+        with self._lock:
+            return self.env.rollout()
+
+    def _prefetch(self) -> None:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
+        self._state_before_pending = self.env.state_dict()
+        self._pending = self._executor.submit(self._collect)
+
+    def _next_batch(self) -> TensorDictBase:
+        if self._pending is None:
+            return self._collect()
+        batch, self._pending, self._state_before_pending = self._pending.result(), None, None
+        lag = self.policy_version - batch_policy_version(batch)
+        if lag > self.max_policy_lag:
+            self.stale_batches_dropped += 1
+            logger.warning(
+                "WeightSyncCollector: dropped a prefetched batch of version %d (trainer at %d, "
+                "max_policy_lag=%d; %d dropped so far); regenerating",
+                batch_policy_version(batch),
+                self.policy_version,
+                self.max_policy_lag,
+                self.stale_batches_dropped,
+            )
+            return self._collect()
+        return batch
+
+    def iterator(self) -> Iterator[TensorDictBase]:
+        """Yield token-trajectory batches until ``total_batches``."""
+        while self.total_batches is None or self.batches_yielded < self.total_batches:
+            batch = self._next_batch()
+            self.last_policy_lag = self.policy_version - batch_policy_version(batch)
+            self.batches_yielded += 1
+            more = self.total_batches is None or self.batches_yielded < self.total_batches
+            if self.mode == "async" and more:
+                self._prefetch()
+            yield batch
+
+    # ------------------------------------------------------------------ weights
+    def update_policy_weights_(self, policy_or_weights: nn.Module | None = None, **kwargs) -> None:
+        """Push ``named_policy_tensors(policy_model)`` to the backend as version ``policy_version + 1``.
+
+        Waits for an in-flight background generation first. ``policy_version`` is bumped only if the
+        backend accepted the weights.
+
+        Args:
+            policy_or_weights: a model to send instead of ``policy_model`` (optional).
+            **kwargs: TorchRL's other arguments (``worker_ids``, ...) are not supported.
+
+        Raises:
+            WeightSyncError: the backend rejected or failed the sync; ``policy_version`` is unchanged.
+        """
+        if kwargs:
+            raise TypeError(
+                f"WeightSyncCollector.update_policy_weights_: unsupported {sorted(kwargs)}"
+            )
+        model = self.policy_model if policy_or_weights is None else policy_or_weights
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                "WeightSyncCollector.update_policy_weights_: pass the trainer's nn.Module (or nothing), "
+                f"got {type(model).__name__}"
+            )
+        with self._lock:
+            new_version = self.policy_version + 1
+            try:
+                self.env.backend.sync_weights(named_policy_tensors(model), version=new_version)
+            except Exception as err:
+                logger.error(
+                    "WeightSyncCollector: weight sync to version %d failed; policy_version stays %d: %s",
+                    new_version,
+                    self.policy_version,
+                    err,
+                )
+                raise WeightSyncError(
+                    f"weight sync to version {new_version} failed ({type(err).__name__}: {err}); "
+                    f"the collector's policy_version stays {self.policy_version} and rollouts keep "
+                    "using the previous weights"
+                ) from err
+            self.policy_version = self.env.policy_version = new_version
+
+    # ------------------------------------------------------------------ lifecycle
+    def shutdown(self, timeout: float | None = None, close_env: bool = False) -> None:
+        """Wait for (and discard) an in-flight batch, stop the thread; optionally close the backend."""
+        if self._pending is not None:
+            try:
+                self._pending.result(timeout=timeout)
+                logger.info("WeightSyncCollector: discarded 1 prefetched batch at shutdown")
+            except Exception as err:  # already shutting down (possibly because of this error)
+                logger.warning("WeightSyncCollector: the in-flight batch failed: %s", err)
+            if self._state_before_pending is not None:  # rewind so the batch is not lost on resume
+                self.env.load_state_dict(self._state_before_pending)
+            self._pending = self._state_before_pending = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        if close_env:
+            self.env.backend.close()
+
+    def set_seed(self, seed: int, static_seed: bool = False) -> int:
+        """Reseed the env's prompt order."""
+        self.env.set_seed(seed)
+        return seed
+
+    def state_dict(self) -> dict:
+        """Versions, counters and the env's data position *before* any prefetched batch."""
+        env_state = self._state_before_pending or self.env.state_dict()
+        return {
+            "policy_version": self.policy_version,
+            "batches_yielded": self.batches_yielded,
+            "stale_batches_dropped": self.stale_batches_dropped,
+            "env": env_state,
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore; call before iterating (the next sync pushes the trainer's restored weights)."""
+        if self._pending is not None:
+            raise RuntimeError("WeightSyncCollector.load_state_dict: shut down the collector first")
+        self.env.load_state_dict(state_dict["env"])
+        self.policy_version = self.env.policy_version = int(state_dict["policy_version"])
+        self.batches_yielded = int(state_dict["batches_yielded"])
+        self.stale_batches_dropped = int(state_dict["stale_batches_dropped"])
+
+    def __len__(self) -> int:
+        if self.total_batches is None:
+            raise RuntimeError("WeightSyncCollector: total_batches=None has no length")
+        return self.total_batches
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(mode={self.mode!r}, policy_version={self.policy_version}, "
+            f"batches_yielded={self.batches_yielded}, total_batches={self.total_batches})"
+        )
+
+
+def _check_args(env, mode, max_policy_lag, total_batches) -> None:
+    if mode not in ("sync", "async"):
+        raise ValueError(f"WeightSyncCollector: mode must be 'sync' or 'async', got {mode!r}")
+    if total_batches is not None and total_batches < 1:
+        raise ValueError(
+            f"WeightSyncCollector: total_batches must be >= 1 or None, got {total_batches}"
+        )
+    if mode == "async" and max_policy_lag < 1:
+        raise ValueError(
+            f"WeightSyncCollector: async mode generates one batch ahead, so max_policy_lag must be "
+            f">= 1 (got {max_policy_lag}); use mode='sync' for on-policy batches"
+        )
+    if mode == "async" and getattr(env.backend, "mode", None) == "share":
+        raise ValueError(
+            "WeightSyncCollector: async mode with a backend that shares the trainer's module "
+            "(mode='share') would sample from weights being updated; use TransformersBackend(mode='copy')"
+        )
