@@ -93,8 +93,9 @@ class LMActorCritic(TensorDictModuleBase):
     """Actor-critic over an HF causal LM with an attached value head (one backbone forward).
 
     Reads ``tokens`` and ``attention_mask`` (``[B, L]``) and writes ``log_prob`` ``[B, L]``,
-    ``state_value`` ``[B, L, 1]`` and, with ``return_entropy``, ``entropy`` ``[B, L]``. Keys are
-    configurable with :meth:`set_keys`.
+    ``state_value`` ``[B, L, 1]`` (``V(h[t-1])``), ``("next", "state_value")`` ``[B, L, 1]``
+    (``V(h[t])``, the value after token ``t``: the bootstrap for truncated responses) and, with
+    ``return_entropy``, ``entropy`` ``[B, L]``. Keys are configurable with :meth:`set_keys`.
 
     Args:
         model: an HF causal LM (``get_decoder()`` and ``get_output_embeddings()``) carrying a
@@ -140,17 +141,18 @@ class LMActorCritic(TensorDictModuleBase):
         self.attention_mask_key: NestedKey = "attention_mask"
         self.log_prob_key: NestedKey = "log_prob"
         self.value_key: NestedKey = "state_value"
+        self.next_value_key: NestedKey = ("next", "state_value")
         self.entropy_key: NestedKey = "entropy"
         self._refresh_keys()
 
     def set_keys(self, **keys: NestedKey) -> LMActorCritic:
-        """Rename keys: ``tokens``, ``attention_mask``, ``log_prob``, ``value``, ``entropy``."""
+        """Rename keys: ``tokens``, ``attention_mask``, ``log_prob``, ``value``, ``next_value``, ``entropy``."""
         for name, key in keys.items():
             attr = f"{name}_key"
             if not hasattr(self, attr):
                 raise KeyError(
                     f"LMActorCritic.set_keys: unknown key name {name!r}; expected one of "
-                    "tokens, attention_mask, log_prob, value, entropy"
+                    "tokens, attention_mask, log_prob, value, next_value, entropy"
                 )
             setattr(self, attr, key)
         self._refresh_keys()
@@ -158,7 +160,7 @@ class LMActorCritic(TensorDictModuleBase):
 
     def _refresh_keys(self) -> None:
         self.in_keys = [self.tokens_key, self.attention_mask_key]
-        self.out_keys = [self.log_prob_key, self.value_key]
+        self.out_keys = [self.log_prob_key, self.value_key, self.next_value_key]
         if self.return_entropy:
             self.out_keys.append(self.entropy_key)
 
@@ -188,10 +190,11 @@ class LMActorCritic(TensorDictModuleBase):
             chunk_tokens=self.logits_chunk_tokens,
             with_entropy=self.return_entropy,
         )
-        values = self.model.value_head(hidden[:, :-1])
-        value = torch.cat([values.new_zeros(values.shape[0], 1, 1), values], dim=1)
+        next_value = self.model.value_head(hidden)
+        value = torch.cat([next_value.new_zeros(next_value.shape[0], 1, 1), next_value[:, :-1]], dim=1)
         tensordict.set(self.log_prob_key, log_prob)
         tensordict.set(self.value_key, value)
+        tensordict.set(self.next_value_key, next_value)
         if self.return_entropy:
             tensordict.set(self.entropy_key, entropy)
         return tensordict

@@ -1,0 +1,215 @@
+"""``TokenGAE``: TorchRL value estimator computing token-level GAE over ``loss_mask`` tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.utils import NestedKey
+from torchrl.objectives.value import ValueEstimatorBase
+
+from ar_torchrl.functional import length_adaptive_lmbda, masked_whiten, token_gae
+
+__all__ = ["TokenGAE", "require_key", "squeeze_feature"]
+
+
+def require_key(td: TensorDictBase, key: NestedKey, owner: str, hint: str) -> torch.Tensor:
+    """``td.get(key)`` with an error that names the key, what is present and how to fix it."""
+    value = td.get(key, None)
+    if value is None:
+        present = sorted(str(k) for k in td.keys(include_nested=True, leaves_only=True))
+        raise KeyError(f"{owner}: missing key {key!r} ({hint}); the TensorDict holds {present}")
+    return value
+
+
+def squeeze_feature(
+    x: torch.Tensor, key: NestedKey, batch_shape: torch.Size, owner: str
+) -> torch.Tensor:
+    """``[B, L, 1]`` or ``[B, L]`` -> ``[B, L]``; anything else is an error naming ``key``."""
+    if x.shape == batch_shape:
+        return x
+    if x.shape == (*batch_shape, 1):
+        return x.squeeze(-1)
+    raise ValueError(
+        f"{owner}: {key!r} has shape {tuple(x.shape)}; expected {tuple(batch_shape)} or "
+        f"{(*tuple(batch_shape), 1)} (the token-trajectory layout [B, L])"
+    )
+
+
+class TokenGAE(ValueEstimatorBase):
+    """Token-level GAE over the ``loss_mask`` tokens of a ``[B, L]`` token trajectory.
+
+    A thin wrapper around :func:`ar_torchrl.functional.token_gae` (see it for the equations). Reads
+    ``("next", "reward")``, ``state_value`` (the anchor values from
+    :func:`~ar_torchrl.objectives.recompute_anchors`) and ``loss_mask``; writes ``advantage`` and
+    ``value_target`` ``[B, L, 1]``. Keys follow TorchRL and are changed with :meth:`set_keys`
+    (``loss_mask`` is ours).
+
+    Args:
+        gamma: discount (1.0 for LLMs).
+        lmbda: GAE lambda for the advantage.
+        critic_lmbda: lambda for ``value_target`` (VAPO's decoupled GAE uses 1.0); default ``lmbda``.
+        adaptive_lmbda_alpha: if set, the advantage lambda of each row is VAPO's
+            ``1 - 1 / (alpha * length)`` (``lmbda`` is then ignored).
+        normalize_advantage: whiten the advantage over all trained tokens of the batch.
+        bootstrap_truncated: for rows whose response was cut by length (``("next", "terminated")``
+            False at the last trained token), bootstrap from ``("next", "state_value")`` there.
+        value_network: optional; if given and ``state_value`` is missing it is computed (no grad)
+            on the whole batch. Prefer :func:`recompute_anchors` with a micro-batch plan.
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> mask = torch.tensor([[False, True, True]])
+        >>> td = TensorDict({"loss_mask": mask, "state_value": torch.zeros(1, 3, 1),
+        ...     "next": {"reward": torch.tensor([[[0.0], [0.0], [1.0]]]),
+        ...              "done": mask.unsqueeze(-1) & torch.tensor([[[False], [False], [True]]]),
+        ...              "terminated": torch.tensor([[[False], [False], [True]]])}}, [1, 3])
+        >>> TokenGAE(gamma=1.0, lmbda=0.95)(td)["advantage"].squeeze(-1).tolist()
+        [[0.0, 0.949999988079071, 1.0]]
+    """
+
+    @dataclass
+    class _AcceptedKeys(ValueEstimatorBase._AcceptedKeys):
+        """TorchRL's value-estimator keys plus ``loss_mask`` (bool ``[B, L]``).
+
+        TorchRL 0.14.1 workaround: ``ValueEstimatorBase.set_keys`` checks names against
+        ``_AcceptedKeys.__dict__``, which for a dataclass subclass only lists the fields declared in
+        the subclass itself, so the inherited keys are re-declared here (pinned by
+        ``tests/test_objectives.py::test_token_gae_set_keys_accepts_inherited_names``).
+        """
+
+        advantage: NestedKey = "advantage"
+        value_target: NestedKey = "value_target"
+        value: NestedKey = "state_value"
+        reward: NestedKey = "reward"
+        done: NestedKey = "done"
+        terminated: NestedKey = "terminated"
+        steps_to_next_obs: NestedKey = "steps_to_next_obs"
+        sample_log_prob: NestedKey | None = None
+        loss_mask: NestedKey = "loss_mask"
+
+    default_keys = _AcceptedKeys
+
+    def __init__(
+        self,
+        *,
+        gamma: float = 1.0,
+        lmbda: float = 0.95,
+        critic_lmbda: float | None = None,
+        adaptive_lmbda_alpha: float | None = None,
+        normalize_advantage: bool = False,
+        bootstrap_truncated: bool = False,
+        value_network=None,
+        **kwargs,
+    ) -> None:
+        super().__init__(value_network=value_network, **kwargs)
+        for name, val in (("gamma", gamma), ("lmbda", lmbda), ("critic_lmbda", critic_lmbda)):
+            if val is not None and not 0.0 <= float(val) <= 1.0:
+                raise ValueError(f"TokenGAE: {name} must be in [0, 1], got {val}")
+        if adaptive_lmbda_alpha is not None and adaptive_lmbda_alpha <= 0:
+            raise ValueError(
+                f"TokenGAE: adaptive_lmbda_alpha must be > 0, got {adaptive_lmbda_alpha}"
+            )
+        self.gamma = float(gamma)
+        self.lmbda = float(lmbda)
+        self.critic_lmbda = None if critic_lmbda is None else float(critic_lmbda)
+        self.adaptive_lmbda_alpha = adaptive_lmbda_alpha
+        self.normalize_advantage = normalize_advantage
+        self.bootstrap_truncated = bootstrap_truncated
+
+    @property
+    def in_keys(self) -> list[NestedKey]:
+        keys = [
+            ("next", self.tensor_keys.reward),
+            ("next", self.tensor_keys.done),
+            ("next", self.tensor_keys.terminated),
+            self.tensor_keys.value,
+            self.tensor_keys.loss_mask,
+        ]
+        if self.bootstrap_truncated:
+            keys.append(("next", self.tensor_keys.value))
+        return keys
+
+    def _values(self, td: TensorDictBase) -> torch.Tensor:
+        key = self.tensor_keys.value
+        if td.get(key, None) is None and self.value_network is not None:
+            with torch.no_grad():
+                self.value_network(td)
+        return require_key(
+            td, key, "TokenGAE", "the anchor values: run recompute_anchors(actor_critic, td, plan)"
+        )
+
+    def _bootstrap(self, td: TensorDictBase, mask: torch.Tensor) -> torch.Tensor | None:
+        if not self.bootstrap_truncated:
+            return None
+        shape = mask.shape
+        terminated = squeeze_feature(
+            require_key(td, ("next", self.tensor_keys.terminated), "TokenGAE", "terminal flags"),
+            ("next", self.tensor_keys.terminated),
+            shape,
+            "TokenGAE",
+        ).bool()
+        next_key = ("next", self.tensor_keys.value)
+        next_value = squeeze_feature(
+            require_key(
+                td, next_key, "TokenGAE", "bootstrap_truncated needs V after the last token"
+            ),
+            next_key,
+            shape,
+            "TokenGAE",
+        )
+        pos = torch.arange(shape[-1], device=mask.device)
+        last = torch.where(mask, pos, -1).max(-1).values.clamp_min(0)
+        rows = torch.arange(shape[0], device=mask.device)
+        truncated = mask.any(-1) & ~terminated[rows, last]
+        return torch.where(
+            truncated, next_value[rows, last], torch.zeros_like(next_value[rows, last])
+        )
+
+    def forward(
+        self, tensordict: TensorDictBase, *, params=None, target_params=None
+    ) -> TensorDictBase:
+        keys = self.tensor_keys
+        if tensordict.batch_dims != 2:
+            raise ValueError(
+                f"TokenGAE expects a [B, L] token trajectory (time = last batch dim), got batch_size "
+                f"{tuple(tensordict.batch_size)}"
+            )
+        shape = tensordict.batch_size
+        mask = require_key(
+            tensordict, keys.loss_mask, "TokenGAE", "bool [B, L], True on generated tokens"
+        )
+        if mask.dtype != torch.bool:
+            raise TypeError(f"TokenGAE: {keys.loss_mask!r} must be bool, got {mask.dtype}")
+        reward_key = ("next", keys.reward)
+        reward = squeeze_feature(
+            require_key(tensordict, reward_key, "TokenGAE", "per-token reward"),
+            reward_key,
+            shape,
+            "TokenGAE",
+        )
+        value = squeeze_feature(self._values(tensordict), keys.value, shape, "TokenGAE")
+        lmbda = self.lmbda
+        if self.adaptive_lmbda_alpha is not None:
+            lmbda = length_adaptive_lmbda(mask.sum(-1), self.adaptive_lmbda_alpha)
+        adv, target = token_gae(
+            reward,
+            value.detach(),
+            mask,
+            gamma=self.gamma,
+            lmbda=lmbda,
+            critic_lmbda=self.critic_lmbda,
+            bootstrap_value=self._bootstrap(tensordict, mask),
+        )
+        if self.normalize_advantage:
+            adv = masked_whiten(adv, mask)
+        tensordict.set(keys.advantage, adv.unsqueeze(-1))
+        tensordict.set(keys.value_target, target.unsqueeze(-1))
+        return tensordict
+
+    def value_estimate(
+        self, tensordict: TensorDictBase, target_params=None, next_value=None, **kwargs
+    ):
+        """``value_target`` ``[B, L, 1]`` (TorchRL's ``value_estimate`` contract)."""
+        return self.forward(tensordict.copy()).get(self.tensor_keys.value_target)
