@@ -43,7 +43,7 @@ class GRPOAdvantage(Transform):
         >>> mask = torch.tensor([[False, True], [False, True]])
         >>> td = TensorDict({"loss_mask": mask, "prompt_id": torch.zeros(2, 2, dtype=torch.long),
         ...     "next": {"reward": torch.tensor([[[0.0], [1.0]], [[0.0], [-1.0]]])}}, [2, 2])
-        >>> GRPOAdvantage()(td)["advantage"].squeeze(-1).round(decimals=4).tolist()
+        >>> [[round(a, 4) for a in row] for row in GRPOAdvantage()(td)["advantage"].squeeze(-1).tolist()]
         [[0.0, 0.7071], [0.0, -0.7071]]
     """
 
