@@ -1,0 +1,228 @@
+"""TransformersBackend: log-probs vs a plain full forward, EOS/stop handling, padding, top-k/top-p, seeds."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ar_torchrl.assets import build_tiny_qwen3
+from ar_torchrl.backends import SamplingParams, TransformersBackend, next_token_log_probs
+from ar_torchrl.modules import attach_value_head
+from ar_torchrl.weight_sync import WeightSyncError, named_policy_tensors
+
+torch.set_num_threads(1)
+
+VOCAB = 99
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]  # ragged
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_tiny_qwen3(VOCAB, seed=0)
+
+
+def reference_log_probs(model, prompt, completion, sampling) -> torch.Tensor:
+    """Plain full forward of prompt + completion (no padding, no cache), fp32 log-softmax at T."""
+    seq = torch.tensor([list(prompt) + list(completion)])
+    with torch.no_grad():
+        logits = model(seq).logits[0].float()
+    steps = logits[len(prompt) - 1 : -1]  # logits at t-1 predict token t
+    return next_token_log_probs(steps, sampling).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def hand_filtered_probs(
+    logits: list[float], temperature: float, top_k: int, top_p: float
+) -> list[float]:
+    """Obviously-correct twin of next_token_log_probs for one row (Python floats, loops)."""
+    scaled = [x / temperature for x in logits]
+    keep = set(range(len(scaled)))
+    if top_k != -1:
+        kth = sorted(scaled, reverse=True)[top_k - 1]
+        keep = {i for i in keep if scaled[i] >= kth}
+    if top_p < 1.0:
+        z = sum(math.exp(scaled[i]) for i in keep)
+        mass, kept = 0.0, set()
+        for i in sorted(keep, key=lambda i: -scaled[i]):
+            if mass < top_p:
+                kept.add(i)
+            mass += math.exp(scaled[i]) / z
+        keep = kept
+    z = sum(math.exp(scaled[i]) for i in keep)
+    return [math.exp(scaled[i]) / z if i in keep else 0.0 for i in range(len(scaled))]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_log_probs_match_full_forward_including_first_token(model, temperature):
+    sampling = SamplingParams(max_new_tokens=12, temperature=temperature, seed=3)
+    out = TransformersBackend(model).generate(PROMPTS, n=2, sampling=sampling)
+    assert [c.prompt_index for c in out] == [0, 0, 1, 1, 2, 2]
+    for c in out:
+        ref = reference_log_probs(model, PROMPTS[c.prompt_index], c.token_ids, sampling)
+        torch.testing.assert_close(torch.tensor(c.log_probs), ref, atol=1e-5, rtol=0)
+        assert c.log_probs[0] < 0  # the first generated token has a real log-prob, not 0
+
+
+def test_greedy_matches_hf_generate(model):
+    sampling = SamplingParams(max_new_tokens=10, temperature=0.0)
+    out = TransformersBackend(model).generate(PROMPTS, n=1, sampling=sampling)
+    for c in out:
+        prompt = torch.tensor([PROMPTS[c.prompt_index]])
+        ref = model.generate(
+            prompt, max_new_tokens=10, do_sample=False, eos_token_id=2, pad_token_id=0
+        )
+        assert c.token_ids == ref[0, prompt.shape[1] :].tolist()
+
+
+def test_stop_tokens_are_kept_and_end_the_completion(model):
+    stops = tuple(range(20, 60))  # frequent enough that most completions stop early
+    sampling = SamplingParams(max_new_tokens=16, temperature=1.0, stop_token_ids=stops, seed=0)
+    out = TransformersBackend(model).generate(PROMPTS, n=4, sampling=sampling)
+    reasons = {c.finish_reason for c in out}
+    assert reasons == {"stop", "length"} or reasons == {"stop"}
+    for c in out:
+        hits = [i for i, t in enumerate(c.token_ids) if t in stops or t == 2]
+        if c.finish_reason == "stop":
+            assert hits == [len(c) - 1]  # the stop token is kept, and it is the last one
+        else:
+            assert hits == [] and len(c) == 16
+        ref = reference_log_probs(model, PROMPTS[c.prompt_index], c.token_ids, sampling)
+        torch.testing.assert_close(torch.tensor(c.log_probs), ref, atol=1e-5, rtol=0)
+
+
+def test_eos_override_and_pad_equal_eos(model):
+    # A tokenizer with pad == eos: the EOS token (which equals the pad id) stays in the completion.
+    eos = 44
+    sampling = SamplingParams(max_new_tokens=30, temperature=1.5, seed=1)
+    backend = TransformersBackend(model, eos_token_id=eos, pad_token_id=eos)
+    out = backend.generate(PROMPTS, n=4, sampling=sampling)
+    stopped = [c for c in out if c.finish_reason == "stop"]
+    assert stopped, "expected some completions to hit EOS"
+    assert all(c.token_ids[-1] == eos and eos not in c.token_ids[:-1] for c in stopped)
+
+
+def test_results_do_not_depend_on_the_pad_id(model):
+    # The pad id is only ever written under a False attention mask; sampled tokens equal to it
+    # (here: every id in turn is a candidate) are tracked by length, never dropped.
+    sampling = SamplingParams(max_new_tokens=12, temperature=1.0, seed=5)
+    base = TransformersBackend(model, pad_token_id=0).generate(PROMPTS, 3, sampling)
+    sampled = {t for c in base for t in c.token_ids}
+    pad = next(iter(sorted(sampled - {2})))
+    other = TransformersBackend(model, pad_token_id=pad).generate(PROMPTS, 3, sampling)
+    assert [c.token_ids for c in other] == [c.token_ids for c in base]
+    assert any(pad in c.token_ids for c in other)
+    for a, b in zip(base, other):
+        torch.testing.assert_close(
+            torch.tensor(a.log_probs), torch.tensor(b.log_probs), atol=1e-6, rtol=0
+        )
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(5, 1.0), (-1, 0.6), (7, 0.8), (1, 1.0)])
+def test_top_k_top_p_against_hand_loop(top_k, top_p):
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 20, generator=gen) * 2
+    sampling = SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p)
+    probs = next_token_log_probs(logits, sampling).exp()
+    for row in range(4):
+        hand = hand_filtered_probs(logits[row].tolist(), 0.8, top_k, top_p)
+        torch.testing.assert_close(probs[row], torch.tensor(hand), atol=1e-6, rtol=0)
+
+
+def test_generate_samples_only_inside_top_k_and_reports_processed_log_probs(model):
+    sampling = SamplingParams(max_new_tokens=10, temperature=1.0, top_k=3, top_p=0.9, seed=2)
+    out = TransformersBackend(model).generate(PROMPTS, n=3, sampling=sampling)
+    for c in out:
+        ref = reference_log_probs(model, PROMPTS[c.prompt_index], c.token_ids, sampling)
+        assert torch.isfinite(ref).all()  # every sampled token is inside the filtered support
+        torch.testing.assert_close(torch.tensor(c.log_probs), ref, atol=1e-5, rtol=0)
+
+
+def test_temperature_logprob_mode_ignores_filters(model):
+    sampling = SamplingParams(max_new_tokens=8, temperature=0.9, top_k=4, seed=2)
+    processed = TransformersBackend(model).generate(PROMPTS, 2, sampling)
+    plain = TransformersBackend(model, logprob_mode="temperature").generate(PROMPTS, 2, sampling)
+    unfiltered = SamplingParams(temperature=0.9)
+    for a, b in zip(processed, plain):
+        assert a.token_ids == b.token_ids  # same draws, only the reported log-prob differs
+        ref = reference_log_probs(model, PROMPTS[b.prompt_index], b.token_ids, unfiltered)
+        torch.testing.assert_close(torch.tensor(b.log_probs), ref, atol=1e-5, rtol=0)
+        assert all(x >= y - 1e-6 for x, y in zip(a.log_probs, b.log_probs))  # renormalised >= raw
+
+
+def test_seeding(model):
+    seeded = SamplingParams(max_new_tokens=10, seed=7)
+    a = TransformersBackend(model).generate(PROMPTS, 2, seeded)
+    b = TransformersBackend(model, seed=123).generate(PROMPTS, 2, seeded)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]  # per-call seed wins
+    unseeded = SamplingParams(max_new_tokens=10)
+    x, y = TransformersBackend(model, seed=1), TransformersBackend(model, seed=1)
+    first, second = x.generate(PROMPTS, 2, unseeded), x.generate(PROMPTS, 2, unseeded)
+    assert [c.token_ids for c in first] != [c.token_ids for c in second]  # the stream advances
+    assert [c.token_ids for c in y.generate(PROMPTS, 2, unseeded)] == [c.token_ids for c in first]
+    state = x.state_dict()
+    third = x.generate(PROMPTS, 2, unseeded)
+    y.load_state_dict(state)
+    assert [c.token_ids for c in y.generate(PROMPTS, 2, unseeded)] == [c.token_ids for c in third]
+
+
+def test_max_batch_size_chunks_give_the_same_greedy_output(model):
+    sampling = SamplingParams(max_new_tokens=8, temperature=0.0)
+    whole = TransformersBackend(model).generate(PROMPTS, 2, sampling)
+    chunked = TransformersBackend(model, max_batch_size=4).generate(PROMPTS, 2, sampling)
+    assert [c.token_ids for c in whole] == [c.token_ids for c in chunked]
+
+
+def lp(completions) -> list[list[float]]:
+    return [c.log_probs for c in completions]
+
+
+def test_copy_mode_sync_loads_new_weights_and_rejects_value_head():
+    trainer = attach_value_head(build_tiny_qwen3(VOCAB, seed=1))
+    backend = TransformersBackend(build_tiny_qwen3(VOCAB, seed=0), mode="copy")
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
+    expected = TransformersBackend(trainer).generate(PROMPTS, 1, greedy)
+    before = backend.generate(PROMPTS, 1, greedy)
+    assert lp(before) != lp(expected)
+    backend.sync_weights(named_policy_tensors(trainer), version=3)
+    after = backend.generate(PROMPTS, 1, greedy)
+    assert [c.token_ids for c in after] == [c.token_ids for c in expected]
+    assert lp(after) == lp(expected)
+    assert backend.policy_version == 3 and after[0].weight_version == "3"
+
+    other = build_tiny_qwen3(VOCAB, seed=2)
+    bad = [*named_policy_tensors(other), ("value_head.weight", torch.zeros(1, 64))]
+    with pytest.raises(WeightSyncError, match=r"value_head\.weight"):
+        backend.sync_weights(bad, version=4)
+    with pytest.raises(WeightSyncError, match=r"missing \['lm_head.weight'\]"):
+        backend.sync_weights(
+            [(n, t) for n, t in named_policy_tensors(other) if n != "lm_head.weight"], 4
+        )
+    with pytest.raises(WeightSyncError, match=r"shape of 'model.norm.weight' is \(3,\)"):
+        backend.sync_weights(
+            [
+                (n, torch.zeros(3) if n == "model.norm.weight" else t)
+                for n, t in named_policy_tensors(other)
+            ],
+            4,
+        )
+    # rejected syncs copied nothing and kept the version
+    assert lp(backend.generate(PROMPTS, 1, greedy)) == lp(expected)
+    assert backend.policy_version == 3
+
+
+def test_share_mode_samples_from_the_trainer_module(model):
+    backend = TransformersBackend(model, mode="share")
+    assert backend.model is model
+    backend.sync_weights(named_policy_tensors(model), version=1)
+    assert backend.policy_version == 1
+
+
+def test_bad_arguments(model):
+    backend = TransformersBackend(model)
+    with pytest.raises(ValueError, match=r"prompts \[1\] are empty"):
+        backend.generate([[1, 2], []], 1, SamplingParams())
+    with pytest.raises(ValueError, match="n must be >= 1, got 0"):
+        backend.generate([[1, 2]], 0, SamplingParams())
+    with pytest.raises(ValueError, match="mode must be 'copy' or 'share', got 'ref'"):
+        TransformersBackend(model, mode="ref")
