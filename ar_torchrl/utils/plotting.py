@@ -14,7 +14,7 @@ DEFAULT_PANELS: tuple[tuple[str, str], ...] = (
     ("rollout/reward_mean", "mean reward"),
     ("rollout/response_length", "response length (tokens)"),
     ("train/loss_critic", "value loss"),
-    ("train/kl", "KL to reference"),
+    ("train/kl_ref", "KL to reference"),
 )
 
 
