@@ -95,7 +95,8 @@ def _math_verify_equal(pred: str, truth: str) -> bool:
         )
     math_verify = importlib.import_module("math_verify")
     try:
-        return bool(math_verify.verify(math_verify.parse(truth), math_verify.parse(pred)))
+        gold, answer = math_verify.parse(f"${truth}$"), math_verify.parse(f"${pred}$")
+        return bool(math_verify.verify(gold, answer))
     except Exception:  # math-verify's parser raises on malformed TeX: not equivalent
         return False
 
