@@ -109,11 +109,28 @@ class WeightSyncCollector(BaseCollector):
         with self._lock:
             return self.env.rollout()
 
+    def _collect_then_release(self) -> TensorDictBase:
+        try:
+            return self.env.rollout()
+        finally:
+            self._lock.release()
+
     def _prefetch(self) -> None:
+        """Start the next batch in the background with the weights of *now*.
+
+        The lock is taken here, in the trainer's thread, and released by the worker when the batch
+        is done: a weight sync issued right after this call always waits for the batch, so the
+        batch's version is deterministic (the version at hand-out of the previous batch).
+        """
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
-        self._state_before_pending = self.env.state_dict()
-        self._pending = self._executor.submit(self._collect)
+        self._lock.acquire()
+        try:
+            self._state_before_pending = self.env.state_dict()
+            self._pending = self._executor.submit(self._collect_then_release)
+        except BaseException:
+            self._lock.release()
+            raise
 
     def _next_batch(self) -> TensorDictBase:
         if self._pending is None:
