@@ -19,7 +19,7 @@ from tensordict.utils import NestedKey
 __all__ = ["MicroBatch", "MicroBatchPlan", "plan_micro_batches"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class MicroBatch:
     """Rows of the batch and the column span ``[start, end)`` they are cropped to."""
 

@@ -11,7 +11,14 @@ from torchrl.objectives.value import ValueEstimatorBase
 
 from ar_torchrl.functional import length_adaptive_lmbda, masked_whiten, token_gae
 
-__all__ = ["TokenGAE", "require_key", "squeeze_feature"]
+__all__ = ["MissingKeyError", "TokenGAE", "require_key", "squeeze_feature"]
+
+
+class MissingKeyError(KeyError):
+    """A ``KeyError`` whose message prints as written (``KeyError`` would quote and escape it)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 def require_key(td: TensorDictBase, key: NestedKey, owner: str, hint: str) -> torch.Tensor:
@@ -19,7 +26,9 @@ def require_key(td: TensorDictBase, key: NestedKey, owner: str, hint: str) -> to
     value = td.get(key, None)
     if value is None:
         present = sorted(str(k) for k in td.keys(include_nested=True, leaves_only=True))
-        raise KeyError(f"{owner}: missing key {key!r} ({hint}); the TensorDict holds {present}")
+        raise MissingKeyError(
+            f"{owner}: missing key {key!r} ({hint}); the TensorDict holds {present}"
+        )
     return value
 
 

@@ -1,0 +1,140 @@
+"""Value head and LMActorCritic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tensordict import TensorDict
+from trajectories import VOCAB, make_trajectory, tiny_actor_critic
+from transformers import AutoModelForCausalLM
+
+from ar_torchrl.assets import build_tiny_qwen3
+from ar_torchrl.modules import (
+    LMActorCritic,
+    attach_value_head,
+    load_value_head,
+    save_policy,
+    token_log_probs,
+)
+
+torch.set_num_threads(1)
+
+
+def test_value_head_is_zero_fp32_and_named_like_hf():
+    model = attach_value_head(build_tiny_qwen3(VOCAB))
+    hf_keys = set(build_tiny_qwen3(VOCAB).state_dict())
+    assert set(model.state_dict()) == hf_keys | {"value_head.weight", "value_head.bias"}
+    assert model.value_head.weight.dtype == torch.float32
+    assert model.value_head.weight.abs().sum() == 0 and model.value_head.bias.abs().sum() == 0
+    assert attach_value_head(model) is model  # idempotent, keeps the head
+
+
+def test_value_head_survives_save_pretrained_round_trip(tmp_path):
+    model = attach_value_head(build_tiny_qwen3(VOCAB, seed=1))
+    torch.nn.init.normal_(model.value_head.weight)
+    save_policy(model, tmp_path)
+    # model.safetensors is a clean HF checkpoint; the head lives in its own file
+    assert not any(
+        k.startswith("value_head") for k in load_file(str(tmp_path / "model.safetensors"))
+    )
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert not hasattr(plain, "value_head")
+    again = attach_value_head(plain, tmp_path)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, again.state_dict()[k]), k
+    fresh = attach_value_head(AutoModelForCausalLM.from_pretrained(tmp_path))
+    assert fresh.value_head.weight.abs().sum() == 0  # plain checkpoint -> zero head
+
+
+def test_load_value_head_errors(tmp_path):
+    model = build_tiny_qwen3(VOCAB)
+    with pytest.raises(FileNotFoundError, match="no value head at .*value_head.safetensors"):
+        load_value_head(model, tmp_path)
+    with pytest.raises(ValueError, match="has no `value_head`; call .*attach_value_head"):
+        LMActorCritic(model)
+
+
+def test_log_probs_match_plain_hf_forward_with_left_padding():
+    ac = tiny_actor_critic(seed=3, return_entropy=True, logits_chunk_tokens=7)
+    td = make_trajectory([3, 5, 1], [4, 2, 6], seed=1)
+    out = ac(td.select("tokens", "attention_mask"))
+    for b in range(td.shape[0]):
+        real = td["attention_mask"][b].nonzero().flatten()
+        ids = td["tokens"][b, real].unsqueeze(0)
+        logits = ac.model(input_ids=ids).logits.float()
+        ref = torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+        assert torch.allclose(out["log_prob"][b, real[1:]], ref, atol=1e-5)
+        probs = torch.softmax(logits[0, :-1], -1)
+        ent = -(probs * probs.log()).sum(-1)
+        assert torch.allclose(out["entropy"][b, real[1:]], ent, atol=1e-5)
+    assert out["state_value"].shape == (3, td.shape[1], 1)
+    assert out["state_value"].abs().sum() == 0
+
+
+def test_state_value_alignment_and_next_value():
+    ac = tiny_actor_critic(seed=0)
+    torch.nn.init.normal_(ac.model.value_head.weight)
+    td = TensorDict(
+        {
+            "tokens": torch.randint(3, VOCAB, (2, 5)),
+            "attention_mask": torch.ones(2, 5, dtype=torch.bool),
+        },
+        [2, 5],
+    )
+    out = ac(td)
+    hidden = ac.hidden_states(td["tokens"], td["attention_mask"])
+    v = ac.model.value_head(hidden)
+    assert torch.equal(out["state_value"][:, 1:], v[:, :-1])  # V(s_t) from h[t-1]
+    assert (out["state_value"][:, 0] == 0).all()
+    assert torch.equal(out["next", "state_value"], v)
+
+
+def test_chunked_log_probs_match_unchunked_and_gradients_flow():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 11, bias=False)
+    hidden = torch.randn(3, 9, 8, requires_grad=True)
+    tokens = torch.randint(11, (3, 9))
+    full, ent_full = token_log_probs(
+        hidden, tokens, head, chunk_tokens=10_000, with_entropy=True, use_checkpoint=False
+    )
+    chunked, ent = token_log_probs(
+        hidden, tokens, head, chunk_tokens=4, with_entropy=True, temperature=1.0
+    )
+    assert torch.allclose(full, chunked, atol=1e-6) and torch.allclose(ent_full, ent, atol=1e-6)
+    (chunked.sum() + ent.sum()).backward()
+    g1 = hidden.grad.clone()
+    hidden.grad = None
+    (full.sum() + ent_full.sum()).backward()
+    assert torch.allclose(g1, hidden.grad, atol=1e-6)
+    hot, _ = token_log_probs(hidden.detach(), tokens, head, temperature=0.5)
+    ref = (
+        torch.log_softmax(head(hidden.detach()[:, :-1]) / 0.5, -1)
+        .gather(-1, tokens[:, 1:, None])
+        .squeeze(-1)
+    )
+    assert torch.allclose(hot[:, 1:], ref, atol=1e-5)
+
+
+def test_actor_critic_errors_and_keys():
+    ac = tiny_actor_critic()
+    with pytest.raises(ValueError, match=r"of one shape \[B, L\]; got \(2, 3\) and \(2, 4\)"):
+        ac(
+            TensorDict(
+                {"tokens": torch.zeros(2, 3, dtype=torch.long), "attention_mask": torch.ones(2, 4)},
+                [2],
+            )
+        )
+    with pytest.raises(KeyError, match="unknown key name 'bogus'"):
+        ac.set_keys(bogus="x")
+    ac.set_keys(tokens=("data", "ids"), log_prob="lp")
+    td = TensorDict(
+        {
+            ("data", "ids"): torch.randint(3, VOCAB, (1, 4)),
+            "attention_mask": torch.ones(1, 4, dtype=torch.bool),
+        },
+        [1, 4],
+    )
+    assert ac(td)["lp"].shape == (1, 4)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        tiny_actor_critic(temperature=0.0)

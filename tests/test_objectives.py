@@ -1,0 +1,426 @@
+"""TokenGAE, GRPOAdvantage, TokenPPOLoss and recompute_anchors on a tiny Qwen3."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from reference import gae_loop
+from tensordict import TensorDict
+from tensordict.utils import NestedKey
+from torchrl.data import LazyTensorStorage, ReplayBuffer
+from torchrl.objectives.value import ValueEstimatorBase
+from trajectories import make_trajectory, tiny_actor_critic
+
+from ar_torchrl.data import plan_micro_batches
+from ar_torchrl.functional import AGGREGATION_MODES
+from ar_torchrl.objectives import GRPOAdvantage, TokenGAE, TokenPPOLoss, recompute_anchors
+
+torch.set_num_threads(1)
+
+PROMPTS = [3, 6, 2, 5, 4, 1]
+RESPONSES = [5, 2, 7, 3, 6, 4]
+
+
+def _batch(seed=0, group_size=2):
+    return make_trajectory(PROMPTS, RESPONSES, seed=seed, group_size=group_size)
+
+
+def _perturb(model, scale=0.05, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+# ---------------------------------------------------------------------------- ratio exactly 1
+def test_first_update_has_ratio_exactly_one_over_the_plan():
+    ac = tiny_actor_critic(seed=0)
+    _perturb(ac.model.value_head, scale=0.5)  # non-zero values so value clipping is exercised
+    td = _batch()
+    plan = plan_micro_batches(td, token_budget=24)
+    assert len(plan) >= 3
+    recompute_anchors(ac, td, plan)
+    td = TokenGAE(gamma=1.0, lmbda=0.95)(td)
+    loss = TokenPPOLoss(ac, clip_epsilon=(0.2, 0.28), clip_value=0.2, entropy_coeff=0.01)
+    for mb in plan.split(td):
+        out = loss(mb)
+        assert out["ratio_min"].item() == 1.0 and out["ratio_max"].item() == 1.0
+        assert out["ratio_mean"].item() == 1.0
+        assert out["approx_kl"].item() == 0.0
+        assert out["clip_fraction"].item() == 0.0 and out["value_clip_fraction"].item() == 0.0
+
+
+def test_anchors_follow_the_micro_batch_geometry():
+    """Rows with 3 and 2 generated tokens, planned together or apart: the anchors are exactly what
+    the forward over each plan's own crops gives, and each plan's training pass has ratio 1."""
+    ac = tiny_actor_critic(seed=2)
+    _perturb(ac.model.value_head, scale=0.5)
+    base = make_trajectory([4, 2], [3, 2], seed=5)
+    together = plan_micro_batches(base, token_budget=64)
+    apart = plan_micro_batches(base, token_budget=7)
+    assert [mb.rows for mb in together.micro_batches] == [(0, 1)]
+    assert [(mb.rows, mb.width) for mb in apart.micro_batches] == [((0,), 7), ((1,), 4)]
+    loss = TokenPPOLoss(ac, clip_value=0.2)
+    for plan in (together, apart):
+        td = recompute_anchors(ac, base.clone(), plan)
+        for sub in plan.split(td):
+            with torch.no_grad():
+                direct = ac(sub.select("tokens", "attention_mask"))
+            assert torch.equal(sub["sample_log_prob"], direct["log_prob"])
+            assert torch.equal(sub["state_value"], direct["state_value"])
+            out = loss(TokenGAE()(sub))
+            assert out["ratio_min"].item() == out["ratio_max"].item() == 1.0
+        rows_outside = ~torch.zeros_like(td["attention_mask"])
+        for mb in plan.micro_batches:
+            rows_outside[list(mb.rows), mb.start : mb.end] = False
+        assert (td["sample_log_prob"][rows_outside] == 0).all()
+
+
+def test_first_update_from_zero_head_gives_finite_loss_and_nonzero_head_grad():
+    ac = tiny_actor_critic(seed=0)
+    td = _batch()
+    plan = plan_micro_batches(td, token_budget=1000)
+    recompute_anchors(ac, td, plan)
+    td = TokenGAE(gamma=1.0, lmbda=0.95)(td)
+    loss = TokenPPOLoss(ac, clip_value=0.2)
+    (mb,) = plan.split(td)
+    out = loss(mb)
+    total = out["loss_objective"] + out["loss_critic"]
+    assert torch.isfinite(total)
+    total.backward()
+    grad = ac.model.value_head.weight.grad
+    assert torch.isfinite(grad).all() and grad.abs().sum() > 0
+    assert ac.model.value_head.bias.grad.abs().sum() > 0
+
+
+# ---------------------------------------------------------------------------- masking
+def _grads(module):
+    return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def _loss_and_grads(ac, loss, td):
+    ac.zero_grad()
+    out = loss(td)
+    total = sum(v for k, v in out.items() if k.startswith("loss_"))
+    total.backward()
+    return total.detach(), _grads(ac)
+
+
+def test_masked_positions_change_neither_loss_nor_gradients():
+    ac = tiny_actor_critic(seed=1)
+    _perturb(ac.model.value_head, scale=0.5)
+    td = _batch(seed=3)
+    plan = plan_micro_batches(td, token_budget=1000)
+    recompute_anchors(ac, td, plan)
+    td["ref_log_prob"] = td["sample_log_prob"] - 0.1
+    td = TokenGAE(gamma=1.0, lmbda=0.9)(td)
+    _perturb(ac.model, scale=0.02, seed=4)  # ratios != 1
+    loss = TokenPPOLoss(
+        ac,
+        clip_epsilon=(0.2, 0.28),
+        dual_clip=3.0,
+        clip_value=0.2,
+        entropy_coeff=0.01,
+        kl_coeff=0.1,
+        tis_cap=2.0,
+    )
+    ref_total, ref_grads = _loss_and_grads(ac, loss, td)
+
+    garbage = td.clone()
+    masked = ~garbage["loss_mask"]
+    g = torch.Generator().manual_seed(9)
+    for key in ("sample_log_prob", "ref_log_prob", "rollout_log_prob"):
+        garbage[key] = torch.where(
+            masked, torch.randn(masked.shape, generator=g) * 50, garbage[key]
+        )
+    for key in ("advantage", "state_value", "value_target"):
+        noise = torch.randn(masked.shape, generator=g).unsqueeze(-1) * 50
+        garbage[key] = torch.where(masked.unsqueeze(-1), noise, garbage[key])
+    pad = ~garbage["attention_mask"]
+    garbage["tokens"] = torch.where(
+        pad, torch.randint(3, 99, pad.shape, generator=g), garbage["tokens"]
+    )
+    total, grads = _loss_and_grads(ac, loss, garbage)
+    assert torch.equal(total, ref_total)
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        assert torch.equal(grads[name], ref_grads[name]), name
+
+
+def test_gae_ignores_values_at_masked_positions():
+    td = _batch(seed=4)
+    td["state_value"] = torch.randn(*td.shape, 1)
+    a = TokenGAE(gamma=1.0, lmbda=0.95)(td.clone())["advantage"]
+    td["state_value"] = torch.where(td["loss_mask"].unsqueeze(-1), td["state_value"], 1e6)
+    b = TokenGAE(gamma=1.0, lmbda=0.95)(td.clone())["advantage"]
+    assert torch.equal(a, b)
+
+
+def test_metrics_are_computed_over_loss_mask_only():
+    ac = tiny_actor_critic(seed=1)
+    td = _batch(seed=3)
+    plan = plan_micro_batches(td, token_budget=1000)
+    recompute_anchors(ac, td, plan)
+    td = TokenGAE()(td)
+    # a huge log-prob shift on masked tokens would blow up every unmasked metric
+    td["sample_log_prob"] = torch.where(td["loss_mask"], td["sample_log_prob"], -30.0)
+    out = TokenPPOLoss(ac, entropy_coeff=0.01)(td)
+    assert out["ratio_max"].item() == 1.0 and out["clip_fraction"].item() == 0.0
+    assert out["approx_kl"].item() == 0.0
+    lp = td["rollout_log_prob"]
+    expected = (td["sample_log_prob"] - lp).abs()[td["loss_mask"]].mean()
+    assert out["rollout_log_prob_abs_diff"].item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+# ---------------------------------------------------------------------------- accumulation
+@pytest.mark.parametrize("mode", AGGREGATION_MODES)
+def test_gradient_accumulation_with_global_normalizer_equals_full_batch(mode):
+    ac = tiny_actor_critic(seed=5)
+    _perturb(ac.model.value_head, scale=0.5)
+    td = _batch(seed=6)
+    full_plan = plan_micro_batches(td, token_budget=10_000)
+    recompute_anchors(ac, td, full_plan)
+    td["ref_log_prob"] = td["sample_log_prob"] + 0.05
+    td = TokenGAE(gamma=1.0, lmbda=0.95)(td)
+    _perturb(ac.model, scale=0.03, seed=7)
+    loss = TokenPPOLoss(
+        ac,
+        clip_epsilon=(0.2, 0.28),
+        clip_value=0.2,
+        entropy_coeff=0.01,
+        kl_coeff=0.1,
+        loss_agg_mode=mode,
+        norm_length=16,
+    )
+    _, full = _loss_and_grads(ac, loss, next(full_plan.split(td)))
+
+    plan = plan_micro_batches(td, token_budget=20)
+    subs = list(plan.split(td))
+    assert len(subs) >= 3
+    norm = loss.global_normalizer(subs)
+    ac.zero_grad()
+    for sub in subs:
+        out = loss(sub, normalizer=norm)
+        sum(v for k, v in out.items() if k.startswith("loss_")).backward()
+    acc = _grads(ac)
+    for name, g in full.items():
+        assert torch.allclose(acc[name], g, atol=1e-5, rtol=1e-4), name
+
+
+# ---------------------------------------------------------------------------- GAE <-> GRPO swap
+def _ppo_iteration(ac, adv_module, optimizer, seed):
+    td = _batch(seed=seed, group_size=3)
+    plan = plan_micro_batches(td, token_budget=30)
+    recompute_anchors(ac, td, plan)
+    td = adv_module(td)
+    loss = TokenPPOLoss(
+        ac, clip_value=0.2, critic_coeff=1.0 if isinstance(adv_module, TokenGAE) else None
+    )
+    norm = loss.global_normalizer(list(plan.split(td)))
+    optimizer.zero_grad()
+    metrics = []
+    for sub in plan.split(td):
+        out = loss(sub, normalizer=norm)
+        sum(v for k, v in out.items() if k.startswith("loss_")).backward()
+        metrics.append(out)
+    optimizer.step()
+    return torch.stack([m["loss_objective"] for m in metrics]).sum()
+
+
+@pytest.mark.parametrize("mode", ["gae", "grpo"])
+def test_swapping_gae_for_grpo_is_one_line(mode):
+    ac = tiny_actor_critic(seed=0)
+    before = [p.detach().clone() for p in ac.parameters()]
+    optimizer = torch.optim.Adam(ac.parameters(), lr=1e-3)
+    # the one line that changes:
+    adv_module = TokenGAE(gamma=1.0, lmbda=0.95) if mode == "gae" else GRPOAdvantage()
+    for it in range(2):
+        assert torch.isfinite(_ppo_iteration(ac, adv_module, optimizer, seed=it))
+    moved = sum(float((p.detach() - b).abs().sum()) for p, b in zip(ac.parameters(), before))
+    assert moved > 0
+
+
+# ---------------------------------------------------------------------------- TokenGAE module
+def test_token_gae_module_matches_loop_with_nested_renamed_keys():
+    td = _batch(seed=8)
+    td["critic", "v"] = torch.randn(*td.shape, 1)
+    td["next", "task", "r"] = td["next", "reward"].clone()
+    est = TokenGAE(gamma=0.99, lmbda=0.9, critic_lmbda=1.0)
+    est.set_keys(
+        value=("critic", "v"), reward=("task", "r"), advantage=("out", "adv"), loss_mask="loss_mask"
+    )
+    est(td)
+    ref_a, ref_t = gae_loop(
+        td["next", "reward"].squeeze(-1),
+        td["critic", "v"].squeeze(-1),
+        td["loss_mask"],
+        0.99,
+        0.9,
+        1.0,
+    )
+    assert torch.allclose(td["out", "adv"].squeeze(-1).double(), ref_a, atol=1e-6)
+    assert torch.allclose(td["value_target"].squeeze(-1).double(), ref_t, atol=1e-6)
+
+
+def test_token_gae_set_keys_accepts_inherited_names():
+    """Pins the TorchRL 0.14.1 behaviour our _AcceptedKeys works around: a dataclass subclass that
+    only adds a field loses the inherited names in ``set_keys``."""
+
+    class Naive(ValueEstimatorBase):
+        @dataclass
+        class _AcceptedKeys(ValueEstimatorBase._AcceptedKeys):
+            loss_mask: NestedKey = "loss_mask"
+
+        default_keys = _AcceptedKeys
+
+        def forward(self, tensordict, **kw):
+            return tensordict
+
+    with pytest.raises(KeyError, match="advantage is not an accepted tensordict key"):
+        Naive(value_network=None).set_keys(advantage="adv")
+    TokenGAE().set_keys(advantage="adv", value_target="tgt", loss_mask=("m", "x"))
+
+
+def test_token_gae_bootstrap_truncated_and_adaptive_lambda():
+    ac = tiny_actor_critic(seed=0)
+    _perturb(ac.model.value_head, scale=0.5)
+    td = make_trajectory([2, 3], [3, 4], seed=2, terminated=[True, False])
+    recompute_anchors(ac, td, plan_micro_batches(td, token_budget=100))
+    boot = TokenGAE(gamma=1.0, lmbda=1.0, bootstrap_truncated=True)(td.clone())
+    plain = TokenGAE(gamma=1.0, lmbda=1.0)(td.clone())
+    mask = td["loss_mask"]
+    assert torch.equal(boot["advantage"][0], plain["advantage"][0])  # terminated row unchanged
+    last = mask[1].nonzero().max()
+    v_after = td["next", "state_value"][1, last, 0]
+    diff = (boot["advantage"][1] - plain["advantage"][1]).squeeze(-1)[mask[1]]
+    assert torch.allclose(diff, v_after.expand_as(diff), atol=1e-6)
+    ada = TokenGAE(gamma=1.0, adaptive_lmbda_alpha=0.5)(td.clone())
+    lam = 1 - 1 / (0.5 * mask.sum(-1).double())
+    ref, _ = gae_loop(
+        td["next", "reward"].squeeze(-1), td["state_value"].squeeze(-1), mask, 1.0, lam
+    )
+    assert torch.allclose(ada["advantage"].squeeze(-1).double(), ref, atol=1e-6)
+
+
+def test_token_gae_errors():
+    with pytest.raises(ValueError, match=r"lmbda must be in \[0, 1\], got 1.5"):
+        TokenGAE(lmbda=1.5)
+    td = _batch()
+    with pytest.raises(KeyError, match=r"missing key 'state_value' .*recompute_anchors"):
+        TokenGAE()(td.clone())
+    flat = TensorDict({"x": torch.zeros(3)}, [3])
+    with pytest.raises(
+        ValueError, match=r"expects a \[B, L\] token trajectory .* got batch_size \(3,\)"
+    ):
+        TokenGAE()(flat)
+    td["state_value"] = torch.zeros(*td.shape, 2)
+    with pytest.raises(ValueError, match=r"'state_value' has shape \(6, 13, 2\)"):
+        TokenGAE()(td)
+
+
+# ---------------------------------------------------------------------------- GRPOAdvantage
+def test_grpo_advantage_module_broadcasts_and_drops_zero_spread_groups():
+    td = _batch(seed=1, group_size=2)
+    td["next", "reward"].zero_()
+    rows = torch.arange(6)
+    last = td["loss_mask"].long().cumsum(-1).argmax(-1)
+    rewards = torch.tensor([1.0, -1.0, 1.0, 1.0, -1.0, 1.0])  # group 1 has zero spread
+    td["next", "reward"][rows, last, 0] = rewards
+    mod = GRPOAdvantage(drop_zero_spread=True)
+    out = mod(td)
+    assert out.shape[0] == 4 and mod.stats == {
+        "groups": 3,
+        "zero_spread_groups": 1,
+        "dropped_rows": 2,
+    }
+    adv = out["advantage"].squeeze(-1)
+    assert (adv[~out["loss_mask"]] == 0).all()
+    for r in range(4):
+        vals = adv[r][out["loss_mask"][r]]
+        assert torch.allclose(vals, vals[0].expand_as(vals))
+    assert adv[0][out["loss_mask"][0]][0].item() == pytest.approx(
+        1 / 2**0.5, rel=1e-5
+    )  # (1 - 0) / std([1, -1])
+
+
+def test_grpo_advantage_as_replay_buffer_write_transform():
+    td = _batch(seed=2, group_size=3)
+    rb = ReplayBuffer(storage=LazyTensorStorage(16), batch_size=2)
+    rb.append_transform(GRPOAdvantage())
+    rb.extend(td)
+    stored = rb[:]
+    expected = GRPOAdvantage()(td.clone())["advantage"]
+    assert torch.equal(stored["advantage"], expected)
+    sample = rb.sample()
+    assert sample["advantage"].shape == (2, td.shape[1], 1)
+
+
+def test_grpo_advantage_errors():
+    td = _batch()
+    td["next", "reward"][0, 0] = 1.0  # prompt token
+    with pytest.raises(ValueError, match="non-zero reward\\(s\\) on masked tokens"):
+        GRPOAdvantage()(td)
+    with pytest.raises(KeyError, match="missing key 'prompt_id'"):
+        GRPOAdvantage()(_batch().exclude("prompt_id"))
+
+
+# ---------------------------------------------------------------------------- TokenPPOLoss API
+def test_loss_builds_token_gae_when_advantage_is_missing():
+    ac = tiny_actor_critic(seed=0)
+    td = _batch()
+    plan = plan_micro_batches(td, token_budget=1000)
+    recompute_anchors(ac, td, plan)
+    loss = TokenPPOLoss(ac)
+    loss.make_value_estimator(gamma=1.0, lmbda=0.5)
+    assert isinstance(loss.value_estimator, TokenGAE) and loss.value_estimator.lmbda == 0.5
+    out = loss(td)
+    assert "advantage" in td.keys() and torch.isfinite(out["loss_objective"])
+    with pytest.raises(ValueError, match="unsupported value_type"):
+        loss.make_value_estimator("td0")
+
+
+def test_truncated_importance_sampling_weights_policy_loss():
+    ac = tiny_actor_critic(seed=0)
+    td = _batch()
+    recompute_anchors(ac, td, plan_micro_batches(td, token_budget=1000))
+    td = TokenGAE()(td)
+    plain = TokenPPOLoss(ac, critic_coeff=None)(td)["loss_objective"]
+    td["rollout_log_prob"] = td["sample_log_prob"] - 0.5  # weight exp(0.5) capped at 1.2
+    tis = TokenPPOLoss(ac, critic_coeff=None, tis_cap=1.2)(td)["loss_objective"]
+    assert tis.item() == pytest.approx(1.2 * plain.item(), rel=1e-5)
+    with pytest.raises(KeyError, match="tis_cap is set but 'rollout_log_prob' is missing"):
+        TokenPPOLoss(ac, tis_cap=1.2)(td.exclude("rollout_log_prob"))
+
+
+def test_loss_errors():
+    ac = tiny_actor_critic()
+    for kwargs, msg in [
+        (
+            {"clip_epsilon": 1.5},
+            r"clip_epsilon must be a float or \(low, high\) in \(0, 1\), got 1.5",
+        ),
+        ({"clip_epsilon": (0.2, 0.3, 0.4)}, "clip_epsilon must be a float or"),
+        ({"dual_clip": 0.5}, r"dual_clip must be > 1 \(e.g. 3.0\), got 0.5"),
+        ({"clip_value": -1.0}, "clip_value must be a positive float or None"),
+        ({"loss_agg_mode": "mean"}, "unknown loss_agg_mode 'mean'"),
+        ({"loss_agg_mode": "seq_mean_token_sum_norm"}, "needs norm_length"),
+        ({"kl_coeff": -1.0}, "kl_coeff must be >= 0"),
+        ({"tis_cap": 0.0}, "tis_cap must be > 0"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            TokenPPOLoss(ac, **kwargs)
+    with pytest.raises(TypeError, match="needs an LMActorCritic, got Linear"):
+        TokenPPOLoss(torch.nn.Linear(2, 2))
+    td = TokenGAE()(_batch().set("state_value", torch.zeros(6, 13, 1)))
+    with pytest.raises(
+        KeyError, match=r"missing key 'sample_log_prob' \(PPO anchors: run recompute_anchors"
+    ):
+        TokenPPOLoss(ac)(td)
+    td["sample_log_prob"] = torch.zeros(6, 13)
+    with pytest.raises(KeyError, match="missing key 'ref_log_prob'"):
+        TokenPPOLoss(ac, kl_coeff=0.1)(td)
+    td["loss_mask"] = td["loss_mask"].float()
+    with pytest.raises(TypeError, match="'loss_mask' must be bool, got torch.float32"):
+        TokenPPOLoss(ac)(td)
