@@ -1,0 +1,301 @@
+"""Benchmark: ``ar_torchrl.functional.token_gae`` vs TorchRL's loop and vectorized GAE.
+
+What it reproduces (issue 2): the time of token-level GAE on one PPO batch of B=256 rows of L=4096
+tokens, for lambda 0.95 and 1.0 (gamma 1), against TorchRL 0.14.1's two functional GAE paths on the
+same data, with ``torch.set_num_threads(1)`` and with all the machine's cores; and how far each path
+is from a memory-bandwidth bound measured in the same run.
+
+Data (seeded): each row is a left-padded prompt (length uniform in ``[P/8, P]``, P=512) followed by a
+right-padded response of length uniform in ``[1, L - P]``, the DESIGN.md token-trajectory layout.
+``loss_mask`` is True on response tokens; ``value`` is uniform in ``[-1, 1]`` on real tokens, 0 on
+padding; the reward is +-1 on the last response token, 0 elsewhere.
+
+What each path computes (all with gamma=1, all responses terminated, no bootstrap):
+
+* ``token_gae``: ``token_gae(reward, value, loss_mask, gamma, lmbda)`` on the full ``[B, L]``
+  rows: GAE over the trained tokens, skipping masked ones, advantage and value_target 0 elsewhere.
+  The timed call includes its input checks (a non-zero reward on a masked token is an error).
+* ``torchrl_loop``: ``generalized_advantage_estimate`` (a Python loop over time, vectorized over B).
+* ``torchrl_vec``: ``vec_generalized_advantage_estimate`` (scalar gamma/lambda dispatch to
+  ``_fast_vec_gae``: split rows at ``done`` into trajectories, pad, conv1d with the geometric
+  filter ``(gamma*lambda)**k`` truncated below 1e-7, so O(B * T * min(T, log(1e-7)/log(gamma*lambda)))).
+
+TorchRL gets its best-case input, prepared outside the timed region: the time axis is the response
+segment only (columns ``P:L``, a view: the prompt is left-padded to P so every response starts at
+column P), shape ``[B, L - P, 1]``; ``next_state_value`` is the value shifted by one step;
+``done = terminated = True`` on the last response token only (the right padding after it becomes a
+separate trajectory that TorchRL also computes, since TorchRL has no mask). Running TorchRL on the
+whole row instead costs more steps; marking every padding token ``done`` makes the vectorized path
+O(B * L^2) (DESIGN.md section 8), so neither is used. On trained tokens all paths compute the same
+numbers: the script asserts |difference| <= 1e-4 for advantage and value_target before timing.
+
+Bandwidth bound: the bytes token_gae must move at least once (reward, value float32 + mask bool
+read, advantage and value_target float32 written: 17 bytes per token) divided by the copy bandwidth
+measured in the same run with ``Tensor.copy_`` of a buffer much larger than the caches (read + write
+counted), at the same thread count.
+
+Run:
+    .venv/bin/python benchmarks/bench_gae.py            # full size, ~1 min on 2 cores
+    .venv/bin/python benchmarks/bench_gae.py --quick    # small sizes, a few seconds (used by tests)
+
+Prints a table (path | lambda | threads | ms | speed-up vs TorchRL fastest | x of bandwidth bound)
+and writes ``benchmarks/results/bench_gae.json`` (``--out`` to change).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torchrl
+from torch import Tensor
+from torchrl.objectives.value.functional import (
+    generalized_advantage_estimate,
+    vec_generalized_advantage_estimate,
+)
+
+from ar_torchrl.functional import token_gae
+
+GAMMA = 1.0
+LAMBDAS = (0.95, 1.0)
+CHECK_ATOL = 1e-4
+BYTES_PER_TOKEN = 4 + 4 + 1 + 4 + 4  # reward, value, mask in; advantage, value_target out
+TARGET_SPEEDUP = 5.0
+TARGET_X_BOUND = 10.0
+TORCHRL_PATHS = ("torchrl_loop", "torchrl_vec")
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_gae.json"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="B=16, L=512, P=64, 3 repetitions")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--length", type=int, default=4096)
+    p.add_argument("--prompt", type=int, default=512, help="left-padded prompt width P")
+    p.add_argument("--reps", type=int, default=7, help="timed repetitions (after one warm-up)")
+    p.add_argument("--budget-s", type=float, default=4.0, help="max timed seconds per path")
+    p.add_argument("--threads", type=str, default=f"1,{cores}", help="comma-separated")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.batch, args.length, args.prompt, args.reps = 16, 512, 64, 3
+    if not 0 < args.prompt < args.length:
+        p.error(f"--prompt must be in (0, --length={args.length}), got {args.prompt}")
+    args.threads = sorted({int(t) for t in args.threads.split(",")})
+    return args
+
+
+# ----------------------------------------------------------------------------- data
+def make_batch(batch: int, length: int, prompt: int, seed: int) -> dict[str, Tensor]:
+    """Seeded token-trajectory batch: ``reward``, ``value``, ``loss_mask`` ``[B, L]``."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_len = torch.randint(max(1, prompt // 8), prompt + 1, (batch,), generator=g)
+    response_len = torch.randint(1, length - prompt + 1, (batch,), generator=g)
+    pos = torch.arange(length)
+    end = prompt + response_len  # exclusive
+    loss_mask = (pos >= prompt) & (pos < end[:, None])
+    real = (pos >= prompt - prompt_len[:, None]) & (pos < end[:, None])
+    value = torch.where(real, torch.rand(batch, length, generator=g) * 2 - 1, 0.0)
+    reward = torch.zeros(batch, length)
+    sign = torch.where(torch.rand(batch, generator=g) < 0.5, 1.0, -1.0)
+    reward[torch.arange(batch), end - 1] = sign
+    return {"reward": reward, "value": value, "loss_mask": loss_mask, "response_len": response_len}
+
+
+def torchrl_inputs(data: dict[str, Tensor], prompt: int) -> dict[str, Tensor]:
+    """TorchRL's best-case input: the response segment ``[B, L - P, 1]``, done at its last token."""
+    reward = data["reward"][:, prompt:].unsqueeze(-1)
+    value = data["value"][:, prompt:].unsqueeze(-1)
+    next_value = torch.cat([value[:, 1:], torch.zeros_like(value[:, :1])], dim=1)
+    done = torch.zeros_like(reward, dtype=torch.bool)
+    done[torch.arange(done.shape[0]), data["response_len"] - 1] = True
+    return {
+        "state_value": value,
+        "next_state_value": next_value,
+        "reward": reward,
+        "done": done,
+        "terminated": done.clone(),
+    }
+
+
+def make_paths(
+    data: dict[str, Tensor], trl: dict[str, Tensor], lmbda: float
+) -> dict[str, Callable[[], tuple[Tensor, Tensor]]]:
+    """Zero-argument callables returning ``(advantage, value_target)`` in each path's layout."""
+    r, v, m = data["reward"], data["value"], data["loss_mask"]
+    return {
+        "token_gae": lambda: token_gae(r, v, m, gamma=GAMMA, lmbda=lmbda),
+        "torchrl_loop": lambda: generalized_advantage_estimate(GAMMA, lmbda, **trl),
+        "torchrl_vec": lambda: vec_generalized_advantage_estimate(GAMMA, lmbda, **trl),
+    }
+
+
+# ----------------------------------------------------------------------------- check
+def check_equal(data: dict[str, Tensor], paths: dict, prompt: int) -> dict[str, float]:
+    """Assert every TorchRL path equals token_gae on trained tokens; return the max |diffs|."""
+    adv, ret = paths["token_gae"]()
+    mask = data["loss_mask"]
+    outside = torch.cat([adv[~mask], ret[~mask]]).abs().max() if (~mask).any() else 0.0
+    assert float(outside) == 0.0, f"token_gae wrote {float(outside)} on a masked token"
+    seg_mask = mask[:, prompt:]
+    errors = {}
+    for name in TORCHRL_PATHS:
+        t_adv, t_ret = (x.squeeze(-1) for x in paths[name]())
+        err = max(
+            float((t_adv - adv[:, prompt:])[seg_mask].abs().max()),
+            float((t_ret - ret[:, prompt:])[seg_mask].abs().max()),
+        )
+        assert err <= CHECK_ATOL, f"{name} differs from token_gae by {err:.3g} > {CHECK_ATOL}"
+        errors[name] = err
+    return errors
+
+
+# ----------------------------------------------------------------------------- timing
+def median_ms(fn: Callable[[], object], reps: int, budget_s: float) -> tuple[float, int]:
+    """One warm-up call, then up to ``reps`` timed calls within ``budget_s``; median in ms."""
+    start = time.perf_counter()
+    fn()
+    warm = time.perf_counter() - start
+    n = max(1, min(reps, int(budget_s / max(warm, 1e-9))))
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3, n
+
+
+def copy_bandwidth_gbs(n_bytes: int, reps: int = 5) -> float:
+    """Copy bandwidth in GB/s (bytes read + bytes written per second) of ``dst.copy_(src)``."""
+    src = torch.ones(n_bytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    ms, _ = median_ms(lambda: dst.copy_(src), reps, budget_s=10.0)
+    return 2 * n_bytes / (ms * 1e-3) / 1e9
+
+
+def run(args: argparse.Namespace) -> dict:
+    data = make_batch(args.batch, args.length, args.prompt, args.seed)
+    trl = torchrl_inputs(data, args.prompt)
+    gae_bytes = args.batch * args.length * BYTES_PER_TOKEN
+    copy_bytes = (64 if args.quick else 256) * 2**20
+    rows, bandwidth, check_errors = [], {}, {}
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        bw = copy_bandwidth_gbs(copy_bytes)
+        bound_ms = gae_bytes / (bw * 1e9) * 1e3
+        bandwidth[str(threads)] = {"copy_gbs": bw, "bound_ms": bound_ms}
+        for lmbda in LAMBDAS:
+            paths = make_paths(data, trl, lmbda)
+            check_errors[f"lambda={lmbda}"] = check_equal(data, paths, args.prompt)
+            for name, fn in paths.items():
+                ms, n = median_ms(fn, args.reps, args.budget_s)
+                rows.append(
+                    {"path": name, "lmbda": lmbda, "threads": threads, "ms": ms, "reps": n,
+                     "x_bandwidth_bound": ms / bound_ms}
+                )  # fmt: skip
+            print(f"  threads={threads} lambda={lmbda} done", file=sys.stderr, flush=True)
+    add_speedups(rows)
+    return {
+        "config": config_dict(args, gae_bytes, copy_bytes),
+        "bandwidth": bandwidth,
+        "check_max_abs_diff": check_errors,
+        "results": rows,
+        "targets": targets(rows),
+    }
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """``speedup_vs_torchrl_fastest`` = fastest TorchRL ms / this ms, per (lambda, threads)."""
+    for row in rows:
+        same = [r["ms"] for r in rows if r["path"] in TORCHRL_PATHS and _group(r) == _group(row)]
+        row["speedup_vs_torchrl_fastest"] = min(same) / row["ms"]
+
+
+def _group(row: dict) -> tuple[float, int]:
+    return row["lmbda"], row["threads"]
+
+
+def targets(rows: list[dict]) -> dict:
+    ours = [r for r in rows if r["path"] == "token_gae"]
+    speedup = min(r["speedup_vs_torchrl_fastest"] for r in ours)
+    x_bound = max(r["x_bandwidth_bound"] for r in ours)
+    return {
+        "speedup_target": TARGET_SPEEDUP,
+        "x_bound_target": TARGET_X_BOUND,
+        "worst_speedup": speedup,
+        "worst_x_bound": x_bound,
+        "speedup_met": speedup >= TARGET_SPEEDUP,
+        "x_bound_met": x_bound <= TARGET_X_BOUND,
+    }
+
+
+def config_dict(args: argparse.Namespace, gae_bytes: int, copy_bytes: int) -> dict:
+    return {
+        "batch": args.batch,
+        "length": args.length,
+        "prompt": args.prompt,
+        "torchrl_time_steps": args.length - args.prompt,
+        "gamma": GAMMA,
+        "lambdas": list(LAMBDAS),
+        "threads": args.threads,
+        "reps": args.reps,
+        "seed": args.seed,
+        "quick": args.quick,
+        "gae_bytes": gae_bytes,
+        "copy_buffer_bytes": copy_bytes,
+        "torch": torch.__version__,
+        "torchrl": torchrl.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def print_table(result: dict) -> None:
+    cfg = result["config"]
+    print(f"\nGAE benchmark: B={cfg['batch']} L={cfg['length']} (TorchRL on the response "
+          f"segment, T={cfg['torchrl_time_steps']}), gamma={cfg['gamma']}")  # fmt: skip
+    for threads, bw in result["bandwidth"].items():
+        print(f"  threads={threads}: copy bandwidth {bw['copy_gbs']:.1f} GB/s -> "
+              f"bound {bw['bound_ms']:.2f} ms for {cfg['gae_bytes'] / 1e6:.1f} MB")  # fmt: skip
+    header = f"{'path':<14}| {'lambda':>6} | {'threads':>7} | {'ms':>9} | "
+    header += f"{'speed-up vs TorchRL fastest':>27} | {'x of bandwidth bound':>20}"
+    print(header)
+    print("-" * len(header))
+    for r in result["results"]:
+        print(
+            f"{r['path']:<14}| {r['lmbda']:>6} | {r['threads']:>7} | {r['ms']:>9.2f} | "
+            f"{r['speedup_vs_torchrl_fastest']:>27.2f} | {r['x_bandwidth_bound']:>20.1f}"
+        )
+    t = result["targets"]
+    print(
+        f"token_gae worst speed-up {t['worst_speedup']:.2f}x (target >= {t['speedup_target']}x: "
+        f"{'met' if t['speedup_met'] else 'MISSED'}), worst {t['worst_x_bound']:.1f}x of the "
+        f"bandwidth bound (target <= {t['x_bound_target']}x: "
+        f"{'met' if t['x_bound_met'] else 'MISSED'})"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    result = run(args)
+    print_table(result)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.replace(args.out)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
