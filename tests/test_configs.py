@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 
 from ar_torchrl.assets import build_tiny_qwen3
 from ar_torchrl.backends import SamplingParams
