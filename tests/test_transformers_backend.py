@@ -181,7 +181,12 @@ def test_copy_mode_sync_loads_new_weights_and_rejects_value_head():
     trainer = attach_value_head(build_tiny_qwen3(VOCAB, seed=1))
     backend = TransformersBackend(build_tiny_qwen3(VOCAB, seed=0), mode="copy")
     greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
-    expected = TransformersBackend(trainer).generate(PROMPTS, 1, greedy)
+    copy_backend = TransformersBackend(trainer)
+    assert hasattr(trainer, "value_head") and not hasattr(copy_backend.model, "value_head")
+    assert copy_backend.model is not trainer and not any(
+        p.requires_grad for p in copy_backend.model.parameters()
+    )
+    expected = copy_backend.generate(PROMPTS, 1, greedy)
     before = backend.generate(PROMPTS, 1, greedy)
     assert lp(before) != lp(expected)
     backend.sync_weights(named_policy_tensors(trainer), version=3)

@@ -127,7 +127,7 @@ class TransformersBackend(GenerationBackend):
                 f"TransformersBackend: max_batch_size must be >= 1, got {max_batch_size}"
             )
         self.mode = mode
-        self.model = model if mode == "share" else copy.deepcopy(model).eval().requires_grad_(False)
+        self.model = model if mode == "share" else _rollout_copy(model)
         self.sender = TrainsideSender(self.model, mode=mode)
         self.eos_token_ids = _resolve_eos(self.model, eos_token_id)
         pad = (
@@ -139,7 +139,7 @@ class TransformersBackend(GenerationBackend):
         self.max_batch_size = max_batch_size
         self.logprob_mode = logprob_mode
         self.policy_version = 0
-        self._generator = torch.Generator().manual_seed(seed)
+        self._generator = torch.Generator(device=self._device()).manual_seed(seed)
         self._cache_kwarg = (
             "cache"
             if "cache" in inspect.signature(self.model.forward).parameters
@@ -154,11 +154,7 @@ class TransformersBackend(GenerationBackend):
         prompts = _validate_prompts(prompt_token_ids, n)
         flat = [p for p in prompts for _ in range(n)]
         index = [i for i in range(len(prompts)) for _ in range(n)]
-        generator = (
-            torch.Generator().manual_seed(sampling.seed)
-            if sampling.seed is not None
-            else self._generator
-        )
+        generator = self._generator_for(sampling)
         step = self.max_batch_size or len(flat)
         starts = range(0, len(flat), step)
         out: list[Completion] = []
@@ -176,6 +172,16 @@ class TransformersBackend(GenerationBackend):
         """
         self.sender.send(named_tensors)
         self.policy_version = int(version)
+
+    def _generator_for(self, sampling: SamplingParams) -> torch.Generator:
+        """Per-call seeded generator, or the backend's stream; on the model's device."""
+        device = self._device()
+        if sampling.seed is not None:
+            return torch.Generator(device=device).manual_seed(sampling.seed)
+        if self._generator.device != device:  # the model moved: continue the stream there
+            seed = int(torch.randint(2**62, (1,), generator=self._generator))
+            self._generator = torch.Generator(device=device).manual_seed(seed)
+        return self._generator
 
     def state_dict(self) -> dict:
         """RNG state and weight version (for checkpoint/resume; the weights come from the trainer)."""
@@ -215,8 +221,8 @@ class TransformersBackend(GenerationBackend):
         if sampling.greedy:
             tokens = log_probs.argmax(dim=-1)
         else:
-            probs = log_probs.exp().cpu()
-            tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(logits.device)
+            probs = log_probs.exp()
+            tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
             if self.logprob_mode == "temperature":
                 log_probs = torch.log_softmax(logits.float() / sampling.temperature, dim=-1)
         return tokens, log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
@@ -251,6 +257,14 @@ class TransformersBackend(GenerationBackend):
             positions = (mask.long().sum(-1, keepdim=True) - 1).clamp(min=0)
             logits = self._forward(step_ids.unsqueeze(-1), mask, positions, cache)
         return _to_completions(tokens, log_probs, lengths, stopped, index, self.policy_version)
+
+
+def _rollout_copy(model: nn.Module) -> nn.Module:
+    """A private, frozen, eval-mode copy of the policy (a train-only value head is dropped)."""
+    rollout = copy.deepcopy(model).eval().requires_grad_(False)
+    if isinstance(getattr(rollout, "value_head", None), nn.Module):
+        del rollout.value_head
+    return rollout
 
 
 def _resolve_eos(model: nn.Module, eos_token_id) -> tuple[int, ...]:
