@@ -14,6 +14,7 @@ Paths (all after one untimed warm-up call, then one timed run, seeded):
 * ``hf_generate_logprobs``: the same with ``output_scores=True, return_dict_in_generate=True`` and
   ``compute_transition_scores(..., normalize_logits=True)`` so it returns log-probs too.
 
+Before timing, the script asserts that greedy decoding gives the same tokens on both paths.
 Tokens counted: generated tokens up to and including EOS in each row (padding after EOS is not
 counted). The table reports tokens/s and the ratio backend / path. Models: the tiny recipe model
 (Qwen3 hidden 64, 2 layers, ~105k parameters) and a larger one (hidden 256, 4 layers) where the
@@ -55,11 +56,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument(
+        "--models", default=",".join(MODELS), help=f"comma-separated subset of {list(MODELS)}"
+    )
     p.add_argument("--quick", action="store_true", help="4 prompts x 2 samples, 16 new tokens")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
     if args.quick:
         args.prompts, args.samples, args.max_new_tokens = 4, 2, 16
+    args.models = args.models.split(",")
+    unknown = sorted(set(args.models) - set(MODELS))
+    if unknown:
+        p.error(f"unknown --models {unknown}; choose from {list(MODELS)}")
     return args
 
 
@@ -86,6 +94,20 @@ def count_until_eos(new_tokens: torch.Tensor, eos: int) -> int:
     is_eos = new_tokens == eos
     first = torch.where(is_eos.any(-1), is_eos.int().argmax(-1) + 1, new_tokens.shape[-1])
     return int(first.sum())
+
+
+def check_greedy_agreement(model, prompts, max_new_tokens: int) -> None:
+    """Before timing: greedy decoding of both paths gives the same tokens (same model, same rows)."""
+    greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    ours = TransformersBackend(model, mode="share").generate(prompts, 1, greedy)
+    ids, mask = left_pad(prompts, pad=0)
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=2, pad_token_id=0)[:, ids.shape[1] :]  # fmt: skip
+    for c, row in zip(ours, ref):
+        if c.token_ids != row[: len(c)].tolist():
+            raise AssertionError(
+                f"greedy mismatch on prompt {c.prompt_index}: {c.token_ids} vs {row.tolist()}"
+            )
 
 
 def run_backend(model, prompts, args) -> tuple[float, int]:
@@ -119,9 +141,10 @@ def bench(args) -> list[dict]:
     tok = build_char_tokenizer()
     prompts = chat_prompts(tok, args.prompts)
     results = []
-    for name, shape in MODELS.items():
-        model = build_tiny_qwen3(len(tok), max_position_embeddings=1024, **shape)
+    for name in args.models:
+        model = build_tiny_qwen3(len(tok), max_position_embeddings=1024, **MODELS[name])
         with torch.no_grad():
+            check_greedy_agreement(model, prompts[:4], args.max_new_tokens)
             runs = {
                 "backend": run_backend(model, prompts, args),
                 "hf_generate": run_hf(model, prompts, args, logprobs=False),

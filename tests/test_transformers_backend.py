@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -231,3 +235,15 @@ def test_bad_arguments(model):
         backend.generate([[1, 2]], 0, SamplingParams())
     with pytest.raises(ValueError, match="mode must be 'copy' or 'share', got 'ref'"):
         TransformersBackend(model, mode="ref")
+
+
+def test_benchmark_script_runs_quick(tmp_path):
+    """Smoke test so ``benchmarks/bench_trainside_generate.py`` can't rot (no timing asserted)."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_trainside_generate.py"
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, str(script), "--quick", "--models", "tiny_h64_l2", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["results"]
+    assert {r["path"] for r in rows} == {"backend", "hf_generate", "hf_generate_logprobs"}
+    assert all(0 < r["tokens"] <= 4 * 2 * 16 and r["tokens_per_s"] > 0 for r in rows)
