@@ -22,6 +22,7 @@ under ``logs/``, ``checkpoints/``, ``curves.png``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -43,7 +44,7 @@ from ar_torchrl.data.datasets import arithmetic_dataset, load_dapo_math, train_h
 from ar_torchrl.envs import LLMEnv
 from ar_torchrl.functional import masked_mean
 from ar_torchrl.models import build_tiny_model, check_tokenizer, load_hf_model, load_smollm2_135m
-from ar_torchrl.modules import LMActorCritic, attach_value_head
+from ar_torchrl.modules import LMActorCritic, attach_value_head, save_policy
 from ar_torchrl.objectives import GRPOAdvantage, TokenGAE, TokenPPOLoss, recompute_anchors
 from ar_torchrl.training import ppo_update
 from ar_torchrl.utils import (
@@ -146,20 +147,26 @@ def build_model(cfg: DictConfig):
     return model, tok
 
 
-def build_backend(cfg: DictConfig, model, run_dir: Path):
+def build_backend(cfg: DictConfig, model, tokenizer, run_dir: Path, stack: contextlib.ExitStack):
     """The rollout engine: a private copy of the policy in this process, or an SGLang server."""
     if cfg.backend.name == "trainside":
-        return TransformersBackend(model, mode="copy", max_batch_size=cfg.backend.max_batch_size,
-                                   seed=cfg.seed)  # fmt: skip
+        backend = TransformersBackend(model, mode="copy", max_batch_size=cfg.backend.max_batch_size,
+                                      seed=cfg.seed)  # fmt: skip
+        stack.callback(backend.close)
+        return backend
     from ar_torchrl.backends.sglang import SGLangBackend, launch_sglang_server
 
-    if cfg.backend.url is not None:
-        return SGLangBackend(cfg.backend.url)
-    model_dir = run_dir / "sglang_model"
-    model.save_pretrained(model_dir)  # the server loads the starting policy from disk
-    server = launch_sglang_server(model_dir, python=cfg.backend.python,
-                                  extra_args=list(cfg.backend.extra_args))  # fmt: skip
-    return SGLangBackend(server.url, server=server)
+    url = cfg.backend.url
+    if url is None:  # launch a local server on the starting policy, stopped when the run ends
+        model_dir = save_policy(model, run_dir / "sglang_model", tokenizer)
+        server = stack.enter_context(launch_sglang_server(
+            model_dir, python=cfg.backend.python, device=cfg.backend.device,
+            extra_args=list(cfg.backend.extra_args), log_file=run_dir / "sglang_server.log",
+        ))  # fmt: skip
+        url = server.url
+    backend = SGLangBackend(url, weight_sync=cfg.backend.weight_sync)
+    stack.callback(backend.close)
+    return backend
 
 
 def build_optimizer(cfg: DictConfig, model) -> torch.optim.Optimizer:
@@ -226,6 +233,11 @@ def resume(cfg, ckpt_dir, metrics_file, model, optimizer, collector, shuffle_rng
 # --------------------------------------------------------------------------- the recipe
 @hydra.main(config_path="../configs", config_name="dapo_ppo", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    with contextlib.ExitStack() as stack:  # stops a launched SGLang server, closes clients
+        train(cfg, stack)
+
+
+def train(cfg: DictConfig, stack: contextlib.ExitStack) -> None:
     validate_config(cfg)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     torch.set_num_threads(cfg.num_threads)
@@ -247,7 +259,7 @@ def main(cfg: DictConfig) -> None:
 
     # 3. Rollouts: backend (trainside or SGLang) -> LLMEnv (prompts in, scored token trajectories
     #    out) -> WeightSyncCollector (sync, or async: the next batch is generated in the background).
-    backend = build_backend(cfg, model, run_dir)
+    backend = build_backend(cfg, model, tokenizer, run_dir, stack)
     r = cfg.rollout
     sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                               top_p=r.top_p, top_k=r.top_k)  # fmt: skip
@@ -256,6 +268,7 @@ def main(cfg: DictConfig) -> None:
                  overlong_buffer_len=r.overlong_buffer, overlong_penalty_factor=r.overlong_penalty,
                  seed=cfg.seed)  # fmt: skip
     collector = WeightSyncCollector(env, model, mode=cfg.train.mode, max_policy_lag=1)
+    stack.callback(collector.shutdown)  # also on errors: waits for an in-flight background batch
     # Evaluation decodes greedily from the trainer's own weights (trainside) or the server.
     eval_backend = (
         TransformersBackend(model, mode="share") if cfg.backend.name == "trainside" else backend
@@ -335,7 +348,6 @@ def main(cfg: DictConfig) -> None:
     if cfg.train.plot and history:
         plot_training_curves(history, run_dir / "curves.png")
     summarize(history)
-    backend.close()
 
 
 def summarize(history: list[dict]) -> None:
