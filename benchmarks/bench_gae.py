@@ -38,6 +38,12 @@ Run:
     .venv/bin/python benchmarks/bench_gae.py            # full size, ~1 min on 2 cores
     .venv/bin/python benchmarks/bench_gae.py --quick    # small sizes, a few seconds (used by tests)
 
+Timing: every path is called once to warm up, then the paths of one (lambda, threads) group are
+timed round-robin, so a change of load on the shared machine hits them alike; ``ms`` is the median
+of up to ``--reps`` calls (fewer for a path whose calls would exceed ``--budget-s``: TorchRL's
+vectorized path at lambda=1 takes seconds), ``min_ms`` the fastest call. The 1-minute load average
+before and after is recorded: on a busy machine the ratios are more meaningful than the times.
+
 Prints a table (path | lambda | threads | ms | speed-up vs TorchRL fastest | x of bandwidth bound)
 and writes ``benchmarks/results/bench_gae.json`` (``--out`` to change).
 """
@@ -161,18 +167,31 @@ def check_equal(data: dict[str, Tensor], paths: dict, prompt: int) -> dict[str, 
 
 
 # ----------------------------------------------------------------------------- timing
-def median_ms(fn: Callable[[], object], reps: int, budget_s: float) -> tuple[float, int]:
-    """One warm-up call, then up to ``reps`` timed calls within ``budget_s``; median in ms."""
+def _call_s(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
-    warm = time.perf_counter() - start
-    n = max(1, min(reps, int(budget_s / max(warm, 1e-9))))
-    times = []
-    for _ in range(n):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3, n
+    return time.perf_counter() - start
+
+
+def time_paths(paths: dict, reps: int, budget_s: float) -> dict[str, dict]:
+    """Warm up each path once, then time them round-robin (so a load change on the shared machine
+    hits every path alike); each path gets up to ``reps`` calls within ``budget_s``.
+
+    Returns ``{name: {"ms": median, "min_ms": min, "reps": n}}``.
+    """
+    n = {
+        name: max(1, min(reps, int(budget_s / max(_call_s(fn), 1e-9))))
+        for name, fn in paths.items()
+    }
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for i in range(max(n.values())):
+        for name, fn in paths.items():
+            if i < n[name]:
+                times[name].append(_call_s(fn) * 1e3)
+    return {
+        name: {"ms": statistics.median(t), "min_ms": min(t), "reps": len(t)}
+        for name, t in times.items()
+    }
 
 
 def copy_bandwidth_gbs(n_bytes: int, reps: int = 5) -> float:
@@ -180,7 +199,7 @@ def copy_bandwidth_gbs(n_bytes: int, reps: int = 5) -> float:
     src = torch.ones(n_bytes // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    ms, _ = median_ms(lambda: dst.copy_(src), reps, budget_s=10.0)
+    ms = time_paths({"copy": lambda: dst.copy_(src)}, reps, budget_s=10.0)["copy"]["ms"]
     return 2 * n_bytes / (ms * 1e-3) / 1e9
 
 
@@ -190,6 +209,7 @@ def run(args: argparse.Namespace) -> dict:
     gae_bytes = args.batch * args.length * BYTES_PER_TOKEN
     copy_bytes = (64 if args.quick else 256) * 2**20
     rows, bandwidth, check_errors = [], {}, {}
+    load_before = os.getloadavg()[0]
     for threads in args.threads:
         torch.set_num_threads(threads)
         bw = copy_bandwidth_gbs(copy_bytes)
@@ -198,16 +218,17 @@ def run(args: argparse.Namespace) -> dict:
         for lmbda in LAMBDAS:
             paths = make_paths(data, trl, lmbda)
             check_errors[f"lambda={lmbda}"] = check_equal(data, paths, args.prompt)
-            for name, fn in paths.items():
-                ms, n = median_ms(fn, args.reps, args.budget_s)
+            for name, t in time_paths(paths, args.reps, args.budget_s).items():
                 rows.append(
-                    {"path": name, "lmbda": lmbda, "threads": threads, "ms": ms, "reps": n,
-                     "x_bandwidth_bound": ms / bound_ms}
+                    {"path": name, "lmbda": lmbda, "threads": threads, **t,
+                     "x_bandwidth_bound": t["ms"] / bound_ms}
                 )  # fmt: skip
             print(f"  threads={threads} lambda={lmbda} done", file=sys.stderr, flush=True)
     add_speedups(rows)
+    cfg = config_dict(args, gae_bytes, copy_bytes)
+    cfg["load_avg_1m"] = {"before": load_before, "after": os.getloadavg()[0]}
     return {
-        "config": config_dict(args, gae_bytes, copy_bytes),
+        "config": cfg,
         "bandwidth": bandwidth,
         "check_max_abs_diff": check_errors,
         "results": rows,
@@ -263,8 +284,10 @@ def config_dict(args: argparse.Namespace, gae_bytes: int, copy_bytes: int) -> di
 
 def print_table(result: dict) -> None:
     cfg = result["config"]
+    load = cfg["load_avg_1m"]
     print(f"\nGAE benchmark: B={cfg['batch']} L={cfg['length']} (TorchRL on the response "
-          f"segment, T={cfg['torchrl_time_steps']}), gamma={cfg['gamma']}")  # fmt: skip
+          f"segment, T={cfg['torchrl_time_steps']}), gamma={cfg['gamma']}, 1-min load average "
+          f"{load['before']:.1f} -> {load['after']:.1f} on {cfg['cpu_count']} cores")  # fmt: skip
     for threads, bw in result["bandwidth"].items():
         print(f"  threads={threads}: copy bandwidth {bw['copy_gbs']:.1f} GB/s -> "
               f"bound {bw['bound_ms']:.2f} ms for {cfg['gae_bytes'] / 1e6:.1f} MB")  # fmt: skip
