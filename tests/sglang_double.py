@@ -26,9 +26,10 @@ import json
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any
 
 from ar_torchrl.backends._sglang_protocol import (
     load_api_types,
@@ -211,7 +212,9 @@ def serve_double(double: SGLangDouble | None = None):
     double = double or SGLangDouble()
     server = _Server(("127.0.0.1", 0), _make_handler(double))
     double.url = f"http://127.0.0.1:{server.server_address[1]}"
-    thread = threading.Thread(target=server.serve_forever, name="sglang-double", daemon=True)
+    thread = threading.Thread(
+        target=server.serve_forever, args=(0.05,), name="sglang-double", daemon=True
+    )
     thread.start()
 
     def stop() -> None:

@@ -46,6 +46,7 @@ __all__ = [
     "SGLangWeightSender",
     "TensorWeightSender",
     "bucketize",
+    "check_shapes",
     "flatten_bucket",
     "make_sender",
     "policy_tensors",
@@ -199,6 +200,9 @@ class DiskWeightSender(SGLangWeightSender):
             next to the weights (default: the server's model path, read once from ``/model_info``).
         tmp_root: where temp dirs are made (must be readable by the server).
 
+    The directory of the latest sync is kept (the servers' ``model_path`` points at it, and a later
+    sender reads the config from there); this sender removes it at its next successful sync.
+
     Example:
         >>> DiskWeightSender(client=None, config_dir="/tmp").name
         'disk'
@@ -216,6 +220,7 @@ class DiskWeightSender(SGLangWeightSender):
         super().__init__(client)
         self.config_dir = Path(config_dir) if config_dir else None
         self.tmp_root = tmp_root
+        self._last_dir: Path | None = None
 
     def _resolve_config_dir(self) -> Path:
         if self.config_dir is None:  # cached: after a sync the server's model_path is our temp dir
@@ -241,11 +246,51 @@ class DiskWeightSender(SGLangWeightSender):
                 shutil.copy2(f, out / f.name)
 
     def _send(self, items: NamedTensors, version: str) -> None:
-        with tempfile.TemporaryDirectory(prefix="ar_torchrl-weights-", dir=self.tmp_root) as tmp:
-            self._write(items, Path(tmp))
-            body = {"model_path": tmp, "weight_version": version, "flush_cache": True}
+        check_shapes(items, self._resolve_config_dir())
+        out = Path(tempfile.mkdtemp(prefix="ar_torchrl-weights-", dir=self.tmp_root))
+        try:
+            self._write(items, out)
+            body = {"model_path": str(out), "weight_version": version, "flush_cache": True}
             for url in self.client.urls:
                 _post_checked(self.client, url, "/update_weights_from_disk", body)
+        except BaseException:
+            shutil.rmtree(out, ignore_errors=True)
+            raise
+        # The servers' model_path now points at `out`: keep it until the next sync replaces it.
+        if self._last_dir is not None:
+            shutil.rmtree(self._last_dir, ignore_errors=True)
+        self._last_dir = out
+
+
+def check_shapes(items: NamedTensors, model_dir: Path) -> None:
+    """Compare shapes with the safetensors checkpoint in ``model_dir`` (headers only) before sending.
+
+    SGLang 0.5.23 does not survive a wrong-shaped disk update (its rollback re-reads the same bad
+    files and the scheduler dies), so a mismatch is refused here. Names absent from the
+    checkpoint (e.g. a tied ``lm_head.weight``) are not checked; the server ignores unknown names.
+
+    Raises:
+        WeightSyncError: naming the first mismatching tensors.
+
+    Example:
+        >>> check_shapes([("w", torch.ones(2))], Path("/nonexistent"))  # no checkpoint: nothing to check
+    """
+    from safetensors import safe_open
+
+    shapes = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as sf:
+            shapes.update({k: tuple(sf.get_slice(k).get_shape()) for k in sf.keys()})
+    bad = [
+        (n, tuple(t.shape), shapes[n])
+        for n, t in items
+        if n in shapes and tuple(t.shape) != shapes[n]
+    ]
+    if bad:
+        raise WeightSyncError(
+            f"SGLang weight sync: shapes differ from the served checkpoint {model_dir} for "
+            f"{len(bad)} tensors, e.g. (name, sent, served) {bad[:3]}; send the same architecture"
+        )
 
 
 class _SessionMixin:
