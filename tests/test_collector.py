@@ -153,11 +153,11 @@ def test_state_dict_resumes_before_the_prefetched_batch(tok):
     expected = next(it)
     collector.shutdown()
     assert state["batches_yielded"] == 1
-    fresh, _, _ = make(tok, mode="async", total_batches=3, seed=99)
+    fresh, _, _ = make(tok, mode="async", total_batches=2, seed=99)  # the 2 batches left
     fresh.load_state_dict(state)
-    resumed = next(iter(fresh))
-    fresh.shutdown()
-    assert torch.equal(resumed["tokens"], expected["tokens"])
+    resumed = list(fresh)
+    assert len(resumed) == 2 and fresh.batches_yielded == 3
+    assert torch.equal(resumed[0]["tokens"], expected["tokens"])
 
 
 def test_shutdown_rewinds_an_unconsumed_prefetch(tok):

@@ -59,7 +59,10 @@ class WeightSyncCollector(BaseCollector):
     Args:
         env: the environment (its ``backend`` receives the weights).
         policy_model: the trainer's HF model (a ``value_head`` is never sent).
-        total_batches: stop after this many batches (``None``: never stop).
+        total_batches: batches per pass over the collector (``None``: never stop). As with
+            TorchRL's ``total_frames``, it counts from the start of iteration, so a resumed run
+            asks for the batches it has left; ``batches_yielded`` is the lifetime counter saved in
+            ``state_dict``.
         mode: ``"sync"`` or ``"async"`` (generate the next batch in the background).
         max_policy_lag: in async mode, the most versions a handed-out batch may lag the trainer
             (``>= 1``).
@@ -152,11 +155,13 @@ class WeightSyncCollector(BaseCollector):
 
     def iterator(self) -> Iterator[TensorDictBase]:
         """Yield token-trajectory batches until ``total_batches``."""
-        while self.total_batches is None or self.batches_yielded < self.total_batches:
+        produced = 0
+        while self.total_batches is None or produced < self.total_batches:
             batch = self._next_batch()
             self.last_policy_lag = self.policy_version - batch_policy_version(batch)
+            produced += 1
             self.batches_yielded += 1
-            more = self.total_batches is None or self.batches_yielded < self.total_batches
+            more = self.total_batches is None or produced < self.total_batches
             if self.mode == "async" and more:
                 self._prefetch()
             yield batch
