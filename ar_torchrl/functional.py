@@ -44,8 +44,9 @@ AggregationMode = Literal[
 ]
 AGGREGATION_MODES: tuple[str, ...] = get_args(AggregationMode)
 
-# float64 keeps c**n representable for n up to ~700 / |log c| steps; chunks stay below that.
-_MAX_LOG_RANGE = 600.0
+# Largest |log(c**n)| a chunk may span: c**n and c**-n stay far from under/overflow (and float32
+# denormals) in the compute dtype; longer rows are cut into chunks that carry values right to left.
+_MAX_LOG_RANGE = {torch.float32: 40.0, torch.float64: 600.0}
 
 
 def _check_same_shape(name: str, tensor: Tensor, ref_name: str, ref: Tensor) -> None:
@@ -129,57 +130,76 @@ def explained_variance(value: Tensor, target: Tensor, mask: Tensor) -> Tensor:
 
 
 # ----------------------------------------------------------------------------- GAE
-def _chunk_size(c: Tensor, length: int) -> int:
+def _chunk_size(c: Tensor, length: int, dtype: torch.dtype) -> int:
     positive = c[c > 0]
     if positive.numel() == 0:
         return max(length, 1)
     log_c = -math.log(float(positive.min()))
     if log_c == 0.0:
         return max(length, 1)
-    return max(1, min(length, int(_MAX_LOG_RANGE / log_c)))
+    return max(1, min(length, int(_MAX_LOG_RANGE[dtype] / log_c)))
 
 
-def _masked_discounted_cumsum(delta: Tensor, mask: Tensor, c: Tensor) -> Tensor:
-    """``X_t = delta_t + c * X_{next trained}`` on trained tokens, skipping masked ones.
+def _masked_discounted_cumsum(delta: Tensor, n: Tensor, c: Tensor) -> Tensor:
+    """``X_t = sum_{k >= t} c**(n_k - n_t) * delta_k`` per row, in chunks, right to left.
 
-    Closed form per row: ``X_t = sum_{k >= t, trained} c**(n_k - n_t) * delta_k`` where ``n_t`` is
-    the number of trained tokens before ``t``. Computed in chunks small enough that ``c**n`` stays
-    representable in float64, carrying the value across chunk boundaries right to left.
+    With ``delta`` zero on masked tokens and ``n_t`` the number of trained tokens before ``t``, this
+    is ``X_t = delta_t + c * X_{next trained}`` on trained tokens, masked tokens skipped. Contiguous
+    rows may pass ``n`` as plain positions ``[L]`` (the same differences inside the trained run).
+    Each chunk is short enough for ``c**n`` and ``c**-n`` to stay representable.
 
-    Shapes: delta ``[B, L]`` float64 (0 where masked), mask ``[B, L]`` bool, c ``[B, 1]`` float64
-    in ``(0, 1]``. Returns ``[B, L]`` (pass-through values at masked positions).
+    Shapes: delta ``[B, L]``, n ``[B, L]`` or ``[L]`` (delta's dtype), c ``[B, 1]`` in ``(0, 1]``.
+    Returns ``[B, L]`` (pass-through values at masked positions).
     """
     batch, length = delta.shape
     log_c = torch.log(c)
-    n = torch.cumsum(mask, dim=-1, dtype=delta.dtype)
-    n = n - mask.to(delta.dtype)  # exclusive count
-    chunk = _chunk_size(c, length)
+    chunk = _chunk_size(c, length, delta.dtype)
+    if chunk >= length:
+        return _discounted_block(delta, n - n[..., :1], log_c, None)
     out = torch.empty_like(delta)
     carry = delta.new_zeros(batch, 1)
     for start in reversed(range(0, length, chunk)):
         end = min(start + chunk, length)
-        rel = n[:, start:end] - n[:, start : start + 1]
-        count = rel[:, -1:] + mask[:, end - 1 : end].to(delta.dtype)
-        weight = torch.exp(rel * log_c)  # c ** rel
-        suffix = (delta[:, start:end] * weight).flip(-1).cumsum(-1).flip(-1)
-        block = suffix / weight + torch.exp((count - rel) * log_c) * carry
+        rel = n[..., start:end] - n[..., start : start + 1]
+        span = n[..., end : end + 1] - n[..., start : start + 1] if end < length else None
+        block = _discounted_block(delta[:, start:end], rel, log_c, (span, carry))
         out[:, start:end] = block
         carry = block[:, :1]
     return out
 
 
-def _next_trained_value(value: Tensor, mask: Tensor, bootstrap: Tensor) -> Tensor:
-    """Value at the next trained position strictly after ``t`` (``bootstrap`` past the last one).
+def _discounted_block(delta: Tensor, rel: Tensor, log_c: Tensor, carry) -> Tensor:
+    """One chunk: ``c**-rel * revcumsum(c**rel * delta) + c**(span - rel) * carry``."""
+    weight = torch.exp(rel * log_c)  # c ** rel, [L] or [B, L]
+    out = (delta * weight).flip(-1).cumsum(-1).flip(-1).div_(weight)
+    if carry is not None and carry[0] is not None:
+        span, value = carry
+        out.add_(torch.exp((span - rel) * log_c) * value)
+    return out
 
-    Shapes: value ``[B, L]``, mask ``[B, L]``, bootstrap ``[B]`` -> ``[B, L]``.
+
+def _next_trained_value(value: Tensor, mask: Tensor) -> Tensor:
+    """Value at the next trained position strictly after ``t`` (0 past the last one).
+
+    Shapes: value ``[B, L]`` (0 at masked positions), mask ``[B, L]`` -> ``[B, L]``.
     """
     batch, length = value.shape
     pos = torch.arange(length, device=value.device).expand(batch, length)
     idx = torch.where(mask, pos, torch.full_like(pos, length))
     suffix_min = idx.flip(-1).cummin(-1).values.flip(-1)
     nxt = torch.cat([suffix_min[:, 1:], suffix_min.new_full((batch, 1), length)], dim=-1)
-    padded = torch.cat([value, bootstrap.reshape(batch, 1).to(value.dtype)], dim=-1)
-    return padded.gather(-1, nxt)
+    return torch.cat([value, value.new_zeros(batch, 1)], dim=-1).gather(-1, nxt)
+
+
+def _rows_are_contiguous(mask: Tensor) -> bool:
+    """True when every row's trained tokens form one run (the usual prompt + response layout)."""
+    starts = (mask[:, 1:] & ~mask[:, :-1]).sum(-1) + mask[:, 0]
+    return bool((starts <= 1).all())
+
+
+def _last_trained(mask: Tensor) -> Tensor:
+    pos = torch.arange(mask.shape[-1], device=mask.device)
+    return torch.where(mask, pos, -1).max(-1).values
 
 
 def _as_row_coeff(x: float | Tensor, name: str, batch: int, like: Tensor) -> Tensor:
@@ -264,39 +284,52 @@ def token_gae(
     _check_gae_inputs(reward, value, loss_mask)
     if not 0.0 <= gamma <= 1.0:
         raise ValueError(f"gamma must be in [0, 1], got {gamma}")
-    batch = reward.shape[0]
-    zero = torch.zeros((), dtype=torch.float64, device=reward.device)
-    r64 = torch.where(loss_mask, reward.to(torch.float64), zero)
-    v64 = torch.where(loss_mask, value.to(torch.float64), zero)
-    if bootstrap_value is None:
-        bootstrap = torch.zeros(batch, dtype=torch.float64, device=reward.device)
+    batch, length = reward.shape
+    dtype = torch.float64 if reward.dtype == torch.float64 else torch.float32
+    if length == 0:
+        return torch.zeros_like(reward), torch.zeros_like(reward)
+    zero = torch.zeros((), dtype=dtype, device=reward.device)
+    r = reward.to(dtype)
+    v = torch.where(loss_mask, value.to(dtype), zero)
+    contiguous = _rows_are_contiguous(loss_mask)
+    if contiguous:
+        # one trained run per row: the next trained value is the next position's (0 after the run)
+        v_next = torch.nn.functional.pad(v[:, 1:], (0, 1))
+        n = torch.arange(length, dtype=dtype, device=reward.device)
     else:
+        v_next = _next_trained_value(v, loss_mask)
+        n = torch.cumsum(loss_mask, dim=-1, dtype=dtype) - loss_mask.to(dtype)
+    delta = torch.add(r, v_next, alpha=gamma).sub_(v).mul_(loss_mask)
+    if bootstrap_value is not None:
         if bootstrap_value.shape != (batch,):
             raise ValueError(
                 f"bootstrap_value must have shape [B]=({batch},), got {tuple(bootstrap_value.shape)}"
             )
-        bootstrap = bootstrap_value.to(torch.float64)
-    delta = r64 + gamma * _next_trained_value(v64, loss_mask, bootstrap) - v64
-    delta = torch.where(loss_mask, delta, zero)
+        last = _last_trained(loss_mask)
+        rows = (last >= 0).nonzero().flatten()
+        delta[rows, last[rows]] += gamma * bootstrap_value.to(dtype)[rows]
     lam = _as_row_coeff(lmbda, "lmbda", batch, reward)
-    advantage = _gae_with(delta, loss_mask, gamma * lam)
+    advantage = _gae_with(delta, n, loss_mask, gamma * lam)
     if critic_lmbda is None:
         critic_adv = advantage
     else:
-        critic_adv = _gae_with(
-            delta, loss_mask, gamma * _as_row_coeff(critic_lmbda, "critic_lmbda", batch, reward)
-        )
-    value_target = torch.where(loss_mask, critic_adv + v64, zero)
+        c_critic = gamma * _as_row_coeff(critic_lmbda, "critic_lmbda", batch, reward)
+        critic_adv = _gae_with(delta, n, loss_mask, c_critic)
+    value_target = critic_adv + v  # both 0 at masked positions
     return advantage.to(reward.dtype), value_target.to(reward.dtype)
 
 
-def _gae_with(delta: Tensor, mask: Tensor, c: Tensor) -> Tensor:
+def _gae_with(delta: Tensor, n: Tensor, mask: Tensor, c: Tensor) -> Tensor:
     """Masked discounted sum with per-row ``c`` in [0, 1] (rows with c == 0 get ``delta``)."""
+    c = c.to(delta.dtype)
     zero_rows = c == 0
+    if bool(zero_rows.all()):
+        return delta
     safe_c = torch.where(zero_rows, torch.ones_like(c), c)
-    out = _masked_discounted_cumsum(delta, mask, safe_c)
-    out = torch.where(zero_rows, delta, out)
-    return torch.where(mask, out, torch.zeros((), dtype=out.dtype, device=out.device))
+    out = _masked_discounted_cumsum(delta, n, safe_c)
+    if bool(zero_rows.any()):
+        out = torch.where(zero_rows, delta, out)
+    return out.mul_(mask)
 
 
 def length_adaptive_lmbda(response_length: Tensor, alpha: float = 0.05) -> Tensor:

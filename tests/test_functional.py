@@ -10,15 +10,22 @@ from torchrl.objectives.value.functional import generalized_advantage_estimate
 from ar_torchrl import functional as F
 
 
-def _ragged(seed, B=12, L=40, gaps=True):
+def _ragged(seed, B=12, L=40, gaps=True, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
     mask = random_trajectory_masks(B, L, g, gaps=gaps)
     reward = torch.where(mask, torch.randn(B, L, generator=g), 0.0)
     value = torch.randn(B, L, generator=g) * 3  # garbage at masked positions on purpose
-    return reward, value, mask
+    return reward.to(dtype), value.to(dtype), mask
 
 
-@pytest.mark.parametrize("seed", range(4))
+# token_gae computes in its input dtype: float64 inputs must match the float64 loop to 1e-6 (it
+# gets ~1e-12); float32 inputs match to float32 precision (relative 1e-5 over rows of 40 tokens).
+TOL = {torch.float64: {"atol": 1e-6, "rtol": 0.0}, torch.float32: {"atol": 1e-5, "rtol": 1e-5}}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("gaps", [True, False])
+@pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize(
     "gamma,lmbda,critic_lmbda",
     [
@@ -32,27 +39,34 @@ def _ragged(seed, B=12, L=40, gaps=True):
         (1.0, 1e-3, 0.5),
     ],
 )
-def test_token_gae_matches_loop(seed, gamma, lmbda, critic_lmbda):
-    reward, value, mask = _ragged(seed)
+def test_token_gae_matches_loop(seed, gaps, dtype, gamma, lmbda, critic_lmbda):
+    reward, value, mask = _ragged(seed, gaps=gaps, dtype=dtype)
     adv, tgt = F.token_gae(reward, value, mask, gamma=gamma, lmbda=lmbda, critic_lmbda=critic_lmbda)
     ref_adv, ref_tgt = gae_loop(reward, value, mask, gamma, lmbda, critic_lmbda)
-    assert torch.allclose(adv.double(), ref_adv, atol=1e-6, rtol=0)
-    assert torch.allclose(tgt.double(), ref_tgt, atol=1e-6, rtol=0)
+    assert adv.dtype == dtype and tgt.dtype == dtype
+    assert torch.allclose(adv.double(), ref_adv, **TOL[dtype])
+    assert torch.allclose(tgt.double(), ref_tgt, **TOL[dtype])
     assert (adv[~mask] == 0).all() and (tgt[~mask] == 0).all()
 
 
-def test_token_gae_long_rows_small_lambda_chunks():
-    """Long rows with a small gamma*lambda go through several float64 chunks."""
-    reward, value, mask = _ragged(7, B=3, L=3000, gaps=True)
-    adv, tgt = F.token_gae(reward, value, mask, gamma=0.9, lmbda=0.3)
-    ref_adv, ref_tgt = gae_loop(reward, value, mask, 0.9, 0.3)
-    assert F._chunk_size(torch.tensor([[0.27]], dtype=torch.float64), 3000) < 3000
-    assert torch.allclose(adv.double(), ref_adv, atol=1e-6, rtol=0)
-    assert torch.allclose(tgt.double(), ref_tgt, atol=1e-6, rtol=0)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("gaps", [True, False])
+@pytest.mark.parametrize("gamma,lmbda", [(0.9, 0.3), (1.0, 0.95)])
+def test_token_gae_long_rows_go_through_chunks(gaps, dtype, gamma, lmbda):
+    """Long rows go through several chunks (c**n would leave the dtype's range in one)."""
+    reward, value, mask = _ragged(7, B=3, L=3000, gaps=gaps, dtype=dtype)
+    adv, tgt = F.token_gae(reward, value, mask, gamma=gamma, lmbda=lmbda)
+    ref_adv, ref_tgt = gae_loop(reward, value, mask, gamma, lmbda)
+    if dtype == torch.float32 or lmbda < 0.5:
+        assert F._chunk_size(torch.tensor([[gamma * lmbda]]), 3000, dtype) < 3000
+    tol = TOL[dtype] if dtype == torch.float64 else {"atol": 1e-4, "rtol": 1e-4}
+    assert torch.allclose(adv.double(), ref_adv, **tol)
+    assert torch.allclose(tgt.double(), ref_tgt, **tol)
 
 
-def test_token_gae_per_row_lambda_and_bootstrap():
-    reward, value, mask = _ragged(3)
+@pytest.mark.parametrize("gaps", [True, False])
+def test_token_gae_per_row_lambda_and_bootstrap(gaps):
+    reward, value, mask = _ragged(3, gaps=gaps)
     lam = torch.linspace(0.0, 1.0, reward.shape[0])
     boot = torch.randn(reward.shape[0])
     adv, tgt = F.token_gae(reward, value, mask, gamma=0.97, lmbda=lam, bootstrap_value=boot)
@@ -64,7 +78,7 @@ def test_token_gae_per_row_lambda_and_bootstrap():
 @pytest.mark.parametrize("lmbda", [0.95, 1.0])
 def test_token_gae_equals_torchrl_on_each_generated_segment(lmbda):
     """Per row, TorchRL's GAE on the generated segment (time = last dim) gives the same numbers."""
-    reward, value, mask = _ragged(11, gaps=False)
+    reward, value, mask = _ragged(11, gaps=False, dtype=torch.float32)
     adv, tgt = F.token_gae(reward, value, mask, gamma=0.99, lmbda=lmbda)
     for b in range(reward.shape[0]):
         seg = mask[b].nonzero().flatten()

@@ -206,7 +206,9 @@ def test_gradient_accumulation_with_global_normalizer_equals_full_batch(mode):
         sum(v for k, v in out.items() if k.startswith("loss_")).backward()
     acc = _grads(ac)
     for name, g in full.items():
-        assert torch.allclose(acc[name], g, atol=1e-5, rtol=1e-4), name
+        # to 1e-5 relative to the gradient's scale (float32 sums of up to ~100 terms)
+        scale = max(1.0, float(g.abs().max()))
+        assert float((acc[name] - g).abs().max()) <= 1e-5 * scale, name
 
 
 # ---------------------------------------------------------------------------- GAE <-> GRPO swap
