@@ -42,7 +42,8 @@ Timing: every path is called once to warm up, then the paths of one (lambda, thr
 timed round-robin, so a change of load on the shared machine hits them alike; ``ms`` is the median
 of up to ``--reps`` calls (fewer for a path whose calls would exceed ``--budget-s``: TorchRL's
 vectorized path at lambda=1 takes seconds), ``min_ms`` the fastest call. The 1-minute load average
-before and after is recorded: on a busy machine the ratios are more meaningful than the times.
+before and after is recorded (on a busy machine the ratios are more meaningful than the times), and
+so are ``git describe --dirty`` and a hash of the file defining ``token_gae`` (which version ran).
 
 Prints a table (path | lambda | threads | ms | speed-up vs TorchRL fastest | x of bandwidth bound)
 and writes ``benchmarks/results/bench_gae.json`` (``--out`` to change).
@@ -51,10 +52,13 @@ and writes ``benchmarks/results/bench_gae.json`` (``--out`` to change).
 from __future__ import annotations
 
 import argparse
+import hashlib
+import inspect
 import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -279,7 +283,26 @@ def config_dict(args: argparse.Namespace, gae_bytes: int, copy_bytes: int) -> di
         "torchrl": torchrl.__version__,
         "cpu": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
+        "git": _git_describe(),
+        "token_gae_file_sha256": hashlib.sha256(
+            Path(inspect.getsourcefile(token_gae)).read_bytes()
+        ).hexdigest()[:16],
     }
+
+
+def _git_describe() -> str | None:
+    """``git describe --always --dirty`` of the checkout (token_gae may be edited in the tree)."""
+    try:
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
 
 
 def print_table(result: dict) -> None:

@@ -34,6 +34,7 @@ def test_bench_gae_quick_json_has_every_row(quick_result: dict) -> None:
     assert (cfg["batch"], cfg["length"], cfg["prompt"], cfg["quick"]) == (16, 512, 64, True)
     assert cfg["gae_bytes"] == 16 * 512 * 17
     assert set(cfg["load_avg_1m"]) == {"before", "after"}
+    assert len(cfg["token_gae_file_sha256"]) == 16  # which token_gae was timed
     rows = quick_result["results"]
     keys = {(r["path"], r["lmbda"], r["threads"]) for r in rows}
     assert keys == {(p, lam, t) for p in PATHS for lam in (0.95, 1.0) for t in (1, 2)}
