@@ -247,3 +247,14 @@ def test_benchmark_script_runs_quick(tmp_path):
     rows = json.loads(out.read_text())["results"]
     assert {r["path"] for r in rows} == {"backend", "hf_generate", "hf_generate_logprobs"}
     assert all(0 < r["tokens"] <= 4 * 2 * 16 and r["tokens_per_s"] > 0 for r in rows)
+
+
+def test_list_of_eos_ids_from_the_generation_config():
+    model = build_tiny_qwen3(VOCAB, seed=0)
+    model.generation_config.eos_token_id = [2, 30, 31, 32, 33, 34, 35]  # Qwen configs list several
+    backend = TransformersBackend(model)
+    assert backend.eos_token_ids == (2, 30, 31, 32, 33, 34, 35)
+    out = backend.generate(PROMPTS, 4, SamplingParams(max_new_tokens=40, temperature=1.5, seed=0))
+    stopped = [c for c in out if c.finish_reason == "stop"]
+    assert stopped and all(c.token_ids[-1] in backend.eos_token_ids for c in stopped)
+    assert all(not set(c.token_ids[:-1]) & set(backend.eos_token_ids) for c in out)
