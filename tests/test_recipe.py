@@ -163,3 +163,17 @@ def test_tokenizer_without_chat_template(tmp_path):
                 "model.attn_implementation=null"])  # fmt: skip
     with pytest.raises(ValueError, match="tokenizer of model=pretrained has no chat template"):
         recipe_module().build_model(cfg)
+
+
+@pytest.mark.slow
+def test_compose_torchrl_script_runs(cache_dir):
+    env = {**os.environ, "AR_TORCHRL_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(ROOT / "examples" / "compose_torchrl.py"), "--iterations", "2"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("iter")]
+    assert len(lines) == 2
+    for line in lines:  # "iter   0  reward -0.688  loss +0.4495  ratio 0.9952"
+        fields = line.split()
+        assert -1.0 <= float(fields[3]) <= 1.0 and math.isfinite(float(fields[5]))
+        assert 0.5 < float(fields[7]) < 2.0
