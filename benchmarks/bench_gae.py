@@ -36,12 +36,14 @@ counted), at the same thread count.
 
 Run:
     .venv/bin/python benchmarks/bench_gae.py            # full size, ~1 min on 2 cores
-    .venv/bin/python benchmarks/bench_gae.py --quick    # small sizes, a few seconds (used by tests)
+    .venv/bin/python benchmarks/bench_gae.py --quick    # small sizes, seconds (-> bench_gae_quick.json)
 
 Timing: every path is called once to warm up, then the paths of one (lambda, threads) group are
 timed round-robin, so a change of load on the shared machine hits them alike; ``ms`` is the median
 of up to ``--reps`` calls (fewer for a path whose calls would exceed ``--budget-s``: TorchRL's
-vectorized path at lambda=1 takes seconds), ``min_ms`` the fastest call. The 1-minute load average
+vectorized path at lambda=1 takes seconds), ``min_ms`` the fastest call, ``cpu_ms`` the median
+process CPU time of a call (all threads summed; at 1 thread it is the least load-sensitive number
+on a shared machine, as waiting for a core does not count). The 1-minute load average
 before and after is recorded (on a busy machine the ratios are more meaningful than the times), and
 so are ``git describe --dirty`` and a hash of the file defining ``token_gae`` (which version ran).
 
@@ -81,7 +83,7 @@ BYTES_PER_TOKEN = 4 + 4 + 1 + 4 + 4  # reward, value, mask in; advantage, value_
 TARGET_SPEEDUP = 5.0
 TARGET_X_BOUND = 10.0
 TORCHRL_PATHS = ("torchrl_loop", "torchrl_vec")
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_gae.json"
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -95,10 +97,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=4.0, help="max timed seconds per path")
     p.add_argument("--threads", type=str, default=f"1,{cores}", help="comma-separated")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--out", type=Path, default=None, help="default results/bench_gae[_quick].json")
     args = p.parse_args(argv)
     if args.quick:
         args.batch, args.length, args.prompt, args.reps = 16, 512, 64, 3
+    if args.out is None:
+        args.out = RESULTS / ("bench_gae_quick.json" if args.quick else "bench_gae.json")
     if not 0 < args.prompt < args.length:
         p.error(f"--prompt must be in (0, --length={args.length}), got {args.prompt}")
     args.threads = sorted({int(t) for t in args.threads.split(",")})
@@ -171,30 +175,39 @@ def check_equal(data: dict[str, Tensor], paths: dict, prompt: int) -> dict[str, 
 
 
 # ----------------------------------------------------------------------------- timing
-def _call_s(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
+def _call_s(fn: Callable[[], object]) -> tuple[float, float]:
+    """Wall-clock and process CPU seconds of one call."""
+    wall, cpu = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - start
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def time_paths(paths: dict, reps: int, budget_s: float) -> dict[str, dict]:
     """Warm up each path once, then time them round-robin (so a load change on the shared machine
     hits every path alike); each path gets up to ``reps`` calls within ``budget_s``.
 
-    Returns ``{name: {"ms": median, "min_ms": min, "reps": n}}``.
+    Returns ``{name: {"ms": median wall, "min_ms": min wall, "cpu_ms": median CPU, "reps": n}}``.
     """
     n = {
-        name: max(1, min(reps, int(budget_s / max(_call_s(fn), 1e-9))))
+        name: max(1, min(reps, int(budget_s / max(_call_s(fn)[0], 1e-9))))
         for name, fn in paths.items()
     }
-    times: dict[str, list[float]] = {name: [] for name in paths}
+    wall: dict[str, list[float]] = {name: [] for name in paths}
+    cpu: dict[str, list[float]] = {name: [] for name in paths}
     for i in range(max(n.values())):
         for name, fn in paths.items():
             if i < n[name]:
-                times[name].append(_call_s(fn) * 1e3)
+                w, c = _call_s(fn)
+                wall[name].append(w * 1e3)
+                cpu[name].append(c * 1e3)
     return {
-        name: {"ms": statistics.median(t), "min_ms": min(t), "reps": len(t)}
-        for name, t in times.items()
+        name: {
+            "ms": statistics.median(wall[name]),
+            "min_ms": min(wall[name]),
+            "cpu_ms": statistics.median(cpu[name]),
+            "reps": len(wall[name]),
+        }
+        for name in paths
     }
 
 
@@ -315,13 +328,14 @@ def print_table(result: dict) -> None:
         print(f"  threads={threads}: copy bandwidth {bw['copy_gbs']:.1f} GB/s -> "
               f"bound {bw['bound_ms']:.2f} ms for {cfg['gae_bytes'] / 1e6:.1f} MB")  # fmt: skip
     header = f"{'path':<14}| {'lambda':>6} | {'threads':>7} | {'ms':>9} | "
-    header += f"{'speed-up vs TorchRL fastest':>27} | {'x of bandwidth bound':>20}"
+    header += f"{'speed-up vs TorchRL fastest':>27} | {'x of bandwidth bound':>20} | {'cpu ms':>9}"
     print(header)
     print("-" * len(header))
     for r in result["results"]:
         print(
             f"{r['path']:<14}| {r['lmbda']:>6} | {r['threads']:>7} | {r['ms']:>9.2f} | "
-            f"{r['speedup_vs_torchrl_fastest']:>27.2f} | {r['x_bandwidth_bound']:>20.1f}"
+            f"{r['speedup_vs_torchrl_fastest']:>27.2f} | {r['x_bandwidth_bound']:>20.1f} | "
+            f"{r['cpu_ms']:>9.2f}"
         )
     t = result["targets"]
     print(

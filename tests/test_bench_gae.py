@@ -48,6 +48,7 @@ def test_bench_gae_quick_numbers_are_consistent(quick_result: dict) -> None:
         assert bw["bound_ms"] == pytest.approx(expected), threads
     for row in quick_result["results"]:
         assert 0 < row["min_ms"] <= row["ms"] and row["reps"] >= 1
+        assert row["cpu_ms"] > 0
         bound = quick_result["bandwidth"][str(row["threads"])]["bound_ms"]
         assert row["x_bandwidth_bound"] == pytest.approx(row["ms"] / bound)
     for lam in (0.95, 1.0):
