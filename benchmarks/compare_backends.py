@@ -6,7 +6,8 @@ Greedy decoding of the same prompts with the same tiny Qwen3 weights on both bac
 - per-token log-prob drift between the backends (on the common prefix of each pair of completions)
   and of each backend vs the trainer's own fp32 forward (``log_softmax`` of the same tokens,
   teacher-forced): max and mean absolute difference;
-- throughput: generated tokens / wall-clock second of each backend (after one warm-up call).
+- throughput: generated tokens / wall-clock second of each backend (after one warm-up call; best of
+  ``--repeats`` calls, all times are in the JSON: the machine is shared, so the spread is large).
 
 Prints a table and writes ``benchmarks/results/compare_backends.json``.
 
@@ -62,11 +63,16 @@ def trainer_log_probs(model, prompt: list[int], tokens: list[int]) -> torch.Tens
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
 
 
-def timed_generate(backend, prompts, n, sampling) -> tuple[list, float]:
-    backend.generate(prompts[:1], 1, sampling)  # warm-up
-    start = time.perf_counter()
-    out = backend.generate(prompts, n, sampling)
-    return out, time.perf_counter() - start
+def timed_generate(backend, prompts, n, sampling, repeats: int) -> tuple[list, list[float]]:
+    """Warm up once, then time ``repeats`` identical greedy calls; returns the first output and the times."""
+    backend.generate(prompts[:1], 1, sampling)
+    out, times = None, []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = backend.generate(prompts, n, sampling)
+        times.append(time.perf_counter() - start)
+        out = out or result
+    return out, times
 
 
 def drift_stats(diffs: list[torch.Tensor]) -> dict:
@@ -137,13 +143,16 @@ def run(args: argparse.Namespace) -> dict:
         sgl = stack.enter_context(SGLangBackend(url, show_progress=False))
         if args.url is not None:  # an external server: make sure it serves these weights
             sgl.sync_weights(((n, t) for n, t in model.state_dict().items()), version=0)
-        sgl_out, sgl_s = timed_generate(sgl, prompts, args.n, sampling)
+        sgl_out, sgl_s = timed_generate(sgl, prompts, args.n, sampling, args.repeats)
         trainside = TransformersBackend(model, mode="copy", seed=args.seed)
-        tf_out, tf_s = timed_generate(trainside, prompts, args.n, sampling)
-    side = {name: {"tokens": sum(map(len, out)), "seconds": s, "tokens_per_s": sum(map(len, out)) / s}
-            for name, out, s in (("sglang", sgl_out, sgl_s), ("trainside", tf_out, tf_s))}  # fmt: skip
+        tf_out, tf_s = timed_generate(trainside, prompts, args.n, sampling, args.repeats)
+    side = {
+        name: {"tokens": sum(map(len, out)), "seconds": min(times), "seconds_all": times,
+               "tokens_per_s": sum(map(len, out)) / min(times)}
+        for name, out, times in (("sglang", sgl_out, sgl_s), ("trainside", tf_out, tf_s))
+    }  # fmt: skip
     return {
-        "config": vars(args),
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "env": {
             "torch": torch.__version__,
             "threads_trainside": torch.get_num_threads(),
@@ -168,15 +177,17 @@ def main() -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--repeats", type=int, default=3, help="timed calls per backend (best is reported)"
+    )
+    parser.add_argument(
         "--url", default=None, help="use a running SGLang server instead of launching one"
     )
-    parser.add_argument("--quick", action="store_true", help="8 prompts x 1 sample, 16 new tokens")
+    parser.add_argument("--quick", action="store_true", help="8 prompts x 1 sample, 16 new tokens, 1 repeat")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     if args.quick:
-        args.num_prompts, args.n, args.max_new_tokens = 8, 1, 16
+        args.num_prompts, args.n, args.max_new_tokens, args.repeats = 8, 1, 16, 1
     result = run(args)
-    result["config"]["out"] = str(args.out)
     print_table(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -405,3 +405,22 @@ def test_real_server_killed_mid_rollout(sglang_model_dir, tmp_path):
     assert "out" not in result, "a rollout cannot finish on a killed server"
     assert isinstance(result["error"], SGLangUnavailableError)
     assert "connection error" in str(result["error"]) and backend.stats["retries"] >= 2
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+def test_compare_backends_benchmark_quick(sglang_server, tmp_path):
+    import json
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "compare_backends.py"
+    out = tmp_path / "compare.json"
+    cmd = [sys.executable, str(script), "--quick", "--url", sglang_server.url, "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    drift = result["drift"]
+    assert drift["completions"] == 8 and drift["token_identical"] == 8
+    assert drift["drift_sglang_vs_trainer"]["max_abs"] < 1e-4
+    assert drift["drift_sglang_vs_trainside"]["tokens"] == result["sglang"]["tokens"] > 0
+    assert "tokens/s" in proc.stdout

@@ -151,8 +151,13 @@ class RetryPolicy:
 class _Transport:
     """JSON over HTTP with the retry policy; counts retries in ``stats``."""
 
-    def __init__(self, *, connect_timeout_s: float, retry: RetryPolicy, stats: dict) -> None:
+    def __init__(
+        self, *, connect_timeout_s: float, retry: RetryPolicy, stats: dict, pool_size: int = 10
+    ) -> None:
         self.session = requests.Session()
+        adapter = requests.adapters.HTTPAdapter(pool_connections=pool_size, pool_maxsize=pool_size)
+        self.session.mount("http://", adapter)
+        self.session.mount("https://", adapter)
         self.connect_timeout_s = connect_timeout_s
         self.retry = retry
         self.stats = stats
@@ -172,15 +177,11 @@ class _Transport:
         attempts = self.retry.max_retries + 1 if retry else 1
         last = ""
         for attempt in range(attempts):
-            url = urls[attempt % len(urls)]
             if attempt:
                 with self._lock:
                     self.stats["retries"] += 1
-                wait = self.retry.delay(attempt - 1)
-                logger.warning(
-                    "SGLang %s%s failed (%s); retry %d in %.2fs", url, path, last, attempt, wait
-                )
-                time.sleep(wait)
+                time.sleep(self.retry.delay(attempt - 1))
+            url = urls[attempt % len(urls)]
             try:
                 response = self.session.request(
                     method, url + path, json=body, timeout=(self.connect_timeout_s, timeout_s)
@@ -195,11 +196,13 @@ class _Transport:
                 requests.exceptions.ChunkedEncodingError,
             ) as exc:
                 last = f"connection error: {exc.__class__.__name__}: {exc}"
-                continue
-            if response.status_code >= 500:
+            else:
+                if response.status_code < 500:
+                    return self._decode(response, url + path)
                 last = f"HTTP {response.status_code}: {server_error_message(response)}"
-                continue
-            return self._decode(response, url + path)
+            logger.warning(
+                "SGLang %s%s attempt %d/%d failed: %s", url, path, attempt + 1, attempts, last
+            )
         raise SGLangUnavailableError(
             f"SGLang {path}: no successful answer after {attempts} attempt(s) to {list(urls)}; last "
             f"failure: {last}. Is the server up? (see `launch_sglang_server` and its log)"
@@ -357,7 +360,12 @@ class SGLangBackend(GenerationBackend):
         self.stats = {"requests": 0, "retries": 0, "aborted": 0, "completions": 0, "tokens": 0}
         self._stats_lock = threading.Lock()
         retry = RetryPolicy(max_retries=max_retries, base_s=backoff_s, max_s=backoff_max_s)
-        self._http = _Transport(connect_timeout_s=connect_timeout_s, retry=retry, stats=self.stats)
+        self._http = _Transport(
+            connect_timeout_s=connect_timeout_s,
+            retry=retry,
+            stats=self.stats,
+            pool_size=max(10, max_concurrency),
+        )
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="sglang")
         self._rr = itertools.count()
         self._sender = None

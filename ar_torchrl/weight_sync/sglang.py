@@ -371,7 +371,8 @@ class TensorWeightSender(_SessionMixin, SGLangWeightSender):
     def _send(self, items: NamedTensors, version: str) -> None:
         torch.multiprocessing.set_sharing_strategy("file_system")
         buckets = bucketize(items, self.bucket_bytes)
-        for url in self.client.urls:
+        for url in self.client.urls:  # same machine: the served checkpoint is readable
+            check_shapes(items, Path(self.client.get(url, "/model_info")["model_path"]))
             with self._sessions([url]):
                 for k, bucket in enumerate(buckets):
                     flat, meta = flatten_bucket(bucket)
