@@ -97,8 +97,6 @@ def validate_config(cfg: DictConfig) -> None:
         raise ValueError(
             "config: algo.advantage_mode=gae needs algo.critic_coeff > 0 (the value head)"
         )
-    if cfg.train.mode == "async" and cfg.backend.name == "trainside" and cfg.train.resume:
-        log.info("async mode: a resumed run regenerates the in-flight batch from the checkpoint")
 
 
 # --------------------------------------------------------------------------- building blocks
@@ -239,6 +237,8 @@ def main(cfg: DictConfig) -> None:
 
 def train(cfg: DictConfig, stack: contextlib.ExitStack) -> None:
     validate_config(cfg)
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"device={cfg.device!r} but no CUDA device is visible; use device=cpu")
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     torch.set_num_threads(cfg.num_threads)
     seed_everything(cfg.seed)
@@ -252,9 +252,9 @@ def train(cfg: DictConfig, stack: contextlib.ExitStack) -> None:
     temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
     ref_actor = None
     if cfg.model.ref_policy and cfg.algo.kl_coeff > 0:
-        ref = attach_value_head(copy.deepcopy(model)).eval().requires_grad_(False)
+        ref = attach_value_head(copy.deepcopy(model)).to(cfg.device).eval().requires_grad_(False)
         ref_actor = LMActorCritic(ref, temperature=temperature)
-    model = attach_value_head(model)
+    model = attach_value_head(model).to(cfg.device)
     actor_critic = LMActorCritic(model, temperature=temperature)
 
     # 3. Rollouts: backend (trainside or SGLang) -> LLMEnv (prompts in, scored token trajectories
@@ -303,7 +303,7 @@ def train(cfg: DictConfig, stack: contextlib.ExitStack) -> None:
         with timer(
             "generate"
         ):  # waits for the batch (async: mostly generated during the last update)
-            td = next(batches)
+            td = next(batches).to(cfg.device)
         with timer(
             "anchors"
         ):  # old log-probs/values (+ reference log-probs) with the training geometry
