@@ -32,7 +32,8 @@ numbers: the script asserts |difference| <= 1e-4 for advantage and value_target 
 Bandwidth bound: the bytes token_gae must move at least once (reward, value float32 + mask bool
 read, advantage and value_target float32 written: 17 bytes per token) divided by the copy bandwidth
 measured in the same run with ``Tensor.copy_`` of a buffer much larger than the caches (read + write
-counted), at the same thread count.
+counted), at the same thread count. The 17.8 MB working set can partly stay in a large last-level
+cache, so a fused kernel could beat this DRAM-copy figure; it is the yardstick the issue asks for.
 
 Run:
     .venv/bin/python benchmarks/bench_gae.py            # full size, ~1 min on 2 cores
@@ -46,8 +47,11 @@ process CPU time of a call (all threads summed; at 1 thread it is the least load
 on a shared machine, as waiting for a core does not count). The 1-minute load average
 before and after is recorded (on a busy machine the ratios are more meaningful than the times), and
 so are ``git describe --dirty`` and a hash of the file defining ``token_gae`` (which version ran).
+With all cores on a machine that other jobs keep busy, OpenMP threads wait for each other and every
+path slows down erratically; compare the 1-thread rows there.
 
-Prints a table (path | lambda | threads | ms | speed-up vs TorchRL fastest | x of bandwidth bound)
+Prints a table (path | lambda | threads | ms | speed-up vs TorchRL fastest | x of bandwidth bound |
+cpu ms)
 and writes ``benchmarks/results/bench_gae.json`` (``--out`` to change).
 """
 
