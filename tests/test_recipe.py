@@ -27,8 +27,8 @@ torch.set_num_threads(1)
 
 #: The CI version of the CPU default: same config, 100 iterations instead of 300 (see README).
 SHORT = ["train.iterations=100", "train.eval_every=100", "train.checkpoint_every=0"]
-#: Measured (seeds 0-4, 100 iterations): rise of mean reward, first vs last 20 iterations, was
-#: +0.30 to +0.41; the test asserts a rise well clear of noise (std of a 20-iteration mean ~0.03).
+#: Measured (seeds 0-4, 100 iterations): the mean reward of iterations 81-100 minus that of 1-20 was
+#: +0.30, +0.42, +0.39, +0.34, +0.40; the test asserts half the smallest of them.
 MIN_RISE = 0.15
 
 
