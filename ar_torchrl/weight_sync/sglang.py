@@ -21,6 +21,7 @@ server reports ``weight_version == str(version)`` in ``GET /model_info``. Any fa
 from __future__ import annotations
 
 import abc
+import atexit
 import base64
 import contextlib
 import io
@@ -191,6 +192,15 @@ class SGLangWeightSender(abc.ABC):
         """Release resources (process groups). Idempotent."""
 
 
+_KEPT_DIRS: set[Path] = set()
+
+
+@atexit.register
+def _remove_kept_dirs() -> None:
+    for d in list(_KEPT_DIRS):
+        shutil.rmtree(d, ignore_errors=True)
+
+
 class DiskWeightSender(SGLangWeightSender):
     """Write safetensors + config to a temp dir, ``POST /update_weights_from_disk`` to each server.
 
@@ -201,7 +211,8 @@ class DiskWeightSender(SGLangWeightSender):
         tmp_root: where temp dirs are made (must be readable by the server).
 
     The directory of the latest sync is kept (the servers' ``model_path`` points at it, and a later
-    sender reads the config from there); this sender removes it at its next successful sync.
+    sender reads the config from there); it is removed at this sender's next successful sync or
+    when the interpreter exits.
 
     Example:
         >>> DiskWeightSender(client=None, config_dir="/tmp").name
@@ -256,10 +267,13 @@ class DiskWeightSender(SGLangWeightSender):
         except BaseException:
             shutil.rmtree(out, ignore_errors=True)
             raise
-        # The servers' model_path now points at `out`: keep it until the next sync replaces it.
+        # The servers' model_path now points at `out`: keep it until the next sync replaces it
+        # (or until this interpreter exits).
         if self._last_dir is not None:
             shutil.rmtree(self._last_dir, ignore_errors=True)
+            _KEPT_DIRS.discard(self._last_dir)
         self._last_dir = out
+        _KEPT_DIRS.add(out)
 
 
 def check_shapes(items: NamedTensors, model_dir: Path) -> None:
