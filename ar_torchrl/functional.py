@@ -46,7 +46,7 @@ AGGREGATION_MODES: tuple[str, ...] = get_args(AggregationMode)
 
 # Largest |log(c**n)| a chunk may span: c**n and c**-n stay far from under/overflow (and float32
 # denormals) in the compute dtype; longer rows are cut into chunks that carry values right to left.
-_MAX_LOG_RANGE = {torch.float32: 40.0, torch.float64: 600.0}
+_MAX_LOG_RANGE = {torch.float32: 70.0, torch.float64: 600.0}
 
 
 def _check_same_shape(name: str, tensor: Tensor, ref_name: str, ref: Tensor) -> None:
@@ -152,7 +152,8 @@ def _masked_discounted_cumsum(delta: Tensor, n: Tensor, c: Tensor) -> Tensor:
     Returns ``[B, L]`` (pass-through values at masked positions).
     """
     batch, length = delta.shape
-    log_c = torch.log(c)
+    # a batch-wide c keeps the weights 1-D when n is 1-D (contiguous rows): no [B, L] exp
+    log_c = torch.log(c[:1, 0] if bool((c == c[0]).all()) else c)
     chunk = _chunk_size(c, length, delta.dtype)
     if chunk >= length:
         return _discounted_block(delta, n - n[..., :1], log_c, None)
@@ -171,7 +172,7 @@ def _masked_discounted_cumsum(delta: Tensor, n: Tensor, c: Tensor) -> Tensor:
 def _discounted_block(delta: Tensor, rel: Tensor, log_c: Tensor, carry) -> Tensor:
     """One chunk: ``c**-rel * revcumsum(c**rel * delta) + c**(span - rel) * carry``."""
     weight = torch.exp(rel * log_c)  # c ** rel, [L] or [B, L]
-    out = (delta * weight).flip(-1).cumsum(-1).flip(-1).div_(weight)
+    out = (delta * weight).flip(-1).cumsum(-1).flip(-1).mul_(torch.reciprocal(weight))
     if carry is not None and carry[0] is not None:
         span, value = carry
         out.add_(torch.exp((span - rel) * log_c) * value)
@@ -291,15 +292,12 @@ def token_gae(
     zero = torch.zeros((), dtype=dtype, device=reward.device)
     r = reward.to(dtype)
     v = torch.where(loss_mask, value.to(dtype), zero)
-    contiguous = _rows_are_contiguous(loss_mask)
-    if contiguous:
-        # one trained run per row: the next trained value is the next position's (0 after the run)
-        v_next = torch.nn.functional.pad(v[:, 1:], (0, 1))
+    # one trained run per row (the usual prompt + response layout): positions count trained tokens
+    if _rows_are_contiguous(loss_mask):
         n = torch.arange(length, dtype=dtype, device=reward.device)
     else:
-        v_next = _next_trained_value(v, loss_mask)
         n = torch.cumsum(loss_mask, dim=-1, dtype=dtype) - loss_mask.to(dtype)
-    delta = torch.add(r, v_next, alpha=gamma).sub_(v).mul_(loss_mask)
+    boot = None
     if bootstrap_value is not None:
         if bootstrap_value.shape != (batch,):
             raise ValueError(
@@ -307,29 +305,61 @@ def token_gae(
             )
         last = _last_trained(loss_mask)
         rows = (last >= 0).nonzero().flatten()
-        delta[rows, last[rows]] += gamma * bootstrap_value.to(dtype)[rows]
+        boot = (rows, last[rows], gamma * bootstrap_value.to(dtype)[rows])
     lam = _as_row_coeff(lmbda, "lmbda", batch, reward)
-    advantage = _gae_with(delta, n, loss_mask, gamma * lam)
+    advantage = _advantage(r, v, loss_mask, n, gamma, lam, boot)
     if critic_lmbda is None:
         critic_adv = advantage
     else:
-        c_critic = gamma * _as_row_coeff(critic_lmbda, "critic_lmbda", batch, reward)
-        critic_adv = _gae_with(delta, n, loss_mask, c_critic)
+        c_lam = _as_row_coeff(critic_lmbda, "critic_lmbda", batch, reward)
+        critic_adv = _advantage(r, v, loss_mask, n, gamma, c_lam, boot)
     value_target = critic_adv + v  # both 0 at masked positions
     return advantage.to(reward.dtype), value_target.to(reward.dtype)
 
 
-def _gae_with(delta: Tensor, n: Tensor, mask: Tensor, c: Tensor) -> Tensor:
-    """Masked discounted sum with per-row ``c`` in [0, 1] (rows with c == 0 get ``delta``)."""
-    c = c.to(delta.dtype)
+# Below this lambda the telescoped form's 1/lambda would amplify rounding: use the delta form.
+_MIN_TELESCOPE_LMBDA = 0.1
+
+
+def _advantage(
+    r: Tensor, v: Tensor, mask: Tensor, n: Tensor, gamma: float, lam: Tensor, boot
+) -> Tensor:
+    """GAE advantage ``[B, L]`` for per-row ``lam`` ``[B, 1]`` (0 at masked positions).
+
+    Telescoped form (no next-value gather): with ``c = gamma * lam``,
+    ``A_t = X_t - V_t / lam`` where ``X`` is the masked discounted suffix sum (factor ``c``) of
+    ``u = r + (1 / lam - 1) * V`` (the ``gamma * V_next`` terms of consecutive deltas telescope).
+    The bootstrap enters as ``+ gamma * V_boot`` on the last trained token, as in ``delta``.
+    """
+    dtype = r.dtype
+    if gamma > 0 and float(lam.min()) >= _MIN_TELESCOPE_LMBDA:
+        inv = (1.0 / lam).to(dtype)
+        if bool((inv == 1).all()):
+            u = r if boot is None else r.clone()  # never modified in place below
+        else:
+            u = torch.addcmul(r, inv - 1, v)
+        if boot is not None:
+            u[boot[0], boot[1]] += boot[2]
+        x = _discounted_suffix(u, n, gamma * lam)
+        return x.sub_(v * inv).mul_(mask)
+    v_next = _next_trained_value(v, mask)
+    delta = torch.add(r, v_next, alpha=gamma).sub_(v).mul_(mask)
+    if boot is not None:
+        delta[boot[0], boot[1]] += boot[2]
+    return _discounted_suffix(delta, n, gamma * lam).mul_(mask)
+
+
+def _discounted_suffix(x: Tensor, n: Tensor, c: Tensor) -> Tensor:
+    """Masked discounted suffix sum with per-row ``c`` in [0, 1] (rows with c == 0 get ``x``)."""
+    c = c.to(x.dtype)
+    if bool((c == 1).all()):
+        return x.flip(-1).cumsum(-1).flip(-1)
     zero_rows = c == 0
     if bool(zero_rows.all()):
-        return delta
+        return x
     safe_c = torch.where(zero_rows, torch.ones_like(c), c)
-    out = _masked_discounted_cumsum(delta, n, safe_c)
-    if bool(zero_rows.any()):
-        out = torch.where(zero_rows, delta, out)
-    return out.mul_(mask)
+    out = _masked_discounted_cumsum(x, n, safe_c)
+    return torch.where(zero_rows, x, out) if bool(zero_rows.any()) else out
 
 
 def length_adaptive_lmbda(response_length: Tensor, alpha: float = 0.05) -> Tensor:
