@@ -30,8 +30,8 @@ from torch import nn
 from torchrl.collectors import BaseCollector
 
 from ar_torchrl.envs.llm_env import LLMEnv
+from ar_torchrl.weight_sync.errors import WeightSyncError
 from ar_torchrl.weight_sync.names import named_policy_tensors
-from ar_torchrl.weight_sync.trainside import WeightSyncError
 
 __all__ = ["WeightSyncCollector", "batch_policy_version"]
 

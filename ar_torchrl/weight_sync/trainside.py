@@ -19,25 +19,12 @@ from typing import Literal
 import torch
 from torch import nn
 
+from ar_torchrl.weight_sync.errors import WeightSyncError
 from ar_torchrl.weight_sync.names import VALUE_HEAD_PREFIX
 
-__all__ = ["TrainsideSender", "WeightSyncError"]
+__all__ = ["TrainsideSender"]
 
 logger = logging.getLogger(__name__)
-
-
-class WeightSyncError(RuntimeError):
-    """A weight sync was rejected or failed; the receiver kept its previous weights.
-
-    Example:
-        >>> from ar_torchrl.assets import build_tiny_qwen3
-        >>> import torch
-        >>> try:
-        ...     TrainsideSender(build_tiny_qwen3(99)).send([("value_head.bias", torch.zeros(1))])
-        ... except WeightSyncError as err:
-        ...     print(str(err)[:52])
-        TrainsideSender: received train-only tensors ['value
-    """
 
 
 class TrainsideSender:
