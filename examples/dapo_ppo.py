@@ -9,7 +9,8 @@ reward clearly rises. The GPU recipe is configs/qwen3_4b_base_dapo_sglang.yaml.
 Run:
     python examples/dapo_ppo.py                                  # the CPU default
     python examples/dapo_ppo.py algo=grpo train.mode=async       # GRPO, background generation
-    python examples/dapo_ppo.py model=smollm2_135m train.iterations=2 rollout.max_new_tokens=32
+    python examples/dapo_ppo.py model=smollm2_135m data.template=dapo algo.lr=1e-6 \
+        algo.value_lr=1e-4 rollout.prompts_per_iter=4 rollout.max_new_tokens=48 train.iterations=2
     python examples/dapo_ppo.py backend=sglang                   # rollouts from a local SGLang server
     python examples/dapo_ppo.py --config-name qwen3_4b_base_dapo_sglang   # on a GPU node
 
