@@ -232,7 +232,8 @@ def cached_warm_start(
 
 
 def _copy_model(model: PreTrainedModel) -> PreTrainedModel:
-    clone = type(model)(copy.deepcopy(model.config)).to(model.dtype)
+    with torch.random.fork_rng(devices=[]):  # a cache miss must not advance the global RNG
+        clone = type(model)(copy.deepcopy(model.config)).to(model.dtype)
     clone.load_state_dict(model.state_dict())
     return clone
 
