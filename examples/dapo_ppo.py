@@ -200,6 +200,14 @@ def rollout_metrics(td) -> dict[str, float]:
     }
 
 
+def minibatch_count(requested: int, plan) -> int:
+    """Mini-batches are groups of micro-batches: at most one per micro-batch (logged when capped)."""
+    if requested > len(plan):
+        log.warning("algo.num_minibatches=%d but the batch has only %d micro-batches: using %d "
+                    "(train/optimizer_steps shows it)", requested, len(plan), len(plan))  # fmt: skip
+    return min(requested, len(plan))
+
+
 def evaluate(env: LLMEnv) -> dict[str, float]:
     """Greedy decoding on the held-out prompts: mean reward and accuracy."""
     td = env.rollout()
@@ -318,7 +326,7 @@ def train(cfg: DictConfig, stack: contextlib.ExitStack) -> None:
             warmup = step <= a.critic_warmup_iters
             train_metrics = ppo_update(
                 loss_fn, optimizer, td, plan, epochs=a.ppo_epochs,
-                num_minibatches=min(a.num_minibatches, len(plan)), grad_clip=a.grad_clip,
+                num_minibatches=minibatch_count(a.num_minibatches, plan), grad_clip=a.grad_clip,
                 loss_keys=("loss_critic",) if warmup else None,
                 trainable=list(model.value_head.parameters()) if warmup else None,
                 generator=shuffle_rng,
