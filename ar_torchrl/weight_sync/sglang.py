@@ -48,6 +48,7 @@ __all__ = [
     "TensorWeightSender",
     "bucketize",
     "check_shapes",
+    "checkpoint_shapes",
     "flatten_bucket",
     "make_sender",
     "policy_tensors",
@@ -232,13 +233,31 @@ class DiskWeightSender(SGLangWeightSender):
         self.config_dir = Path(config_dir) if config_dir else None
         self.tmp_root = tmp_root
         self._last_dir: Path | None = None
+        self._snapshot: Path | None = None
+        self._served_shapes: dict[str, tuple[int, ...]] = {}
 
     def _resolve_config_dir(self) -> Path:
-        if self.config_dir is None:  # cached: after a sync the server's model_path is our temp dir
-            self.config_dir = Path(
+        """A private snapshot of the served checkpoint's config files (and its tensor shapes).
+
+        The server's ``model_path`` may be another sender's temp dir, which that sender deletes at
+        its next sync: copying the small non-weight files once makes this sender independent of it.
+        """
+        if self._snapshot is None:
+            source = self.config_dir or Path(
                 self.client.get(self.client.urls[0], "/model_info")["model_path"]
             )
-        return self.config_dir
+            snap = Path(tempfile.mkdtemp(prefix="ar_torchrl-config-", dir=self.tmp_root))
+            _KEPT_DIRS.add(snap)
+            for f in source.iterdir():
+                if (
+                    f.is_file()
+                    and not f.name.endswith(_WEIGHT_SUFFIXES)
+                    and not f.name.endswith(".index.json")
+                ):
+                    shutil.copy2(f, snap / f.name)
+            self._served_shapes = checkpoint_shapes(source)
+            self._snapshot = snap
+        return self._snapshot
 
     def _write(self, items: NamedTensors, out: Path) -> None:
         tensors, seen = {}, set()
@@ -249,15 +268,11 @@ class DiskWeightSender(SGLangWeightSender):
             seen.add(key)
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
         for f in self._resolve_config_dir().iterdir():
-            if (
-                f.is_file()
-                and not f.name.endswith(_WEIGHT_SUFFIXES)
-                and not f.name.endswith(".index.json")
-            ):
-                shutil.copy2(f, out / f.name)
+            shutil.copy2(f, out / f.name)
 
     def _send(self, items: NamedTensors, version: str) -> None:
-        check_shapes(items, self._resolve_config_dir())
+        where = self._resolve_config_dir()
+        check_shapes(items, self._served_shapes, where)
         out = Path(tempfile.mkdtemp(prefix="ar_torchrl-weights-", dir=self.tmp_root))
         try:
             self._write(items, out)
@@ -276,8 +291,24 @@ class DiskWeightSender(SGLangWeightSender):
         _KEPT_DIRS.add(out)
 
 
-def check_shapes(items: NamedTensors, model_dir: Path) -> None:
-    """Compare shapes with the safetensors checkpoint in ``model_dir`` (headers only) before sending.
+def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes of the safetensors files in ``model_dir`` (headers only; ``{}`` if none).
+
+    Example:
+        >>> checkpoint_shapes(Path("/nonexistent"))
+        {}
+    """
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as sf:
+            shapes.update({k: tuple(sf.get_slice(k).get_shape()) for k in sf.keys()})
+    return shapes
+
+
+def check_shapes(items: NamedTensors, shapes: dict[str, tuple[int, ...]], where: object) -> None:
+    """Refuse tensors whose shapes differ from the served checkpoint's (``shapes``) before sending.
 
     SGLang 0.5.23 does not survive a wrong-shaped disk update (its rollback re-reads the same bad
     files and the scheduler dies), so a mismatch is refused here. Names absent from the
@@ -287,14 +318,11 @@ def check_shapes(items: NamedTensors, model_dir: Path) -> None:
         WeightSyncError: naming the first mismatching tensors.
 
     Example:
-        >>> check_shapes([("w", torch.ones(2))], Path("/nonexistent"))  # no checkpoint: nothing to check
+        >>> check_shapes([("w", torch.ones(2))], {"w": (3,)}, "ckpt")
+        Traceback (most recent call last):
+        ...
+        ar_torchrl.weight_sync.errors.WeightSyncError: SGLang weight sync: shapes differ from the served checkpoint ckpt for 1 tensors, e.g. (name, sent, served) [('w', (2,), (3,))]; send the same architecture
     """
-    from safetensors import safe_open
-
-    shapes = {}
-    for f in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as sf:
-            shapes.update({k: tuple(sf.get_slice(k).get_shape()) for k in sf.keys()})
     bad = [
         (n, tuple(t.shape), shapes[n])
         for n, t in items
@@ -302,7 +330,7 @@ def check_shapes(items: NamedTensors, model_dir: Path) -> None:
     ]
     if bad:
         raise WeightSyncError(
-            f"SGLang weight sync: shapes differ from the served checkpoint {model_dir} for "
+            f"SGLang weight sync: shapes differ from the served checkpoint {where} for "
             f"{len(bad)} tensors, e.g. (name, sent, served) {bad[:3]}; send the same architecture"
         )
 
@@ -386,7 +414,8 @@ class TensorWeightSender(_SessionMixin, SGLangWeightSender):
         torch.multiprocessing.set_sharing_strategy("file_system")
         buckets = bucketize(items, self.bucket_bytes)
         for url in self.client.urls:  # same machine: the served checkpoint is readable
-            check_shapes(items, Path(self.client.get(url, "/model_info")["model_path"]))
+            served = Path(self.client.get(url, "/model_info")["model_path"])
+            check_shapes(items, checkpoint_shapes(served), served)
             with self._sessions([url]):
                 for k, bucket in enumerate(buckets):
                     flat, meta = flatten_bucket(bucket)
