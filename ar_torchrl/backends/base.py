@@ -13,7 +13,7 @@ from typing import Literal
 
 import torch
 
-__all__ = ["Completion", "FinishReason", "GenerationBackend", "SamplingParams"]
+__all__ = ["Completion", "FinishReason", "GenerationBackend", "SamplingParams", "validate_prompts"]
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -46,7 +46,9 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
-            raise ValueError(f"SamplingParams: max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise ValueError(
+                f"SamplingParams: max_new_tokens must be >= 1, got {self.max_new_tokens}"
+            )
         if self.temperature < 0:
             raise ValueError(f"SamplingParams: temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -93,6 +95,31 @@ class Completion:
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+
+def validate_prompts(
+    prompt_token_ids: Sequence[Sequence[int]], n: int, owner: str
+) -> list[list[int]]:
+    """Check ``generate`` arguments and return the prompts as lists of ints.
+
+    Raises:
+        ValueError: ``n < 1``, no prompts, or empty prompts (named by index).
+
+    Example:
+        >>> validate_prompts([[1, 2], (3,)], 2, "MyBackend")
+        [[1, 2], [3]]
+    """
+    if n < 1:
+        raise ValueError(f"{owner}.generate: n must be >= 1, got {n}")
+    prompts = [[int(t) for t in p] for p in prompt_token_ids]
+    if not prompts:
+        raise ValueError(f"{owner}.generate: got no prompts")
+    empty = [i for i, p in enumerate(prompts) if not p]
+    if empty:
+        raise ValueError(
+            f"{owner}.generate: prompts {empty[:8]} are empty; every prompt needs >= 1 token"
+        )
+    return prompts
 
 
 class GenerationBackend(abc.ABC):

@@ -40,7 +40,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ar_torchrl.backends._sglang_protocol import default_sglang_venv
-from ar_torchrl.backends.base import Completion, GenerationBackend, SamplingParams
+from ar_torchrl.backends.base import Completion, GenerationBackend, SamplingParams, validate_prompts
 
 __all__ = [
     "CPU_SERVER_ARGS",
@@ -472,7 +472,7 @@ class SGLangBackend(GenerationBackend):
             SGLangRequestError, SGLangUnavailableError, SGLangTimeoutError, SGLangResponseError,
             SGLangAbortError: see the class docstring.
         """
-        prompts = _check_prompts(prompt_token_ids, n)
+        prompts = validate_prompts(prompt_token_ids, n, "SGLangBackend")
         bodies = [self.request_body(p, n, sampling, i) for i, p in enumerate(prompts)]
         futures = [self._pool.submit(self._generate_one, body) for body in bodies]
         answers = []
@@ -568,20 +568,6 @@ def _check_sampling_keys(params: Mapping[str, Any]) -> dict:
             f"SGLangBackend: set {reserved} through SamplingParams / `n`, not extra_sampling_params"
         )
     return dict(params)
-
-
-def _check_prompts(prompts: Sequence[Sequence[int]], n: int) -> list[list[int]]:
-    if n < 1:
-        raise ValueError(f"SGLangBackend.generate: n must be >= 1, got {n}")
-    prompts = [list(p) for p in prompts]
-    if not prompts:
-        raise ValueError("SGLangBackend.generate: got no prompts")
-    empty = [i for i, p in enumerate(prompts) if not p]
-    if empty:
-        raise ValueError(
-            f"SGLangBackend.generate: prompts {empty[:8]} are empty; every prompt needs >= 1 token"
-        )
-    return prompts
 
 
 # ---------------------------------------------------------------------------------------------

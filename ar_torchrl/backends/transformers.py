@@ -25,7 +25,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from ar_torchrl.backends.base import Completion, GenerationBackend, SamplingParams
+from ar_torchrl.backends.base import Completion, GenerationBackend, SamplingParams, validate_prompts
 from ar_torchrl.weight_sync.trainside import TrainsideSender
 
 __all__ = ["LogProbMode", "TransformersBackend", "next_token_log_probs"]
@@ -151,7 +151,7 @@ class TransformersBackend(GenerationBackend):
         self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams
     ) -> list[Completion]:
         """Sample ``n`` completions per prompt; prompt-major flat list (item ``i * n + j``)."""
-        prompts = _validate_prompts(prompt_token_ids, n)
+        prompts = validate_prompts(prompt_token_ids, n, "TransformersBackend")
         flat = [p for p in prompts for _ in range(n)]
         index = [i for i in range(len(prompts)) for _ in range(n)]
         generator = self._generator_for(sampling)
@@ -280,20 +280,6 @@ def _resolve_eos(model: nn.Module, eos_token_id) -> tuple[int, ...]:
     if isinstance(eos_token_id, int):
         return (eos_token_id,)
     return tuple(int(e) for e in eos_token_id)
-
-
-def _validate_prompts(prompt_token_ids: Sequence[Sequence[int]], n: int) -> list[list[int]]:
-    if n < 1:
-        raise ValueError(f"TransformersBackend.generate: n must be >= 1, got {n}")
-    prompts = [list(map(int, p)) for p in prompt_token_ids]
-    if not prompts:
-        raise ValueError("TransformersBackend.generate: got no prompts")
-    empty = [i for i, p in enumerate(prompts) if not p]
-    if empty:
-        raise ValueError(
-            f"TransformersBackend.generate: prompts {empty} are empty (need >= 1 token)"
-        )
-    return prompts
 
 
 def _to_completions(tokens, log_probs, lengths, stopped, index, version) -> list[Completion]:
