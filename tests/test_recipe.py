@@ -92,12 +92,16 @@ def test_grpo_end_to_end(tmp_path, cache_dir):
 
 
 @pytest.mark.slow
-def test_async_end_to_end(tmp_path, cache_dir):
-    _, history = run_recipe(tmp_path, cache_dir, "train.mode=async", "train.iterations=4")
+def test_async_end_to_end_with_critic_warmup(tmp_path, cache_dir):
+    _, history = run_recipe(tmp_path, cache_dir, "train.mode=async", "train.iterations=4",
+                            "algo.critic_warmup_iters=2")  # fmt: skip
     assert len(history) == 4
     # batch k+1 is generated in the background while step k trains: it lags one version
     assert [h["rollout/policy_lag"] for h in history] == [0.0, 1.0, 1.0, 1.0]
     assert all(math.isfinite(h["train/loss_objective"]) for h in history)
+    # critic-only warm-up: the policy stays the reference policy (KL exactly 0), then moves
+    assert [h["train/kl_ref"] == 0.0 for h in history] == [True, True, False, False]
+    assert all(h["train/optimizer_steps"] == 2 for h in history)
 
 
 @pytest.mark.slow
