@@ -165,6 +165,10 @@ def build_backend(cfg: DictConfig, model, tokenizer, run_dir: Path, stack: conte
         url = server.url
     backend = SGLangBackend(url, weight_sync=cfg.backend.weight_sync)
     stack.callback(backend.close)
+    if (
+        cfg.backend.url is not None
+    ):  # a running server holds other weights: push the starting policy
+        backend.sync_weights(named_policy_tensors(model), version=0)
     return backend
 
 
