@@ -310,7 +310,11 @@ def train(cfg: DictConfig, stack: contextlib.ExitStack) -> None:
     collector.total_batches = cfg.train.iterations  # counts the batches before a resume too
     batches = iter(collector)
 
-    # 6. The loop.
+    # 6. The loop (after a baseline evaluation of the starting policy, logged as step 0).
+    if cfg.train.eval_every and start == 0:
+        baseline = evaluate(eval_env)
+        append_jsonl(metrics_file, {"step": 0, **baseline})
+        log_metrics(logger, baseline, 0)
     for step in tqdm(range(start + 1, cfg.train.iterations + 1), desc="PPO", initial=start,
                      total=cfg.train.iterations):  # fmt: skip
         with timer(
@@ -365,6 +369,7 @@ def train(cfg: DictConfig, stack: contextlib.ExitStack) -> None:
 
 def summarize(history: list[dict]) -> None:
     """Log the mean reward of the first and last 20 % of the iterations."""
+    history = [h for h in history if "rollout/reward_mean" in h]  # not the step-0 evaluation
     if not history:
         return
     k = max(1, len(history) // 5)

@@ -56,7 +56,9 @@ def mean(xs):
 @pytest.mark.slow
 def test_cpu_default_short_run_learns(tmp_path, cache_dir):
     proc, history = run_recipe(tmp_path, cache_dir, *SHORT)
-    assert [h["step"] for h in history] == list(range(1, 101))
+    assert [h["step"] for h in history] == list(range(0, 101))
+    baseline, history = history[0], history[1:]  # step 0: greedy evaluation of the start policy
+    assert set(baseline) == {"step", "eval/reward_mean", "eval/accuracy"}
     rewards = [h["rollout/reward_mean"] for h in history]
     first, last = mean(rewards[:20]), mean(rewards[-20:])
     assert last - first > MIN_RISE, f"reward did not rise: first {first:.3f} last {last:.3f}"
@@ -83,7 +85,8 @@ def test_cpu_default_short_run_learns(tmp_path, cache_dir):
 def test_grpo_end_to_end(tmp_path, cache_dir):
     _, history = run_recipe(tmp_path, cache_dir, "algo=grpo", "train.iterations=4",
                             "train.eval_every=2")  # fmt: skip
-    assert len(history) == 4
+    assert [h["step"] for h in history] == [0, 1, 2, 3, 4]
+    history = history[1:]
     for h in history:
         assert math.isfinite(h["train/loss_objective"]) and "train/loss_critic" not in h
         assert h["rollout/groups"] == 16 * h["step"]  # cumulative GRPO group count
@@ -95,7 +98,8 @@ def test_grpo_end_to_end(tmp_path, cache_dir):
 def test_async_end_to_end_with_critic_warmup(tmp_path, cache_dir):
     _, history = run_recipe(tmp_path, cache_dir, "train.mode=async", "train.iterations=4",
                             "algo.critic_warmup_iters=2")  # fmt: skip
-    assert len(history) == 4
+    assert [h["step"] for h in history] == [0, 1, 2, 3, 4]
+    history = history[1:]
     # batch k+1 is generated in the background while step k trains: it lags one version
     assert [h["rollout/policy_lag"] for h in history] == [0.0, 1.0, 1.0, 1.0]
     assert all(math.isfinite(h["train/loss_objective"]) for h in history)
@@ -113,7 +117,7 @@ def test_resume_continues_exactly(tmp_path, cache_dir):
     proc, resumed = run_recipe(resumed_dir, cache_dir, "train.iterations=4", *common)
     output = proc.stdout + proc.stderr  # hydra logs to stdout
     assert "resumed from" in output and "(step 2)" in output
-    assert [h["step"] for h in resumed] == [1, 2, 3, 4]
+    assert [h["step"] for h in resumed] == [0, 1, 2, 3, 4]
     for a, b in zip(straight, resumed):
         keys = {k for k in a if not k.startswith("time/")}
         assert keys == {k for k in b if not k.startswith("time/")}
@@ -126,8 +130,8 @@ def test_sglang_backend_end_to_end(tmp_path, cache_dir):
     """The recipe launches a real local SGLang server on the warm-started policy and syncs to it."""
     _, history = run_recipe(tmp_path, cache_dir, "backend=sglang", "train.iterations=2",
                             "train.eval_every=2")  # fmt: skip
-    assert [h["step"] for h in history] == [1, 2]
-    for h in history:
+    assert [h["step"] for h in history] == [0, 1, 2]
+    for h in history[1:]:
         # the server samples from the trainer's weights (synced after step 1): log-probs agree
         assert h["rollout/logprob_drift"] < 1e-4 and h["train/rollout_log_prob_abs_diff"] < 0.2
         assert math.isfinite(h["train/loss_objective"]) and h["time/sync"] > 0
