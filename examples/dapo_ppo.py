@@ -307,7 +307,7 @@ def train(cfg: DictConfig, stack: contextlib.ExitStack) -> None:
     logger = make_logger(cfg.logger.kind, log_dir=run_dir / "logs", exp_name=cfg.logger.exp_name,
                          project=cfg.logger.project)  # fmt: skip
     timer = StageTimer()
-    collector.total_batches = cfg.train.iterations  # counts the batches before a resume too
+    collector.total_batches = cfg.train.iterations - start  # batches left in this run
     batches = iter(collector)
 
     # 6. The loop (after a baseline evaluation of the starting policy, logged as step 0).
