@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import pickle
+import sys
 from pathlib import Path
 
 import pytest
@@ -233,3 +234,27 @@ def test_policy_tensors_and_buckets():
     assert [m.name for m in meta] == ["d", "f", "h"]  # widest dtype first: aligned offsets
     assert [(m.start_idx, m.end_idx) for m in meta] == [(0, 8), (8, 16), (16, 22)]
     assert torch.equal(flat[8:16].view(torch.float32), torch.ones(2))
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+def test_disk_dir_outlives_a_client_process_while_the_server_serves_it(sglang_server, tmp_path):
+    """A client process that syncs from disk and exits must not delete the dir the shared server
+    serves: the next client (this process) reads the served config from it."""
+    import subprocess
+
+    code = (
+        "from ar_torchrl.backends.sglang import SGLangBackend\n"
+        "from ar_torchrl.assets import build_tiny_qwen3\n"
+        "from ar_torchrl.weight_sync import named_policy_tensors\n"
+        f"b = SGLangBackend({sglang_server.url!r}, weight_sync='disk', show_progress=False)\n"
+        "b.sync_weights(named_policy_tensors(build_tiny_qwen3(99, seed=3)), version=41)\n"
+        "b.close()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with SGLangBackend(sglang_server.url, weight_sync="disk", show_progress=False) as backend:
+        served = Path(backend.get(sglang_server.url, "/model_info")["model_path"])
+        assert served.is_dir()
+        backend.sync_weights(named_policy_tensors(trainer_with_value_head(seed=6)), version=42)
+        assert backend.get(sglang_server.url, "/model_info")["weight_version"] == "42"

@@ -193,12 +193,31 @@ class SGLangWeightSender(abc.ABC):
         """Release resources (process groups). Idempotent."""
 
 
-_KEPT_DIRS: set[Path] = set()
+# Temp dirs this process keeps, with the server URLs that may be serving them.
+_KEPT_DIRS: dict[Path, tuple[str, ...]] = {}
+
+
+def _served_by_live_server(path: Path, urls: Sequence[str]) -> bool:
+    import requests
+
+    for url in urls:
+        try:
+            info = requests.get(f"{url}/model_info", timeout=1.0).json()
+        except Exception:  # server gone or not answering: nobody serves the dir from there
+            continue
+        if info.get("model_path") == str(path):
+            return True
+    return False
 
 
 @atexit.register
 def _remove_kept_dirs() -> None:
-    for d in list(_KEPT_DIRS):
+    """Remove this process's temp dirs, except one a live server still reports as its model_path
+    (a shared server outliving this client: its next client reads the config from there)."""
+    for d, urls in list(_KEPT_DIRS.items()):
+        if urls and _served_by_live_server(d, urls):
+            logger.info("keeping %s: a live SGLang server still serves it", d)
+            continue
         shutil.rmtree(d, ignore_errors=True)
 
 
@@ -212,8 +231,9 @@ class DiskWeightSender(SGLangWeightSender):
         tmp_root: where temp dirs are made (must be readable by the server).
 
     The directory of the latest sync is kept (the servers' ``model_path`` points at it, and a later
-    sender reads the config from there); it is removed at this sender's next successful sync or
-    when the interpreter exits.
+    sender reads the config from there); it is removed at this sender's next successful sync, or
+    when the interpreter exits unless a live server still serves it (a shared server's next
+    client reads its config from there).
 
     Example:
         >>> DiskWeightSender(client=None, config_dir="/tmp").name
@@ -246,8 +266,14 @@ class DiskWeightSender(SGLangWeightSender):
             source = self.config_dir or Path(
                 self.client.get(self.client.urls[0], "/model_info")["model_path"]
             )
+            if not source.is_dir():
+                raise WeightSyncError(
+                    f"SGLang disk weight sync: the config source {source} does not exist (the "
+                    "server's model_path may be another client's removed temp dir); pass "
+                    "weight_sync_options={'config_dir': <the model's HF directory>}"
+                )
             snap = Path(tempfile.mkdtemp(prefix="ar_torchrl-config-", dir=self.tmp_root))
-            _KEPT_DIRS.add(snap)
+            _KEPT_DIRS[snap] = ()
             for f in source.iterdir():
                 if (
                     f.is_file()
@@ -286,9 +312,9 @@ class DiskWeightSender(SGLangWeightSender):
         # (or until this interpreter exits).
         if self._last_dir is not None:
             shutil.rmtree(self._last_dir, ignore_errors=True)
-            _KEPT_DIRS.discard(self._last_dir)
+            _KEPT_DIRS.pop(self._last_dir, None)
         self._last_dir = out
-        _KEPT_DIRS.add(out)
+        _KEPT_DIRS[out] = tuple(self.client.urls)
 
 
 def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
