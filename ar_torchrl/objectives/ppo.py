@@ -146,14 +146,8 @@ class TokenPPOLoss(ClipPPOLoss):
             keys += ["loss_entropy"]
         if self.kl_coeff:
             keys += ["loss_kl", "kl_ref"]
-        return keys + [
-            "ratio_mean",
-            "ratio_min",
-            "ratio_max",
-            "clip_fraction",
-            "approx_kl",
-            "entropy",
-        ]
+        keys += ["ratio_mean", "ratio_min", "ratio_max", "clip_fraction", "approx_kl"]
+        return keys + ["entropy"] if self.actor_network.return_entropy else keys
 
     @out_keys.setter
     def out_keys(self, values) -> None:
@@ -249,8 +243,6 @@ class TokenPPOLoss(ClipPPOLoss):
             out["entropy"] = F.masked_mean(entropy.detach(), mask)
             if self.entropy_bonus:
                 out["loss_entropy"] = -self.entropy_coeff * self._agg(entropy, mask, normalizer)
-        else:
-            out["entropy"] = torch.full((), float("nan"))
         if self.kl_coeff:
             ref = self._get(
                 tensordict,
