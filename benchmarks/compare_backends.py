@@ -182,7 +182,9 @@ def main() -> None:
     parser.add_argument(
         "--url", default=None, help="use a running SGLang server instead of launching one"
     )
-    parser.add_argument("--quick", action="store_true", help="8 prompts x 1 sample, 16 new tokens, 1 repeat")
+    parser.add_argument(
+        "--quick", action="store_true", help="8 prompts x 1 sample, 16 new tokens, 1 repeat"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     if args.quick:

@@ -191,7 +191,9 @@ class LMActorCritic(TensorDictModuleBase):
             with_entropy=self.return_entropy,
         )
         next_value = self.model.value_head(hidden)
-        value = torch.cat([next_value.new_zeros(next_value.shape[0], 1, 1), next_value[:, :-1]], dim=1)
+        value = torch.cat(
+            [next_value.new_zeros(next_value.shape[0], 1, 1), next_value[:, :-1]], dim=1
+        )
         tensordict.set(self.log_prob_key, log_prob)
         tensordict.set(self.value_key, value)
         tensordict.set(self.next_value_key, next_value)

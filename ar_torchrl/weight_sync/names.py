@@ -12,7 +12,9 @@ __all__ = ["VALUE_HEAD_PREFIX", "named_policy_tensors"]
 VALUE_HEAD_PREFIX = "value_head."
 
 
-def named_policy_tensors(model: nn.Module, *, detach: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def named_policy_tensors(
+    model: nn.Module, *, detach: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for every tensor of the policy the rollout engine loads.
 
     These are exactly the model's ``state_dict`` entries (parameters and persistent buffers, with
