@@ -93,6 +93,8 @@ def make_backend(name: str, model, tok, args, stack: contextlib.ExitStack):
         url = stack.enter_context(launch_sglang_server(model_dir, timeout_s=600)).url
     backend = SGLangBackend(url, weight_sync="disk", show_progress=False)
     stack.callback(backend.close)
+    if args.url is not None:  # a running server holds other weights: push the starting policy
+        backend.sync_weights(named_policy_tensors(model), version=0)
     return backend
 
 
@@ -116,6 +118,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default=None, help="an already running SGLang server")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
     parser.add_argument("--cache", type=Path, default=Path(os.environ.get(
         "AR_TORCHRL_CACHE", Path.home() / ".cache" / "ar_torchrl")))  # fmt: skip
     args = parser.parse_args()
@@ -140,13 +143,13 @@ def main() -> None:
     for rows in results.values():
         for r in rows:
             r.pop("tokens")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
         "rollouts": results, "same_tokens": same_tokens, "max_loss_abs_diff": max_loss_diff,
         "all_finite": finite, "wall_s": seconds, "seed": args.seed,
         "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}",
     }, indent=2))  # fmt: skip
-    print(f"wrote {RESULTS}")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -426,3 +426,25 @@ def test_compare_backends_benchmark_quick(sglang_server, tmp_path):
     assert drift["drift_sglang_vs_trainer"]["max_abs"] < 1e-4
     assert drift["drift_sglang_vs_trainside"]["tokens"] == result["sglang"]["tokens"] > 0
     assert "tokens/s" in proc.stdout
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+def test_compare_backends_ppo_run_agrees(sglang_server, tmp_path):
+    """The README's backend comparison: 3 greedy rollouts + 1 PPO update each, trainside vs SGLang."""
+    import json
+    import os
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "compare_backends_ppo.py"
+    out = tmp_path / "cmp.json"
+    cmd = [sys.executable, str(script), "--url", sglang_server.url, "--out", str(out),
+           "--cache", str(tmp_path / "cache")]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["all_finite"] and result["same_tokens"] == [True, True, True]
+    assert result["max_loss_abs_diff"] < 1e-6
+    for row in result["rollouts"]["sglang"]:
+        assert row["ratio_mean"] == 1.0 and row["logprob_abs_diff"] < 1e-4
