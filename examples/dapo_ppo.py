@@ -348,6 +348,8 @@ def train(cfg: DictConfig, stack: contextlib.ExitStack) -> None:
         if cfg.train.eval_every and (
             step % cfg.train.eval_every == 0 or step == cfg.train.iterations
         ):
+            if eval_backend is backend:  # the server now holds the collector's latest weights
+                eval_env.policy_version = collector.policy_version
             metrics.update(evaluate(eval_env))
         append_jsonl(metrics_file, metrics)
         log_metrics(logger, {k: v for k, v in metrics.items() if k != "step"}, step)

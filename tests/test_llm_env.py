@@ -14,6 +14,7 @@ from ar_torchrl.backends import Completion, GenerationBackend, SamplingParams, T
 from ar_torchrl.data import arithmetic_dataset, make_row
 from ar_torchrl.envs import EpochSampler, LLMEnv
 from ar_torchrl.rewards import dapo_math_reward
+from ar_torchrl.weight_sync import named_policy_tensors
 
 torch.set_num_threads(1)
 
@@ -75,6 +76,7 @@ def test_check_env_specs(tok, model):
 
 def test_rollout_returns_the_token_trajectory(tok, model):
     env = make_env(tok, TransformersBackend(model, seed=1))
+    env.backend.sync_weights(named_policy_tensors(model), version=5)
     env.policy_version = 5
     td = env.rollout()
     n_rows, width = td.batch_size
@@ -156,3 +158,31 @@ def test_epoch_sampler_covers_each_epoch_once():
         assert sorted(drawn[7 * epoch : 7 * epoch + 7]) == list(range(7))
     assert drawn[:7] != drawn[7:14]  # reshuffled per epoch
     assert EpochSampler(4, shuffle=False).draw(6) == [0, 1, 2, 3, 0, 1]
+
+
+class VersionedScriptedBackend(ScriptedBackend):
+    """The scripted double, reporting the engine's weight version on every completion (as SGLang)."""
+
+    def __init__(self, tokenizer, reported):
+        super().__init__(tokenizer)
+        self.reported = reported
+
+    def generate(self, prompt_token_ids, n, sampling):
+        out = super().generate(prompt_token_ids, n, sampling)
+        for c in out:
+            c.weight_version = self.reported
+        return out
+
+
+def test_rows_must_come_from_the_stamped_weight_version(tok):
+    env = make_env(tok, VersionedScriptedBackend(tok, "3"))
+    env.policy_version = 3
+    assert (env.rollout()["policy_version"] == 3).all()
+    env.policy_version = 4
+    with pytest.raises(
+        RuntimeError,
+        match=r"weight version\(s\) \['3'\] but the rows would be stamped policy_version=4",
+    ):
+        env.rollout()
+    fresh = make_env(tok, VersionedScriptedBackend(tok, "default"))  # never-synced SGLang server
+    assert (fresh.rollout()["policy_version"] == 0).all()

@@ -94,6 +94,21 @@ def _check_tokenizer(tokenizer) -> None:
         raise ValueError("LLMEnv: the tokenizer has no pad_token_id; set tokenizer.pad_token")
 
 
+def _check_weight_versions(completions: Sequence[Completion], version: int) -> None:
+    """The engine's reported weight version must be the one the rows get stamped with.
+
+    Engines that report no version (``None``) or SGLang's ``"default"`` (never synced: the weights
+    it was launched with) are not checked.
+    """
+    reported = {c.weight_version for c in completions} - {None, "default"}
+    if reported and reported != {str(version)}:
+        raise RuntimeError(
+            f"LLMEnv: the backend generated with weight version(s) {sorted(reported)} but the rows "
+            f"would be stamped policy_version={version}; another client may have synced the "
+            "server, or a sync was lost: sync the weights again before collecting"
+        )
+
+
 class LLMEnv(EnvBase):
     """Prompts in, scored token trajectories out (see the module docstring for the design).
 
@@ -295,6 +310,7 @@ class LLMEnv(EnvBase):
                 f"LLMEnv: the backend returned {len(completions)} completions, expected "
                 f"{self.batch_size[0]} ({self.prompts_per_batch} prompts x {self.num_samples})"
             )
+        _check_weight_versions(completions, version)
         n, max_new = self.batch_size[0], self.sampling.max_new_tokens
         tokens = torch.full((n, max_new), self.tokenizer.pad_token_id, dtype=torch.long)
         log_probs = torch.zeros((n, max_new), dtype=torch.float32)
