@@ -18,6 +18,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Literal, get_args
 
@@ -255,7 +256,8 @@ def token_gae(
     ``V_next`` starts at ``bootstrap_value`` (0 when ``None``: terminal), ``A_next`` at 0.
     ``value_target = A' + V`` where ``A'`` uses ``critic_lmbda`` (defaults to ``lmbda``; VAPO's
     decoupled lambdas). Masked positions get ``advantage = value_target = 0``. Computed in float64
-    with a chunked closed form (no Python loop over tokens), returned in ``reward.dtype``.
+    for float64 inputs, else float32, in closed form (one matmul per block of 16 tokens, or chunks
+    of ``c**n``-weighted cumsums; no Python loop over tokens), returned in ``reward.dtype``.
 
     Args:
         reward: ``[B, L]`` per-token reward; must be 0 wherever ``loss_mask`` is False.
@@ -334,14 +336,16 @@ def _advantage(
     dtype = r.dtype
     if gamma > 0 and float(lam.min()) >= _MIN_TELESCOPE_LMBDA:
         inv = (1.0 / lam).to(dtype)
-        if bool((inv == 1).all()):
+        unit = bool((inv == 1).all())
+        if unit:
             u = r if boot is None else r.clone()  # never modified in place below
         else:
             u = torch.addcmul(r, inv - 1, v)
         if boot is not None:
             u[boot[0], boot[1]] += boot[2]
-        x = _discounted_suffix(u, n, gamma * lam)
-        return x.sub_(v * inv).mul_(mask)
+        x = _discounted_suffix(u, n, gamma * lam)  # a new tensor (c > 0): in place is safe
+        x = x.sub_(v) if unit else x.addcmul_(v, inv, value=-1)
+        return torch.where(mask, x, 0.0)
     v_next = _next_trained_value(v, mask)
     delta = torch.add(r, v_next, alpha=gamma).sub_(v).mul_(mask)
     if boot is not None:
@@ -350,16 +354,70 @@ def _advantage(
 
 
 def _discounted_suffix(x: Tensor, n: Tensor, c: Tensor) -> Tensor:
-    """Masked discounted suffix sum with per-row ``c`` in [0, 1] (rows with c == 0 get ``x``)."""
+    """Masked discounted suffix sum with per-row ``c`` in [0, 1] (rows with c == 0 get ``x``).
+
+    Contiguous rows (``n`` ``[L]``) with one batch-wide ``c < 1`` go through :func:`_blocked_suffix`,
+    other ``c < 1`` through :func:`_masked_discounted_cumsum`.
+    Shapes: x ``[B, L]`` (0 at masked positions), n ``[B, L]`` or ``[L]``, c ``[B, 1]``.
+    """
     c = c.to(x.dtype)
     if bool((c == 1).all()):
         return x.flip(-1).cumsum(-1).flip(-1)
     zero_rows = c == 0
     if bool(zero_rows.all()):
         return x
+    if n.ndim == 1 and bool((c == c[0]).all()):
+        block = _block_size(float(c[0]))
+        if block >= _MIN_BLOCK:
+            return _blocked_suffix(x, float(c[0]), block)
     safe_c = torch.where(zero_rows, torch.ones_like(c), c)
     out = _masked_discounted_cumsum(x, n, safe_c)
     return torch.where(zero_rows, x, out) if bool(zero_rows.any()) else out
+
+
+# Blocks of the Toeplitz path: K tokens per matmul, fewer when c**K would leave float32's normal
+# range (c**K >= 1e-30); below _MIN_BLOCK tokens the chunked closed form is used instead.
+_BLOCK = 16
+_MIN_BLOCK = 8
+
+
+def _block_size(c: float) -> int:
+    """Tokens per block for factor ``c``: at most ``_BLOCK``, and ``c**K >= 1e-30``."""
+    return min(_BLOCK, int(69.0 / -math.log(c))) if 0.0 < c < 1.0 else _BLOCK
+
+
+@functools.lru_cache(maxsize=16)
+def _toeplitz(c: float, k: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+    """``T[i, j] = c**(i - j)`` for ``i >= j`` (0 above) ``[k, k]`` and ``c**(k - j)`` ``[k]``."""
+    i = torch.arange(k, dtype=torch.float64)
+    e = i[:, None] - i[None, :]
+    toep = torch.where(e >= 0, c ** e.clamp_min(0), 0.0)
+    return toep.to(dtype=dtype, device=device), (c ** (k - i)).to(dtype=dtype, device=device)
+
+
+def _blocked_suffix(x: Tensor, c: float, k: int) -> Tensor:
+    """``Y_t = x_t + c * Y_{t+1}`` along each row (``Y_L = 0``), in blocks of ``k`` tokens.
+
+    Inside a block the suffix sum is one matmul with the constant Toeplitz matrix ``c**(i - j)``;
+    the value entering block ``b`` from the right, ``Y`` at the start of block ``b + 1``, is the
+    discounted (factor ``c**k``) suffix sum of the blocks' heads, computed on ``[B, L / k]`` in
+    float64, and enters token ``j`` of the block as ``c**(k - j) * Y``. Every weight lies in
+    ``[c**k, 1]``: no ``c**-n`` rescaling, so float32 keeps its precision on long rows.
+
+    Shapes: x ``[B, L]``, c in ``(0, 1)``. Returns ``[B, L]``.
+    """
+    batch, length = x.shape
+    nb = -(-length // k)
+    if nb * k != length:  # zeros past the row end change no suffix sum
+        x = torch.nn.functional.pad(x, (0, nb * k - length))
+    toep, tail = _toeplitz(c, k, x.dtype, x.device)
+    y = x.reshape(batch, nb, k).matmul(toep)  # in-block suffix sums
+    head = y[:, :, 0].double()
+    c_k = torch.full((batch, 1), c**k, dtype=torch.float64, device=x.device)
+    blocks = torch.arange(nb, dtype=torch.float64, device=x.device)
+    entering = _masked_discounted_cumsum(head, blocks, c_k)[:, 1:].to(x.dtype)
+    y[:, :-1].addcmul_(entering.unsqueeze(-1), tail)
+    return y.view(batch, nb * k)[:, :length]
 
 
 def length_adaptive_lmbda(response_length: Tensor, alpha: float = 0.05) -> Tensor:

@@ -111,6 +111,25 @@ def test_token_gae_hand_computed_terminal_reward_and_truncation():
     assert torch.allclose(adv[1, 4:], torch.tensor([a3, a4]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("length", [5, 16, 1203])
+@pytest.mark.parametrize("gamma,lmbda", [(1.0, 0.95), (0.99, 0.5), (0.02, 0.5), (0.9, 0.01)])
+def test_token_gae_blocked_path_contiguous_rows(dtype, length, gamma, lmbda):
+    """Contiguous rows with one batch-wide c = gamma * lmbda < 1 go through blocks of Toeplitz
+    matmuls (fewer tokens per block for small c, a padded last block for ragged lengths)."""
+    reward, value, mask = _ragged(5, B=6, L=length, gaps=False, dtype=dtype)
+    boot = torch.randn(6, dtype=dtype, generator=torch.Generator().manual_seed(1))
+    c = gamma * lmbda
+    assert F._rows_are_contiguous(mask) and F._block_size(c) >= F._MIN_BLOCK
+    reward_t = reward.T.contiguous().T  # a non-contiguous layout
+    adv, tgt = F.token_gae(reward_t, value, mask, gamma=gamma, lmbda=lmbda, bootstrap_value=boot)
+    ref_adv, ref_tgt = gae_loop(reward, value, mask, gamma, lmbda, bootstrap=boot)
+    assert adv.dtype == dtype and tgt.dtype == dtype
+    assert torch.allclose(adv.double(), ref_adv, **TOL[dtype])
+    assert torch.allclose(tgt.double(), ref_tgt, **TOL[dtype])
+    assert (adv[~mask] == 0).all() and (tgt[~mask] == 0).all()
+
+
 def test_token_gae_all_masked_row_and_zero_length():
     reward = torch.zeros(2, 4)
     mask = torch.zeros(2, 4, dtype=torch.bool)
