@@ -448,3 +448,27 @@ def test_compare_backends_ppo_run_agrees(sglang_server, tmp_path):
     assert result["max_loss_abs_diff"] < 1e-6
     for row in result["rollouts"]["sglang"]:
         assert row["ratio_mean"] == 1.0 and row["logprob_abs_diff"] < 1e-4
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+def test_launcher_retries_when_its_port_is_taken(sglang_model_dir, tmp_path, monkeypatch):
+    """SGLang's own children bind random ports; if one takes ours first the launcher retries."""
+    import socket
+
+    import ar_torchrl.backends.sglang as sglang_mod
+
+    python = require_sglang_venv()
+    squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen(1)
+    taken = squatter.getsockname()[1]
+    ports = iter([taken, sglang_mod.free_port()])
+    monkeypatch.setattr(sglang_mod, "free_port", lambda host="127.0.0.1": next(ports))
+    try:
+        log = tmp_path / "retry.log"
+        with launch_sglang_server(sglang_model_dir, python=python, log_file=log) as server:
+            assert server.port != taken and _backend(server.url).health()
+        assert "address already in use" in log.read_text()
+    finally:
+        squatter.close()

@@ -24,6 +24,7 @@ import contextlib
 import itertools
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -593,15 +594,26 @@ class SGLangServer:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on ``host``.
+    """A TCP port that was free a moment ago on ``host``, outside the kernel's ephemeral range.
+
+    SGLang's own processes bind ~10 ports with ``bind(0)``, which the kernel takes from the
+    ephemeral range (32768-60999 on Linux); drawing ours below it makes a collision between our
+    HTTP port and theirs unlikely (the launcher still retries if one happens).
 
     Example:
-        >>> 0 < free_port() < 65536
+        >>> 20000 <= free_port() < 32000
         True
     """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    rng = random.Random()
+    for _ in range(200):
+        candidate = rng.randrange(20000, 32000)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, candidate))
+            except OSError:
+                continue
+            return candidate
+    raise OSError(f"free_port: no free port found in 20000-31999 on {host}")
 
 
 def _server_python(python: str | Path | None) -> Path:
@@ -715,12 +727,35 @@ def launch_sglang_server(
         FileNotFoundError: SGLang server python /nonexistent/python not found. Run `bash scripts/setup_sglang_env.sh` ...
     """
     python = _server_python(python)
-    port = port or free_port(host)
     log_path = Path(log_file) if log_file else Path(_tempfile("sglang-server-", ".log"))
+    attempts = 1 if port else 3  # an auto-picked port can be taken by SGLang's own children
+    for attempt in range(1, attempts + 1):
+        try:
+            server = _start_server(python, model_path, port or free_port(host), host, device,
+                                   extra_args, log_path, timeout_s, shim_dir, env)  # fmt: skip
+            break
+        except _PortTaken as err:
+            if attempt == attempts:
+                raise SGLangLaunchError(str(err)) from err
+            logger.warning("SGLang: %s; retrying on another port (%d/%d)", err, attempt, attempts)
+    try:
+        yield server
+    finally:
+        stop_server(server.process)
+
+
+class _PortTaken(SGLangLaunchError):
+    """The server could not bind its HTTP port (taken between our pick and its bind)."""
+
+
+def _start_server(python, model_path, port, host, device, extra_args, log_path, timeout_s,
+                  shim_dir, env) -> SGLangServer:  # fmt: skip
+    """Start one server process and wait until it is healthy (stopping it on failure)."""
     cmd = [str(python), "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", host,
            "--port", str(port), "--device", device]  # fmt: skip
     cmd += list(CPU_SERVER_ARGS if device == "cpu" else ()) + list(extra_args)
     logger.info("launching SGLang: %s (log %s)", " ".join(cmd), log_path)
+    offset = log_path.stat().st_size if log_path.exists() else 0
     with open(log_path, "ab") as log:
         process = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -731,10 +766,15 @@ def launch_sglang_server(
     )
     try:
         _wait_healthy(server, timeout_s)
-        logger.info("SGLang server healthy at %s (pid %d)", server.url, process.pid)
-        yield server
-    finally:
+    except SGLangLaunchError as err:
         stop_server(process)
+        with open(log_path, "rb") as f:
+            f.seek(offset)
+            if b"address already in use" in f.read():
+                raise _PortTaken(f"port {port} was taken before the server bound it") from err
+        raise
+    logger.info("SGLang server healthy at %s (pid %d)", server.url, process.pid)
+    return server
 
 
 def _tempfile(prefix: str, suffix: str) -> str:
