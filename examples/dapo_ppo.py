@@ -188,7 +188,10 @@ def build_advantage(cfg: DictConfig):
     if cfg.algo.advantage_mode == "gae":
         return TokenGAE(gamma=cfg.algo.gamma, lmbda=cfg.algo.lmbda,
                         normalize_advantage=cfg.algo.normalize_advantage)  # fmt: skip
-    return GRPOAdvantage(scale=cfg.algo.grpo_scale, drop_zero_spread=cfg.algo.drop_zero_spread)
+    # GRPO: advantages from the group; a value head that is on (critic_coeff > 0, e.g. the ppo_gae
+    # config with advantage_mode=grpo) keeps training on Monte-Carlo returns.
+    return GRPOAdvantage(scale=cfg.algo.grpo_scale, drop_zero_spread=cfg.algo.drop_zero_spread,
+                         critic_targets=cfg.algo.critic_coeff > 0, gamma=cfg.algo.gamma)  # fmt: skip
 
 
 def rollout_metrics(td) -> dict[str, float]:

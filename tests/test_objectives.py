@@ -426,3 +426,26 @@ def test_loss_errors():
     td["loss_mask"] = td["loss_mask"].float()
     with pytest.raises(TypeError, match="'loss_mask' must be bool, got torch.float32"):
         TokenPPOLoss(ac)(td)
+
+
+def test_grpo_critic_targets_are_monte_carlo_returns():
+    """``critic_targets=True``: value_target = discounted reward-to-go over loss_mask tokens (loop)."""
+    torch.manual_seed(0)
+    mask = torch.tensor([[False, True, True, True, False], [False, False, True, True, True]])
+    reward = torch.zeros(2, 5)
+    reward[0, 3], reward[1, 4], reward[1, 2] = 1.0, -1.0, 0.25
+    td = TensorDict({"loss_mask": mask, "prompt_id": torch.zeros(2, 5, dtype=torch.long),
+                     "next": {"reward": reward.unsqueeze(-1)}}, [2, 5])  # fmt: skip
+    gamma = 0.9
+    out = GRPOAdvantage(critic_targets=True, gamma=gamma)(td)
+    expected = torch.zeros(2, 5)
+    for b in range(2):
+        ret = 0.0
+        for t in reversed(range(5)):
+            if mask[b, t]:
+                ret = float(reward[b, t]) + gamma * ret
+                expected[b, t] = ret
+    torch.testing.assert_close(out["value_target"].squeeze(-1), expected)
+    assert "value_target" not in GRPOAdvantage()(td.exclude("advantage", "value_target")).keys()
+    with pytest.raises(ValueError, match="gamma must be in"):
+        GRPOAdvantage(critic_targets=True, gamma=1.5)
