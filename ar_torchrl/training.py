@@ -19,6 +19,7 @@ import torch
 from tensordict import TensorDictBase
 from torch import nn
 
+from ar_torchrl.checks import check_grad_clip
 from ar_torchrl.data.micro_batch import MicroBatchPlan
 
 __all__ = ["ppo_update", "total_loss"]
@@ -157,6 +158,7 @@ def ppo_update(
     """
     if epochs < 1:
         raise ValueError(f"ppo_update: epochs must be >= 1, got {epochs}")
+    grad_clip = check_grad_clip("ppo_update", grad_clip)
     if tuple(td.batch_size[:2]) != plan.batch_size:
         raise ValueError(
             f"ppo_update: plan was made for batch size {plan.batch_size}, got {tuple(td.batch_size)}"

@@ -401,9 +401,9 @@ def test_loss_errors():
     for kwargs, msg in [
         (
             {"clip_epsilon": 1.5},
-            r"clip_epsilon must be a float or \(low, high\) in \(0, 1\), got 1.5",
+            r"clip_epsilon must be a float in \(0, 1\) or \(low, high\) with 0 < low < 1 and high > 0, got 1.5",
         ),
-        ({"clip_epsilon": (0.2, 0.3, 0.4)}, "clip_epsilon must be a float or"),
+        ({"clip_epsilon": (0.2, 0.3, 0.4)}, "clip_epsilon must be a float in"),
         ({"dual_clip": 0.5}, r"dual_clip must be > 1 \(e.g. 3.0\), got 0.5"),
         ({"clip_value": -1.0}, "clip_value must be a positive float or None"),
         ({"loss_agg_mode": "mean"}, "unknown loss_agg_mode 'mean'"),

@@ -145,3 +145,14 @@ def test_errors_name_what_is_wrong():
         total_loss(TensorDict({"loss_objective": torch.tensor(1.0)}, []), ["loss_foo"])
     with pytest.raises(TypeError, match="has no global_normalizer"):
         ppo_update(lambda td, normalizer=None: None, opt, td, plan)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0])
+def test_ppo_update_rejects_zero_or_negative_grad_clip(bad):
+    """grad_clip=-1 used to flip the gradient's sign, grad_clip=0 froze training silently."""
+    w = torch.nn.Parameter(torch.ones(1))
+    td = TensorDict({"attention_mask": torch.ones(2, 3, dtype=torch.bool)}, [2, 3])
+    plan = plan_micro_batches(td, token_budget=6)
+    with pytest.raises(ValueError, match=r"ppo_update: grad_clip must be > 0, got"):
+        ppo_update(lambda td, normalizer: None, torch.optim.SGD([w], lr=0.1), td, plan,
+                   grad_clip=bad, normalizer=lambda m: 1.0)  # fmt: skip

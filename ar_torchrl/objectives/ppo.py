@@ -26,6 +26,7 @@ from torchrl.objectives.utils import ValueEstimators
 from torchrl.objectives.value import ValueEstimatorBase
 
 from ar_torchrl import functional as F
+from ar_torchrl.checks import check_clip_epsilon
 from ar_torchrl.functional import AggregationMode
 from ar_torchrl.modules import LMActorCritic
 from ar_torchrl.objectives.gae import TokenGAE, require_key, squeeze_feature
@@ -313,11 +314,7 @@ def _validate(
 ) -> None:
     if not isinstance(actor_critic, LMActorCritic):
         raise TypeError(f"{_OWNER} needs an LMActorCritic, got {type(actor_critic).__name__}")
-    eps = clip_epsilon if isinstance(clip_epsilon, (tuple, list)) else (clip_epsilon,)
-    if len(eps) not in (1, 2) or any(not 0 < float(e) < 1 for e in eps):
-        raise ValueError(
-            f"{_OWNER}: clip_epsilon must be a float or (low, high) in (0, 1), got {clip_epsilon!r}"
-        )
+    check_clip_epsilon(_OWNER, clip_epsilon)
     if dual_clip is not None and dual_clip <= 1:
         raise ValueError(f"{_OWNER}: dual_clip must be > 1 (e.g. 3.0), got {dual_clip}")
     if clip_value is not None and (isinstance(clip_value, bool) or clip_value <= 0):
