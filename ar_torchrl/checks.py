@@ -11,10 +11,32 @@ name, the value received and what is accepted.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Literal, get_args
 
-__all__ = ["check_choice", "check_clip_epsilon", "check_grad_clip", "check_number"]
+__all__ = [
+    "AGGREGATION_MODES",
+    "AggregationMode",
+    "check_actor_args",
+    "check_bool",
+    "check_choice",
+    "check_clip_epsilon",
+    "check_gae_args",
+    "check_grad_clip",
+    "check_grpo_args",
+    "check_number",
+    "check_optimizer_args",
+    "check_ppo_loss_args",
+    "check_ppo_update_args",
+]
+
+#: Loss aggregation modes (``ar_torchrl.functional.aggregate_loss``), defined here so that a config
+#: schema can check them without importing torch.
+AggregationMode = Literal[
+    "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
+]
+AGGREGATION_MODES: tuple[str, ...] = get_args(AggregationMode)
 
 
 def _describe(gt, ge, lt, le) -> str:
@@ -41,10 +63,12 @@ def check_number(
     le: float | None = None,
     integer: bool = False,
     allow_none: bool = False,
+    hint: str | None = None,
 ) -> Any:
     """Check that ``value`` is a finite number (an ``int`` if ``integer``) within the bounds.
 
-    Booleans are not numbers here (``iterations=true`` is a mistake, not ``1``).
+    Booleans are not numbers here (``iterations=true`` is a mistake, not ``1``); numpy scalars are
+    (``numbers.Real`` / ``numbers.Integral``). ``hint`` is appended to a range error in parentheses.
 
     Returns:
         ``value`` unchanged.
@@ -66,7 +90,7 @@ def check_number(
             return value
         raise TypeError(f"{owner}: {name} must be a number, got None")
     kind = "an integer" if integer else "a number"
-    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
+    ok_type = isinstance(value, numbers.Integral if integer else numbers.Real)
     if isinstance(value, bool) or not ok_type:
         raise TypeError(f"{owner}: {name} must be {kind}, got {value!r} ({type(value).__name__})")
     if not math.isfinite(value):
@@ -78,7 +102,26 @@ def check_number(
         or (le is not None and not value <= le)
     )
     if bad:
-        raise ValueError(f"{owner}: {name} must be {_describe(gt, ge, lt, le)}, got {value!r}")
+        extra = f" ({hint})" if hint else ""
+        raise ValueError(
+            f"{owner}: {name} must be {_describe(gt, ge, lt, le)}, got {value!r}{extra}"
+        )
+    return value
+
+
+def check_bool(owner: str, name: str, value: Any) -> bool:
+    """Check that ``value`` is a ``bool`` (a string ``"false"`` is truthy: a classic config bug).
+
+    Example:
+        >>> check_bool("GRPOAdvantage", "scale", "no")
+        Traceback (most recent call last):
+        ...
+        TypeError: GRPOAdvantage: scale must be true or false, got 'no' (str)
+    """
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"{owner}: {name} must be true or false, got {value!r} ({type(value).__name__})"
+        )
     return value
 
 
@@ -153,3 +196,202 @@ def check_grad_clip(owner: str, value: Any) -> float | None:
         return float(check_number(owner, "grad_clip", value, gt=0))
     except ValueError as err:
         raise ValueError(f"{err} (None disables clipping)") from None
+
+
+# ----------------------------------------------------------------------------- one function per group
+# Each checks every numeric/option argument of one library entry point, with the argument names as
+# the library spells them, and returns them as a dict (floats where the library wants floats). A
+# config schema calls the same function with ``owner`` naming its config group, so the recipe and the
+# library can never disagree on a range.
+
+
+def check_gae_args(
+    owner: str = "TokenGAE",
+    *,
+    gamma: Any = 1.0,
+    lmbda: Any = 0.95,
+    critic_lmbda: Any = None,
+    adaptive_lmbda_alpha: Any = None,
+    normalize_advantage: Any = False,
+    bootstrap_truncated: Any = False,
+) -> dict[str, Any]:
+    """Arguments of :class:`~ar_torchrl.objectives.TokenGAE` (``gamma``, lambdas in ``[0, 1]``).
+
+    Example:
+        >>> check_gae_args(gamma=1.0, lmbda=1.2)
+        Traceback (most recent call last):
+        ...
+        ValueError: TokenGAE: lmbda must be >= 0 and <= 1, got 1.2
+    """
+    return {
+        "gamma": float(check_number(owner, "gamma", gamma, ge=0, le=1)),
+        "lmbda": float(check_number(owner, "lmbda", lmbda, ge=0, le=1)),
+        "critic_lmbda": _opt_float(
+            check_number(owner, "critic_lmbda", critic_lmbda, ge=0, le=1, allow_none=True)
+        ),
+        "adaptive_lmbda_alpha": _opt_float(
+            check_number(owner, "adaptive_lmbda_alpha", adaptive_lmbda_alpha, gt=0, allow_none=True)
+        ),
+        "normalize_advantage": check_bool(owner, "normalize_advantage", normalize_advantage),
+        "bootstrap_truncated": check_bool(owner, "bootstrap_truncated", bootstrap_truncated),
+    }
+
+
+def check_grpo_args(
+    owner: str = "GRPOAdvantage",
+    *,
+    scale: Any = True,
+    eps: Any = 1e-6,
+    drop_zero_spread: Any = False,
+    critic_targets: Any = False,
+    gamma: Any = 1.0,
+) -> dict[str, Any]:
+    """Arguments of :class:`~ar_torchrl.objectives.GRPOAdvantage` (``eps >= 0``, ``gamma`` in [0, 1]).
+
+    Example:
+        >>> check_grpo_args(eps=-1e-6)
+        Traceback (most recent call last):
+        ...
+        ValueError: GRPOAdvantage: eps must be >= 0, got -1e-06
+    """
+    return {
+        "scale": check_bool(owner, "scale", scale),
+        "eps": float(check_number(owner, "eps", eps, ge=0)),
+        "drop_zero_spread": check_bool(owner, "drop_zero_spread", drop_zero_spread),
+        "critic_targets": check_bool(owner, "critic_targets", critic_targets),
+        "gamma": float(check_number(owner, "gamma", gamma, ge=0, le=1)),
+    }
+
+
+def check_ppo_loss_args(
+    owner: str = "TokenPPOLoss",
+    *,
+    clip_epsilon: Any = 0.2,
+    dual_clip: Any = None,
+    clip_value: Any = 0.2,
+    entropy_coeff: Any = 0.0,
+    critic_coeff: Any = 1.0,
+    kl_coeff: Any = 0.0,
+    loss_agg_mode: Any = "token_mean",
+    norm_length: Any = None,
+    tis_cap: Any = None,
+) -> dict[str, Any]:
+    """Arguments of :class:`~ar_torchrl.objectives.TokenPPOLoss`.
+
+    ``clip_epsilon``: see :func:`check_clip_epsilon`; ``dual_clip > 1``; ``clip_value > 0``;
+    coefficients ``>= 0``; ``norm_length`` a positive integer, required by
+    ``seq_mean_token_sum_norm``; ``tis_cap > 0``. ``None`` switches the optional ones off.
+
+    Example:
+        >>> check_ppo_loss_args(clip_value=-0.2)
+        Traceback (most recent call last):
+        ...
+        ValueError: TokenPPOLoss: clip_value must be > 0, got -0.2 (None disables value clipping)
+    """
+    check_choice(owner, "loss_agg_mode", loss_agg_mode, AGGREGATION_MODES)
+    norm_length = check_number(
+        owner, "norm_length", norm_length, ge=1, integer=True, allow_none=True
+    )
+    if loss_agg_mode == "seq_mean_token_sum_norm" and norm_length is None:
+        raise ValueError(
+            f"{owner}: loss_agg_mode='seq_mean_token_sum_norm' needs norm_length (e.g. max_new_tokens)"
+        )
+    off = "None disables it"
+    return {
+        "clip_epsilon": check_clip_epsilon(owner, clip_epsilon),
+        "dual_clip": _opt_float(
+            check_number(owner, "dual_clip", dual_clip, gt=1, allow_none=True, hint="e.g. 3.0")
+        ),
+        "clip_value": _opt_float(
+            check_number(
+                owner,
+                "clip_value",
+                clip_value,
+                gt=0,
+                allow_none=True,
+                hint="None disables value clipping",
+            )  # fmt: skip
+        ),
+        "entropy_coeff": float(check_number(owner, "entropy_coeff", entropy_coeff, ge=0)),
+        "critic_coeff": _opt_float(
+            check_number(owner, "critic_coeff", critic_coeff, ge=0, allow_none=True, hint=off)
+        ),
+        "kl_coeff": float(check_number(owner, "kl_coeff", kl_coeff, ge=0)),
+        "loss_agg_mode": loss_agg_mode,
+        "norm_length": norm_length,
+        "tis_cap": _opt_float(check_number(owner, "tis_cap", tis_cap, gt=0, allow_none=True)),
+    }
+
+
+def check_ppo_update_args(
+    owner: str = "ppo_update", *, epochs: Any = 1, num_minibatches: Any = 1, grad_clip: Any = 1.0
+) -> dict[str, Any]:
+    """Arguments of :func:`~ar_torchrl.training.ppo_update` (integers ``>= 1``, see :func:`check_grad_clip`).
+
+    Example:
+        >>> check_ppo_update_args(epochs=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: ppo_update: epochs must be >= 1, got 0
+    """
+    return {
+        "epochs": check_number(owner, "epochs", epochs, ge=1, integer=True),
+        "num_minibatches": check_number(
+            owner, "num_minibatches", num_minibatches, ge=1, integer=True
+        ),
+        "grad_clip": check_grad_clip(owner, grad_clip),
+    }
+
+
+def check_optimizer_args(
+    owner: str, *, lr: Any, value_lr: Any = None, weight_decay: Any = 0.0
+) -> dict[str, Any]:
+    """Learning rates (``lr > 0``; a value-head ``value_lr >= 0``, 0 = frozen head) and ``weight_decay >= 0``.
+
+    A negative learning rate trains the wrong way (gradient ascent on the loss): an error.
+
+    Example:
+        >>> check_optimizer_args("algo", lr=-1e-3)
+        Traceback (most recent call last):
+        ...
+        ValueError: algo: lr must be > 0, got -0.001
+    """
+    return {
+        "lr": float(check_number(owner, "lr", lr, gt=0)),
+        "value_lr": _opt_float(check_number(owner, "value_lr", value_lr, ge=0, allow_none=True)),
+        "weight_decay": float(check_number(owner, "weight_decay", weight_decay, ge=0)),
+    }
+
+
+def check_actor_args(
+    owner: str = "LMActorCritic",
+    *,
+    temperature: Any = 1.0,
+    logits_chunk_tokens: Any = 4096,
+    return_entropy: Any = False,
+    critic: Any = True,
+) -> dict[str, Any]:
+    """Arguments of :class:`~ar_torchrl.modules.LMActorCritic` (``temperature > 0``, chunk ``>= 1``).
+
+    Example:
+        >>> check_actor_args(temperature=0.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: LMActorCritic: temperature must be > 0, got 0.0 (log-probs of greedy decoding use 1.0)
+    """
+    return {
+        "temperature": float(
+            check_number(
+                owner, "temperature", temperature, gt=0, hint="log-probs of greedy decoding use 1.0"
+            )  # fmt: skip
+        ),
+        "logits_chunk_tokens": check_number(
+            owner, "logits_chunk_tokens", logits_chunk_tokens, ge=1, integer=True
+        ),
+        "return_entropy": check_bool(owner, "return_entropy", return_entropy),
+        "critic": check_bool(owner, "critic", critic),
+    }
+
+
+def _opt_float(value: Any) -> float | None:
+    return None if value is None else float(value)

@@ -20,14 +20,17 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 
+from ar_torchrl.checks import AGGREGATION_MODES, AggregationMode, check_number
+
 __all__ = [
+    "LOG_RATIO_CLAMP",
     "AggregationMode",
     "aggregate_loss",
+    "check_finite_reward",
     "clipped_surrogate",
     "clipped_value_loss",
     "explained_variance",
@@ -35,15 +38,16 @@ __all__ = [
     "k3_kl",
     "length_adaptive_lmbda",
     "loss_normalizer",
+    "masked_log_ratio",
     "masked_mean",
     "masked_whiten",
     "token_gae",
 ]
 
-AggregationMode = Literal[
-    "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
-]
-AGGREGATION_MODES: tuple[str, ...] = get_args(AggregationMode)
+#: Log-ratios ``log pi - log pi_old`` are clamped to ``[-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP]`` before
+#: ``exp`` (as verl does): ``exp(88.7)`` already overflows float32, and one ``inf`` ratio turns the loss
+#: (advantage 0: ``inf * 0``) or the gradient (``0 * inf`` through the unselected branch) into NaN.
+LOG_RATIO_CLAMP = 20.0
 
 # Largest |log(c**n)| a chunk may span: c**n and c**-n stay far from under/overflow (and float32
 # denormals) in the compute dtype; longer rows are cut into chunks that carry values right to left.
@@ -98,19 +102,26 @@ def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
 def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
     """Normalise ``x`` to zero mean / unit variance over ``mask``; 0 at masked positions.
 
-    ``(x - mean) / sqrt(var + eps)`` with mean and (biased) variance over the masked elements only.
-    With ``shift_mean=False`` the mean is added back (scale-only whitening).
+    ``(x - mean) / sqrt(var + eps)`` with mean and the **unbiased** (Bessel-corrected, ``n - 1``)
+    variance over the masked elements only. With ``shift_mean=False`` the mean is added back
+    (scale-only whitening).
+
+    Why unbiased: verl's and TRL's ``masked_whiten``, NeMo-RL, and TorchRL's own advantage
+    normalisation (``advantage.std()`` in ``ClipPPOLoss``) all divide by ``n - 1``; using the same
+    estimator makes whitened advantages comparable number for number with those implementations. The
+    difference is a factor ``sqrt((n - 1) / n)`` on the result (0.07 % for 700 trained tokens). With a
+    single trained element the variance is taken as 0, so the result is 0 there (never NaN).
 
     Args:
         x: any shape ``S``; mask: bool, shape ``S``.
 
     Example:
         >>> x = torch.tensor([1.0, 3.0, 1e6]); m = torch.tensor([True, True, False])
-        >>> masked_whiten(x, m).tolist()
-        [-1.0, 1.0, 0.0]
+        >>> [round(v, 4) for v in masked_whiten(x, m).tolist()]
+        [-0.7071, 0.7071, 0.0]
     """
     mean = masked_mean(x, mask)
-    var = masked_var(x, mask, unbiased=False)
+    var = masked_var(x, mask, unbiased=True)
     out = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
@@ -118,16 +129,35 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float =
 
 
 def explained_variance(value: Tensor, target: Tensor, mask: Tensor) -> Tensor:
-    """``1 - Var[target - value] / Var[target]`` over ``mask`` (scalar; nan if Var[target] == 0).
+    """``1 - Var[target - value] / Var[target]`` over ``mask`` (a finite scalar, always).
+
+    A constant target (``Var[target] == 0``: e.g. one trained token, or every return equal) would
+    give ``-inf`` or ``nan``. The convention is scikit-learn's ``explained_variance_score(...,
+    force_finite=True)``: then the result is ``1.0`` if the residual ``target - value`` is constant
+    too (a perfect prediction up to a shift, which explained variance ignores anyway), else ``0.0``.
+    With no trained token it is ``0.0``. A variance counts as zero when it is below the dtype's
+    ``eps`` times the mean square (so rounding in the mean of a constant does not count as spread).
+    CleanRL and Stable-Baselines3 return ``nan`` here, verl and TorchRL add an epsilon to the
+    denominator (a huge negative number); both would poison a logged curve.
+
+    Args:
+        value, target: ``[B, L]`` (any shape ``S``); mask: bool, shape ``S``.
 
     Example:
         >>> v = torch.tensor([1.0, 2.0, 9.0]); t = torch.tensor([1.0, 2.0, -9.0])
         >>> explained_variance(v, t, torch.tensor([True, True, False])).item()
         1.0
+        >>> explained_variance(torch.tensor([0.0, 1.0]), torch.ones(2), torch.ones(2, dtype=torch.bool)).item()
+        0.0
     """
-    var_t = masked_var(target, mask, unbiased=False)
-    var_err = masked_var(target - value, mask, unbiased=False)
-    return 1.0 - var_err / var_t
+    err = target - value
+    var_t, var_err = masked_var(target, mask, False), masked_var(err, mask, False)
+    eps = torch.finfo(var_t.dtype).eps
+    flat_t = var_t <= eps * masked_mean(target * target, mask)
+    flat_err = var_err <= eps * masked_mean(err * err, mask)
+    ratio = var_err / torch.where(flat_t, torch.ones_like(var_t), var_t)
+    out = torch.where(flat_t, flat_err.to(var_t.dtype), 1.0 - ratio)
+    return torch.where(mask.any(), out, torch.zeros_like(out))
 
 
 # ----------------------------------------------------------------------------- GAE
@@ -217,6 +247,28 @@ def _as_row_coeff(x: float | Tensor, name: str, batch: int, like: Tensor) -> Ten
     return t.reshape(batch, 1)
 
 
+def check_finite_reward(reward: Tensor, owner: str, name: str = "reward") -> None:
+    """Raise if ``reward`` holds a NaN or inf, naming the first one's row (and position).
+
+    A single non-finite reward would make a whole GAE batch NaN (every update step then skipped), or
+    silently count as a zero-spread GRPO group; it is a bug in the reward function to fix.
+
+    Args:
+        reward: ``[B]`` or ``[B, L]``.
+    """
+    bad = ~torch.isfinite(reward)
+    if not bool(bad.any()):
+        return
+    first = [int(i) for i in bad.nonzero()[0]]
+    where = f"row {first[0]}" + (f", position {first[1]}" if len(first) > 1 else "")
+    rows = bad.reshape(bad.shape[0], -1).any(-1)
+    raise ValueError(
+        f"{owner}: non-finite {name} {reward[tuple(first)].item()} at {where} "
+        f"({int(rows.sum())} of {reward.shape[0]} rows hold NaN/inf rewards); fix the reward "
+        "function or drop those rows before computing advantages"
+    )
+
+
 def _check_gae_inputs(reward: Tensor, value: Tensor, mask: Tensor) -> None:
     if reward.ndim != 2:
         raise ValueError(
@@ -225,6 +277,7 @@ def _check_gae_inputs(reward: Tensor, value: Tensor, mask: Tensor) -> None:
         )
     _check_same_shape("value", value, "reward", reward)
     _check_mask(mask, reward)
+    check_finite_reward(reward, "token_gae")
     stray = (reward != 0) & ~mask
     if stray.any():
         row, col = (int(i) for i in stray.nonzero()[0])
@@ -273,8 +326,8 @@ def token_gae(
         ``(advantage, value_target)``, both ``[B, L]``.
 
     Raises:
-        ValueError: mismatched shapes, a non-zero reward on a masked token, or hyper-parameters
-            outside ``[0, 1]``.
+        ValueError: mismatched shapes, a NaN/inf reward (naming its row and position), a non-zero
+            reward on a masked token, or hyper-parameters outside ``[0, 1]``.
 
     Example:
         >>> r = torch.tensor([[0.0, 0.0, 0.0, 1.0, 0.0]])
@@ -285,8 +338,7 @@ def token_gae(
         ([[0.0, 0.5, 0.5, 0.5, 0.0]], [[0.0, 1.0, 1.0, 1.0, 0.0]])
     """
     _check_gae_inputs(reward, value, loss_mask)
-    if not 0.0 <= gamma <= 1.0:
-        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+    check_number("token_gae", "gamma", gamma, ge=0, le=1)
     batch, length = reward.shape
     dtype = torch.float64 if reward.dtype == torch.float64 else torch.float32
     if length == 0:
@@ -455,6 +507,9 @@ def grpo_advantage(
     Returns:
         ``(advantage [B], zero_spread [B] bool)``: ``zero_spread`` flags rows in zero-spread groups.
 
+    Raises:
+        ValueError: a NaN/inf sequence reward (naming its row), mismatched shapes.
+
     Example:
         >>> adv, flat = grpo_advantage(torch.tensor([1.0, -1.0, 1.0, 1.0]), torch.tensor([0, 0, 1, 1]))
         >>> [round(a, 4) for a in adv.tolist()], flat.tolist()
@@ -467,6 +522,7 @@ def grpo_advantage(
         )
     if group_id.is_floating_point():
         raise TypeError(f"group_id must be an integer tensor, got {group_id.dtype}")
+    check_finite_reward(seq_reward, "grpo_advantage", "sequence reward")
     _, inverse, counts = torch.unique(group_id, return_inverse=True, return_counts=True)
     r = seq_reward.to(torch.float64)
     sums = torch.zeros(counts.shape, dtype=torch.float64, device=r.device).index_add_(0, inverse, r)
@@ -562,6 +618,23 @@ def aggregate_loss(
 
 
 # ----------------------------------------------------------------------------- PPO terms
+def masked_log_ratio(log_prob: Tensor, old_log_prob: Tensor, mask: Tensor) -> Tensor:
+    """``clamp(log_prob - old_log_prob, -20, 20)`` on ``mask``, 0 elsewhere (``[B, L]``).
+
+    The clamp (:data:`LOG_RATIO_CLAMP`, as verl's ``compute_policy_loss``) keeps ``exp`` of it finite in
+    float32; inside the range the result is exactly the difference. Beyond it a token's gradient
+    through the ratio is 0 (the clamp is flat there).
+
+    Example:
+        >>> masked_log_ratio(torch.tensor([[0.5, 100.0, 7.0]]), torch.zeros(1, 3),
+        ...                  torch.tensor([[True, True, False]])).tolist()
+        [[0.5, 20.0, 0.0]]
+    """
+    zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
+    diff = torch.where(mask, log_prob - old_log_prob, zero)
+    return diff.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
 def clipped_surrogate(
     log_prob: Tensor,
     old_log_prob: Tensor,
@@ -577,7 +650,9 @@ def clipped_surrogate(
     ``ratio = exp(log_prob - old_log_prob)``;
     ``loss = -min(ratio * A, clamp(ratio, 1 - clip_low, 1 + clip_high) * A)``; with ``dual_clip = c``
     (> 1), tokens with ``A < 0`` use ``min(loss, -c * A)``. Masked positions give loss 0, ratio 1 and
-    zero gradient whatever their inputs hold.
+    zero gradient whatever their inputs hold. The log-ratio is clamped to ``[-20, 20]`` first
+    (:func:`masked_log_ratio`, as verl): identical results inside that range, and finite losses and
+    gradients outside it (an unclamped float32 ratio overflows above ~88.7).
 
     Args:
         log_prob, old_log_prob, advantage: ``[B, L]`` float; mask: ``[B, L]`` bool.
@@ -597,9 +672,8 @@ def clipped_surrogate(
     _check_same_shape("old_log_prob", old_log_prob, "log_prob", log_prob)
     _check_same_shape("advantage", advantage, "log_prob", log_prob)
     zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
-    log_ratio = torch.where(mask, log_prob - old_log_prob, zero)
     adv = torch.where(mask, advantage, zero)
-    ratio = torch.exp(log_ratio)
+    ratio = torch.exp(masked_log_ratio(log_prob, old_log_prob, mask))
     surr = -ratio * adv
     surr_clipped = -ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
     loss = torch.maximum(surr, surr_clipped)
@@ -663,6 +737,6 @@ def k3_kl(log_prob: Tensor, ref_log_prob: Tensor, mask: Tensor, *, clamp: float 
     _check_mask(mask, log_prob, "log_prob")
     _check_same_shape("ref_log_prob", ref_log_prob, "log_prob", log_prob)
     zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
-    diff = torch.where(mask, ref_log_prob - log_prob, zero).clamp(-20.0, 20.0)
+    diff = masked_log_ratio(ref_log_prob, log_prob, mask)
     kl = (torch.exp(diff) - diff - 1.0).clamp(0.0, clamp)
     return torch.where(mask, kl, zero)

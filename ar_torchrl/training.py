@@ -17,9 +17,10 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from tensordict import TensorDictBase
+from tensordict.utils import NestedKey
 from torch import nn
 
-from ar_torchrl.checks import check_grad_clip
+from ar_torchrl.checks import check_ppo_update_args
 from ar_torchrl.data.micro_batch import MicroBatchPlan
 
 __all__ = ["ppo_update", "total_loss"]
@@ -48,7 +49,7 @@ def total_loss(out: TensorDictBase, loss_keys: Sequence[str] | None = None) -> t
     return sum(out[k] for k in keys)
 
 
-def _mask_count(td: TensorDictBase, mask_key: str) -> float:
+def _mask_count(td: TensorDictBase, mask_key: NestedKey) -> float:
     return float(td.get(mask_key).sum())
 
 
@@ -62,7 +63,7 @@ def _minibatch_step(
     trainable: set[int] | None,
     grad_clip: float | None,
     loss_keys: Sequence[str] | None,
-    mask_key: str,
+    mask_key: NestedKey,
 ) -> tuple[dict[str, float], bool]:
     """Accumulate gradients over ``micro``; step unless the loss or grad norm is not finite."""
     optimizer.zero_grad(set_to_none=True)
@@ -116,7 +117,7 @@ def ppo_update(
     loss_keys: Sequence[str] | None = None,
     trainable: Iterable[nn.Parameter] | None = None,
     generator: torch.Generator | None = None,
-    mask_key: str = "loss_mask",
+    mask_key: NestedKey | None = None,
 ) -> dict[str, float]:
     """Run ``epochs`` passes of clipped-PPO mini-batch updates over ``micro_batches``.
 
@@ -136,7 +137,8 @@ def ppo_update(
             with ``trainable=value_head.parameters()`` is a critic-only warm-up step).
         trainable: only these parameters are updated (others' gradients are dropped).
         generator: RNG of the shuffles (seed it for reproducible runs).
-        mask_key: the mask that weights per-micro-batch metrics.
+        mask_key: the mask that weights per-micro-batch metrics (default: the loss's own
+            ``tensor_keys.loss_mask``, else ``"loss_mask"``).
 
     Returns:
         ``train/<metric>`` averaged over the mini-batches that stepped, plus ``train/grad_norm``,
@@ -156,9 +158,13 @@ def ppo_update(
         >>> out["train/optimizer_steps"], out["train/skipped_steps"], round(w.item(), 2)
         (2.0, 0.0, 0.8)
     """
-    if epochs < 1:
-        raise ValueError(f"ppo_update: epochs must be >= 1, got {epochs}")
-    grad_clip = check_grad_clip("ppo_update", grad_clip)
+    args = check_ppo_update_args(
+        "ppo_update", epochs=epochs, num_minibatches=num_minibatches, grad_clip=grad_clip
+    )
+    epochs, num_minibatches, grad_clip = args["epochs"], args["num_minibatches"], args["grad_clip"]
+    if mask_key is None:
+        keys = getattr(loss_fn, "tensor_keys", None)
+        mask_key = getattr(keys, "loss_mask", "loss_mask")
     if tuple(td.batch_size[:2]) != plan.batch_size:
         raise ValueError(
             f"ppo_update: plan was made for batch size {plan.batch_size}, got {tuple(td.batch_size)}"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -79,3 +81,56 @@ def random_trajectory_masks(B, L, generator, gaps=True):
             g = int(torch.randint(start + 1, end - 1, (1,), generator=generator))
             mask[b, g : g + 2] = False
     return mask
+
+
+def surrogate_loop(lp, old, adv, mask, clip_low, clip_high, dual_clip=None, bound=20.0):
+    """Per-token clipped PPO loss in Python floats (float64), log-ratio clamped to +-bound."""
+    out = torch.zeros(lp.shape, dtype=torch.float64)
+    for b in range(lp.shape[0]):
+        for t in range(lp.shape[1]):
+            if not mask[b, t]:
+                continue
+            lr = min(max(float(lp[b, t]) - float(old[b, t]), -bound), bound)
+            r, a = math.exp(lr), float(adv[b, t])
+            loss = max(-r * a, -min(max(r, 1 - clip_low), 1 + clip_high) * a)
+            if dual_clip is not None and a < 0:
+                loss = min(loss, -dual_clip * a)
+            out[b, t] = loss
+    return out
+
+
+def whiten_loop(x, mask):
+    """(x - mean) / sqrt(var + 1e-8) over mask with the n - 1 (unbiased) variance; 0 elsewhere."""
+    vals = [float(v) for v, m in zip(x.flatten(), mask.flatten()) if m]
+    n = len(vals)
+    mean = sum(vals) / max(n, 1)
+    var = sum((v - mean) ** 2 for v in vals) / (n - 1) if n > 1 else 0.0
+    out = [
+        (float(v) - mean) / math.sqrt(var + 1e-8) if m else 0.0
+        for v, m in zip(x.flatten(), mask.flatten())
+    ]
+    return torch.tensor(out, dtype=torch.float64).reshape(x.shape)
+
+
+def explained_variance_loop(value, target, mask):
+    """1 - Var[t - v] / Var[t] over mask; sklearn's force_finite rule when Var[t] == 0; 0 if empty."""
+    pairs = [
+        (float(v), float(t))
+        for v, t, m in zip(value.flatten(), target.flatten(), mask.flatten())
+        if m
+    ]
+    if not pairs:
+        return 0.0
+
+    def var(xs):
+        mean = sum(xs) / len(xs)
+        return sum((x - mean) ** 2 for x in xs) / len(xs)
+
+    def is_zero(variance, xs):  # below float64 eps x mean square: rounding, not spread
+        return variance <= 2.220446049250313e-16 * sum(x * x for x in xs) / len(xs)
+
+    targets, errors = [t for _, t in pairs], [t - v for v, t in pairs]
+    var_t, var_err = var(targets), var(errors)
+    if is_zero(var_t, targets):
+        return 1.0 if is_zero(var_err, errors) else 0.0
+    return 1.0 - var_err / var_t

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
-from reference import aggregate_loop, gae_loop, grpo_loop, random_trajectory_masks
+from reference import (
+    aggregate_loop,
+    explained_variance_loop,
+    gae_loop,
+    grpo_loop,
+    random_trajectory_masks,
+    surrogate_loop,
+    whiten_loop,
+)
 from torchrl.objectives.value.functional import generalized_advantage_estimate
 
 from ar_torchrl import functional as F
@@ -161,7 +171,7 @@ def test_token_gae_errors():
         F.token_gae(bad, r, m2, gamma=1.0, lmbda=0.9)
     with pytest.raises(ValueError, match=r"lmbda must be in \[0, 1\]"):
         F.token_gae(r, r, m, gamma=1.0, lmbda=1.5)
-    with pytest.raises(ValueError, match=r"gamma must be in \[0, 1\], got 2"):
+    with pytest.raises(ValueError, match=r"token_gae: gamma must be >= 0 and <= 1, got 2"):
         F.token_gae(r, r, m, gamma=2, lmbda=0.5)
     with pytest.raises(TypeError, match="mask must be a bool tensor"):
         F.token_gae(r, r, m.float(), gamma=1.0, lmbda=0.9)
@@ -198,7 +208,7 @@ def test_masked_reductions():
     assert F.masked_mean(x, m, dim=-1).tolist() == [1.5, 4.0]
     w = F.masked_whiten(x, m)
     vals = torch.tensor([1.0, 2.0, 3.0, 5.0])
-    assert torch.allclose(w[m], (vals - vals.mean()) / vals.var(unbiased=False).sqrt(), atol=1e-6)
+    assert torch.allclose(w[m], (vals - vals.mean()) / vals.std(), atol=1e-6)  # unbiased std
     assert (w[~m] == 0).all()
     with pytest.raises(ValueError, match=r"mask has shape \(3,\) but x has shape \(2, 3\)"):
         F.masked_mean(x, torch.ones(3, dtype=torch.bool))
@@ -273,3 +283,105 @@ def test_length_adaptive_lmbda():
     ).tolist() == pytest.approx([0.0, 0.0, 0.9])
     with pytest.raises(ValueError, match="alpha must be > 0"):
         F.length_adaptive_lmbda(torch.tensor([1]), alpha=0)
+
+
+# ----------------------------------------------------------------------------- issue 9 hardening
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("seed", range(3))
+def test_masked_whiten_unbiased_matches_loop(seed, dtype):
+    """Bessel-corrected (n - 1) variance, as verl, TRL, NeMo-RL and TorchRL's ClipPPOLoss."""
+    g = torch.Generator().manual_seed(seed)
+    mask = random_trajectory_masks(5, 11, g)
+    x = (torch.randn(5, 11, generator=g) * 3 + 1).to(dtype)
+    x[~mask] = float("nan")  # garbage that must not leak
+    got = F.masked_whiten(x, mask)
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    assert torch.allclose(got.double(), whiten_loop(x, mask), atol=tol, rtol=0)
+    one = torch.zeros(5, 11, dtype=torch.bool)
+    one[2, 3] = True  # a single trained element: variance 0, whitened value 0 (never NaN)
+    assert F.masked_whiten(torch.ones(5, 11, dtype=dtype), one).abs().sum() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_explained_variance_matches_loop_and_is_always_finite(dtype):
+    g = torch.Generator().manual_seed(4)
+    mask = random_trajectory_masks(6, 9, g)
+    target = torch.randn(6, 9, generator=g).to(dtype)
+    value = (target + 0.3 * torch.randn(6, 9, generator=g)).to(dtype)
+    got = F.explained_variance(value, target, mask).item()
+    assert got == pytest.approx(explained_variance_loop(value, target, mask), abs=1e-5)
+    const = torch.full_like(target, 0.1)  # Var[target] == 0 (0.1's mean has rounding error)
+    one = torch.zeros_like(mask)
+    one[1, 4] = True
+    cases = [
+        (value, const, mask, 0.0),  # constant target, varying values: was -inf
+        (const - 0.5, const, mask, 1.0),  # constant target, constant residual
+        (value, target, one, 1.0),  # one trained token: was nan
+        (value, target, torch.zeros_like(mask), 0.0),  # no trained token
+    ]
+    for v, t, m, expected in cases:
+        out = F.explained_variance(v, t, m)
+        assert torch.isfinite(out) and out.item() == expected
+        assert explained_variance_loop(v, t, m) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_rewards_are_errors_naming_row_and_position(bad):
+    reward, value, mask = _ragged(2, B=4, L=10, gaps=False)
+    pos = int(mask[2].nonzero()[0])
+    reward[2, pos] = bad
+    with pytest.raises(
+        ValueError,
+        match=rf"token_gae: non-finite reward {bad} at row 2, position {pos} \(1 of 4 rows",
+    ):
+        F.token_gae(reward, value, mask, gamma=1.0, lmbda=0.95)
+    masked = torch.zeros(4, 10)
+    masked[3, 0] = bad  # also on a masked token (not reported as a mere "non-zero" reward)
+    with pytest.raises(ValueError, match=r"non-finite reward .* at row 3, position 0"):
+        F.token_gae(masked, value, mask, gamma=1.0, lmbda=0.95)
+    seq = torch.tensor([1.0, -1.0, bad, 1.0])
+    with pytest.raises(
+        ValueError, match=rf"grpo_advantage: non-finite sequence reward {bad} at row 2 \("
+    ):
+        F.grpo_advantage(seq, torch.tensor([0, 0, 1, 1]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+def test_clipped_surrogate_matches_loop_over_extreme_log_ratios(dtype, dual_clip):
+    """Log-ratios from -120 to 120 (float32's exp overflows above ~88.7): clamped to +-20 as verl."""
+    g = torch.Generator().manual_seed(5)
+    old = torch.randn(6, 40, generator=g).to(dtype)
+    lp = (old + torch.linspace(-120, 120, 40)).to(dtype)
+    adv = torch.randn(6, 40, generator=g).to(dtype)
+    adv[0] = 0.0  # advantage 0 with an overflowing ratio: inf * 0 was NaN
+    mask = torch.rand(6, 40, generator=g) > 0.2
+    lp.requires_grad_()
+    loss, ratio, _ = F.clipped_surrogate(
+        lp, old, adv, mask, clip_low=0.2, clip_high=0.28, dual_clip=dual_clip
+    )
+    ref = surrogate_loop(lp.detach(), old, adv, mask, 0.2, 0.28, dual_clip)
+    assert torch.allclose(
+        loss.double(), ref, rtol=1e-6 if dtype == torch.float64 else 1e-5, atol=1e-6
+    )
+    F.aggregate_loss(loss, mask, "token_mean").backward()
+    assert torch.isfinite(loss).all() and torch.isfinite(lp.grad).all()
+    assert (lp.grad[0] == 0).all()  # advantage 0: zero gradient, not NaN
+    assert torch.isfinite(ratio).all() and float(ratio.detach().max()) == pytest.approx(
+        math.exp(20.0), rel=1e-5
+    )
+
+
+def test_clamp_changes_nothing_inside_the_range():
+    g = torch.Generator().manual_seed(6)
+    lp, old, adv = (torch.randn(4, 16, generator=g) * 3 for _ in range(3))
+    mask = torch.ones(4, 16, dtype=torch.bool)
+    assert float((lp - old).abs().max()) < F.LOG_RATIO_CLAMP
+    loss, ratio, _ = F.clipped_surrogate(lp, old, adv, mask, clip_low=0.2, clip_high=0.2)
+    raw = torch.exp(lp - old)
+    assert torch.equal(ratio, raw)
+    assert torch.equal(loss, torch.maximum(-raw * adv, -raw.clamp(0.8, 1.2) * adv))
+    assert torch.equal(F.masked_log_ratio(lp, old, mask), lp - old)
+    kl = F.k3_kl(lp, old, mask, clamp=1e9)
+    ref = torch.exp(old - lp) - (old - lp) - 1
+    assert torch.equal(kl, ref.clamp(0.0, 1e9))

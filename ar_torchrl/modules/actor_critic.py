@@ -11,12 +11,16 @@ activation checkpointing when gradients are on (only the hidden states are kept 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
 import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
+
+from ar_torchrl.checks import check_actor_args
 
 __all__ = ["LMActorCritic", "token_log_probs"]
 
@@ -95,15 +99,22 @@ class LMActorCritic(TensorDictModuleBase):
     Reads ``tokens`` and ``attention_mask`` (``[B, L]``) and writes ``log_prob`` ``[B, L]``,
     ``state_value`` ``[B, L, 1]`` (``V(h[t-1])``), ``("next", "state_value")`` ``[B, L, 1]``
     (``V(h[t])``, the value after token ``t``: the bootstrap for truncated responses) and, with
-    ``return_entropy``, ``entropy`` ``[B, L]``. Keys are configurable with :meth:`set_keys`.
+    ``return_entropy``, ``entropy`` ``[B, L]``. With ``critic=False`` (an actor only, e.g. the frozen
+    reference policy of the KL term) no value head is needed and no value key is written.
+
+    Keys are TorchRL-style: declared once in :class:`_AcceptedKeys` and changed with
+    :meth:`set_keys`; :func:`~ar_torchrl.objectives.recompute_anchors` and
+    :class:`~ar_torchrl.objectives.TokenPPOLoss` read them from the module.
 
     Args:
         model: an HF causal LM (``get_decoder()`` and ``get_output_embeddings()``) carrying a
-            ``value_head`` (see :func:`~ar_torchrl.modules.attach_value_head`). Only models whose
-            logits are ``lm_head(last_hidden_state)`` are supported (no final-logit soft-capping).
+            ``value_head`` when ``critic`` (see :func:`~ar_torchrl.modules.attach_value_head`). Only
+            models whose logits are ``lm_head(last_hidden_state)`` are supported (no final-logit
+            soft-capping).
         return_entropy: also compute per-token entropies.
-        temperature: logits are divided by it (use the rollout sampling temperature).
-        logits_chunk_tokens: token positions per LM-head / log-softmax chunk.
+        temperature: logits are divided by it (use the rollout sampling temperature), ``> 0``.
+        logits_chunk_tokens: token positions per LM-head / log-softmax chunk, ``>= 1``.
+        critic: compute ``state_value`` with ``model.value_head`` (``False``: an actor only).
 
     Example:
         >>> from tensordict import TensorDict
@@ -115,7 +126,24 @@ class LMActorCritic(TensorDictModuleBase):
         >>> out = ac(td)
         >>> out["log_prob"].shape, out["state_value"].shape, out["state_value"].abs().sum().item()
         (torch.Size([2, 6]), torch.Size([2, 6, 1]), 0.0)
+        >>> ref = LMActorCritic(build_tiny_qwen3(99), critic=False)  # no value head needed
+        >>> ref.set_keys(log_prob=("ref", "log_prob")).out_keys
+        [('ref', 'log_prob')]
     """
+
+    @dataclass
+    class _AcceptedKeys:
+        """Keys read (``tokens``, ``attention_mask``) and written; ``next_value`` follows ``value``
+        (``("next", *value)``, where TorchRL's value estimators look) unless set explicitly."""
+
+        tokens: NestedKey = "tokens"
+        attention_mask: NestedKey = "attention_mask"
+        log_prob: NestedKey = "log_prob"
+        value: NestedKey = "state_value"
+        next_value: NestedKey = ("next", "state_value")
+        entropy: NestedKey = "entropy"
+
+    default_keys = _AcceptedKeys
 
     def __init__(
         self,
@@ -124,45 +152,57 @@ class LMActorCritic(TensorDictModuleBase):
         return_entropy: bool = False,
         temperature: float = 1.0,
         logits_chunk_tokens: int = 4096,
+        critic: bool = True,
     ) -> None:
         super().__init__()
-        if not isinstance(getattr(model, "value_head", None), nn.Module):
+        args = check_actor_args("LMActorCritic", temperature=temperature, return_entropy=return_entropy,
+                                logits_chunk_tokens=logits_chunk_tokens, critic=critic)  # fmt: skip
+        if critic and not isinstance(getattr(model, "value_head", None), nn.Module):
             raise ValueError(
-                f"LMActorCritic: {type(model).__name__} has no `value_head`; "
-                "call ar_torchrl.modules.attach_value_head(model) first"
+                f"LMActorCritic: {type(model).__name__} has no `value_head`; call "
+                "ar_torchrl.modules.attach_value_head(model) first, or pass critic=False for an "
+                "actor without values (e.g. the reference policy)"
             )
-        if temperature <= 0:
-            raise ValueError(f"LMActorCritic: temperature must be > 0, got {temperature}")
         self.model = model
-        self.return_entropy = return_entropy
-        self.temperature = float(temperature)
-        self.logits_chunk_tokens = int(logits_chunk_tokens)
-        self.tokens_key: NestedKey = "tokens"
-        self.attention_mask_key: NestedKey = "attention_mask"
-        self.log_prob_key: NestedKey = "log_prob"
-        self.value_key: NestedKey = "state_value"
-        self.next_value_key: NestedKey = ("next", "state_value")
-        self.entropy_key: NestedKey = "entropy"
+        self.return_entropy = args["return_entropy"]
+        self.temperature = args["temperature"]
+        self.logits_chunk_tokens = args["logits_chunk_tokens"]
+        self.critic = args["critic"]
+        self.tensor_keys = self._AcceptedKeys()
         self._refresh_keys()
 
     def set_keys(self, **keys: NestedKey) -> LMActorCritic:
-        """Rename keys: ``tokens``, ``attention_mask``, ``log_prob``, ``value``, ``next_value``, ``entropy``."""
+        """Rename keys: ``tokens``, ``attention_mask``, ``log_prob``, ``value``, ``next_value``, ``entropy``.
+
+        Setting ``value`` alone also moves ``next_value`` to ``("next", *value)``.
+        """
+        names = [f.name for f in fields(self._AcceptedKeys)]
         for name, key in keys.items():
-            attr = f"{name}_key"
-            if not hasattr(self, attr):
+            if name not in names:
                 raise KeyError(
-                    f"LMActorCritic.set_keys: unknown key name {name!r}; expected one of "
-                    "tokens, attention_mask, log_prob, value, next_value, entropy"
+                    f"LMActorCritic.set_keys: unknown key name {name!r}; expected one of {names}"
                 )
-            setattr(self, attr, key)
+            setattr(self.tensor_keys, name, key)
+        if "value" in keys and "next_value" not in keys:
+            value = keys["value"]
+            self.tensor_keys.next_value = ("next", *((value,) if isinstance(value, str) else value))
         self._refresh_keys()
         return self
 
     def _refresh_keys(self) -> None:
-        self.in_keys = [self.tokens_key, self.attention_mask_key]
-        self.out_keys = [self.log_prob_key, self.value_key, self.next_value_key]
+        k = self.tensor_keys
+        self.in_keys = [k.tokens, k.attention_mask]
+        self.out_keys = [k.log_prob] + ([k.value, k.next_value] if self.critic else [])
         if self.return_entropy:
-            self.out_keys.append(self.entropy_key)
+            self.out_keys.append(k.entropy)
+
+    # ``<name>_key`` read-only views of :attr:`tensor_keys` (the names used before ``_AcceptedKeys``).
+    tokens_key = property(lambda self: self.tensor_keys.tokens)
+    attention_mask_key = property(lambda self: self.tensor_keys.attention_mask)
+    log_prob_key = property(lambda self: self.tensor_keys.log_prob)
+    value_key = property(lambda self: self.tensor_keys.value)
+    next_value_key = property(lambda self: self.tensor_keys.next_value)
+    entropy_key = property(lambda self: self.tensor_keys.entropy)
 
     def hidden_states(self, tokens: Tensor, attention_mask: Tensor) -> Tensor:
         """Final hidden states ``[B, L, H]`` of the backbone (position ids from the mask)."""
@@ -190,13 +230,14 @@ class LMActorCritic(TensorDictModuleBase):
             chunk_tokens=self.logits_chunk_tokens,
             with_entropy=self.return_entropy,
         )
-        next_value = self.model.value_head(hidden)
-        value = torch.cat(
-            [next_value.new_zeros(next_value.shape[0], 1, 1), next_value[:, :-1]], dim=1
-        )
         tensordict.set(self.log_prob_key, log_prob)
-        tensordict.set(self.value_key, value)
-        tensordict.set(self.next_value_key, next_value)
+        if self.critic:
+            next_value = self.model.value_head(hidden)
+            value = torch.cat(
+                [next_value.new_zeros(next_value.shape[0], 1, 1), next_value[:, :-1]], dim=1
+            )
+            tensordict.set(self.value_key, value)
+            tensordict.set(self.next_value_key, next_value)
         if self.return_entropy:
             tensordict.set(self.entropy_key, entropy)
         return tensordict

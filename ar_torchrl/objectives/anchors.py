@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
+from torchrl.objectives import ClipPPOLoss
 
 from ar_torchrl.data.micro_batch import MicroBatchPlan
 from ar_torchrl.modules import LMActorCritic
@@ -19,18 +20,22 @@ def recompute_anchors(
     plan: MicroBatchPlan,
     *,
     ref_actor: LMActorCritic | None = None,
-    log_prob_key: NestedKey = "sample_log_prob",
-    value_key: NestedKey = "state_value",
-    next_value_key: NestedKey = ("next", "state_value"),
-    ref_log_prob_key: NestedKey = "ref_log_prob",
+    loss: ClipPPOLoss | None = None,
 ) -> TensorDictBase:
     """Fill the PPO anchors of ``td`` in place (no grad), one forward per micro-batch of ``plan``.
 
-    Writes ``sample_log_prob`` ``[B, L]``, ``state_value`` ``[B, L, 1]`` and
-    ``("next", "state_value")`` ``[B, L, 1]`` (bootstrap values), and with ``ref_actor`` the
-    reference policy's ``ref_log_prob`` ``[B, L]``. Each micro-batch is cropped exactly as
-    ``plan.split`` crops it for training, so at unchanged weights the training forward reproduces
-    these numbers bit for bit (ratio exactly 1). Positions outside every crop (padding) get 0.
+    Writes the old log-probs ``sample_log_prob`` ``[B, L]``, and when ``actor_critic`` has a critic
+    the old values ``state_value`` ``[B, L, 1]`` and ``("next", "state_value")`` ``[B, L, 1]``
+    (bootstrap values); with ``ref_actor`` (an actor, ``critic=False`` is enough) the reference
+    policy's ``ref_log_prob`` ``[B, L]``. Each micro-batch is cropped exactly as ``plan.split`` crops
+    it for training, so at unchanged weights the training forward reproduces these numbers bit for
+    bit (ratio exactly 1). Positions outside every crop (padding) get 0.
+
+    Keys: the modules' own. Values go to ``actor_critic``'s ``value``/``next_value`` keys; the
+    log-prob anchors to ``loss.tensor_keys.sample_log_prob`` / ``ref_log_prob`` when ``loss`` (the
+    :class:`~ar_torchrl.objectives.TokenPPOLoss` that will read them) is given, else to TorchRL's
+    default names ``"sample_log_prob"`` and ``"ref_log_prob"``. With ``loss``, the values go to its
+    ``value`` key and ``("next", *value)`` (where the loss and its :class:`TokenGAE` read them).
 
     Example:
         >>> from tensordict import TensorDict
@@ -44,14 +49,8 @@ def recompute_anchors(
         >>> td["sample_log_prob"].shape, td["state_value"].shape
         (torch.Size([3, 5]), torch.Size([3, 5, 1]))
     """
-    outputs: dict[NestedKey, tuple[LMActorCritic, NestedKey]] = {
-        log_prob_key: (actor_critic, actor_critic.log_prob_key),
-        value_key: (actor_critic, actor_critic.value_key),
-        next_value_key: (actor_critic, actor_critic.next_value_key),
-    }
-    if ref_actor is not None:
-        outputs[ref_log_prob_key] = (ref_actor, ref_actor.log_prob_key)
-    full = {key: None for key in outputs}
+    outputs = _anchor_keys(actor_critic, ref_actor, loss)
+    full: dict[NestedKey, torch.Tensor | None] = {key: None for key in outputs}
     for mb, sub in zip(plan.micro_batches, plan.split(td)):
         results = {id(actor_critic): actor_critic(sub.select(*actor_critic.in_keys))}
         if ref_actor is not None:
@@ -64,3 +63,24 @@ def recompute_anchors(
     for key, values in full.items():
         td.set(key, values)
     return td
+
+
+def _anchor_keys(
+    actor_critic: LMActorCritic, ref_actor: LMActorCritic | None, loss: ClipPPOLoss | None
+) -> dict[NestedKey, tuple[LMActorCritic, NestedKey]]:
+    """Destination key -> (module, the module's output key)."""
+    k = actor_critic.tensor_keys
+    lp_key, ref_key = "sample_log_prob", "ref_log_prob"
+    value_key, next_key = k.value, k.next_value
+    if loss is not None:
+        lk = loss.tensor_keys
+        lp_key, ref_key = lk.sample_log_prob, getattr(lk, "ref_log_prob", ref_key)
+        value_key = lk.value
+        next_key = ("next", *((value_key,) if isinstance(value_key, str) else value_key))
+    outputs = {lp_key: (actor_critic, k.log_prob)}
+    if actor_critic.critic:
+        outputs[value_key] = (actor_critic, k.value)
+        outputs[next_key] = (actor_critic, k.next_value)
+    if ref_actor is not None:
+        outputs[ref_key] = (ref_actor, ref_actor.tensor_keys.log_prob)
+    return outputs

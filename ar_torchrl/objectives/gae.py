@@ -9,7 +9,13 @@ from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 from torchrl.objectives.value import ValueEstimatorBase
 
-from ar_torchrl.functional import length_adaptive_lmbda, masked_whiten, token_gae
+from ar_torchrl.checks import check_gae_args
+from ar_torchrl.functional import (
+    check_finite_reward,
+    length_adaptive_lmbda,
+    masked_whiten,
+    token_gae,
+)
 
 __all__ = ["MissingKeyError", "TokenGAE", "require_key", "squeeze_feature"]
 
@@ -54,6 +60,10 @@ class TokenGAE(ValueEstimatorBase):
     :func:`~ar_torchrl.objectives.recompute_anchors`) and ``loss_mask``; writes ``advantage`` and
     ``value_target`` ``[B, L, 1]``. Keys follow TorchRL and are changed with :meth:`set_keys`
     (``loss_mask`` is ours).
+
+    Call contract (shared with :class:`GRPOAdvantage`, as TorchRL's value estimators): every call
+    ``td = module(td)`` recomputes and overwrites ``advantage``/``value_target``. A NaN/inf reward is
+    an error naming its row and position.
 
     Args:
         gamma: discount (1.0 for LLMs).
@@ -112,20 +122,21 @@ class TokenGAE(ValueEstimatorBase):
         value_network=None,
         **kwargs,
     ) -> None:
+        args = check_gae_args(
+            "TokenGAE",
+            gamma=gamma,
+            lmbda=lmbda,
+            critic_lmbda=critic_lmbda,
+            adaptive_lmbda_alpha=adaptive_lmbda_alpha,
+            normalize_advantage=normalize_advantage,
+            bootstrap_truncated=bootstrap_truncated,
+        )
         super().__init__(value_network=value_network, **kwargs)
-        for name, val in (("gamma", gamma), ("lmbda", lmbda), ("critic_lmbda", critic_lmbda)):
-            if val is not None and not 0.0 <= float(val) <= 1.0:
-                raise ValueError(f"TokenGAE: {name} must be in [0, 1], got {val}")
-        if adaptive_lmbda_alpha is not None and adaptive_lmbda_alpha <= 0:
-            raise ValueError(
-                f"TokenGAE: adaptive_lmbda_alpha must be > 0, got {adaptive_lmbda_alpha}"
-            )
-        self.gamma = float(gamma)
-        self.lmbda = float(lmbda)
-        self.critic_lmbda = None if critic_lmbda is None else float(critic_lmbda)
-        self.adaptive_lmbda_alpha = adaptive_lmbda_alpha
-        self.normalize_advantage = normalize_advantage
-        self.bootstrap_truncated = bootstrap_truncated
+        self.gamma, self.lmbda = args["gamma"], args["lmbda"]
+        self.critic_lmbda = args["critic_lmbda"]
+        self.adaptive_lmbda_alpha = args["adaptive_lmbda_alpha"]
+        self.normalize_advantage = args["normalize_advantage"]
+        self.bootstrap_truncated = args["bootstrap_truncated"]
 
     @property
     def in_keys(self) -> list[NestedKey]:
@@ -198,6 +209,7 @@ class TokenGAE(ValueEstimatorBase):
             shape,
             "TokenGAE",
         )
+        check_finite_reward(reward, "TokenGAE", f"reward {reward_key!r}")
         value = squeeze_feature(self._values(tensordict), keys.value, shape, "TokenGAE")
         lmbda = self.lmbda
         if self.adaptive_lmbda_alpha is not None:

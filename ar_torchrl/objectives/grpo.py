@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, fields
 
 import torch
 from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 from torchrl.envs.transforms import Transform
 
-from ar_torchrl.functional import grpo_advantage, token_gae
+from ar_torchrl.checks import check_grpo_args
+from ar_torchrl.functional import check_finite_reward, grpo_advantage, token_gae
 from ar_torchrl.objectives.gae import require_key, squeeze_feature
 
 __all__ = ["GRPOAdvantage"]
 
 logger = logging.getLogger(__name__)
+
+_OWNER = "GRPOAdvantage"
 
 
 class GRPOAdvantage(Transform):
@@ -25,13 +29,19 @@ class GRPOAdvantage(Transform):
     written as ``advantage`` ``[B, L, 1]`` on ``loss_mask`` tokens and 0 elsewhere (see
     :func:`ar_torchrl.functional.grpo_advantage`). Groups whose rewards are all equal carry no signal:
     they are counted in :attr:`stats` and, with ``drop_zero_spread=True`` (DAPO dynamic sampling),
-    their rows are removed from the batch.
+    their rows are removed from the batch. A NaN/inf reward is an error naming its row and position.
 
-    It is called like :class:`TokenGAE` (``td = module(td)``) and can sit on the write side of a
-    TorchRL ``ReplayBuffer`` (``rb.append_transform(GRPOAdvantage())``), like TorchRL's
-    ``MCAdvantage``: advantages are computed when complete groups are written (``extend``), and the
-    read side leaves them untouched. A plain call on a batch that already holds the advantage key
-    also leaves it untouched: delete the key to recompute.
+    Call contract (shared with :class:`TokenGAE`, as TorchRL's value estimators): every call
+    ``td = module(td)`` recomputes and overwrites the advantage. :attr:`stats` describes the last
+    call only: ``groups``, ``zero_spread_groups`` and ``dropped_rows`` of that batch.
+
+    Replay buffers: register it with TorchRL's ``invert=True``
+    (``rb.append_transform(GRPOAdvantage(), invert=True)``): the advantage is then computed when
+    complete groups are written (``extend``), and sampled batches keep the stored values (a sample
+    holds partial groups, so recomputing there would be wrong; TorchRL's ``MCAdvantage`` also computes
+    on the write side). Registered without ``invert=True`` it raises on the first ``extend``.
+
+    Keys are TorchRL-style: declared once in :class:`_AcceptedKeys`, changed with :meth:`set_keys`.
 
     Critic under GRPO: with ``critic_targets=True`` the module also writes ``value_target``
     ``[B, L, 1]``, the Monte-Carlo return (discounted reward-to-go over ``loss_mask`` tokens,
@@ -42,19 +52,34 @@ class GRPOAdvantage(Transform):
 
     Args:
         scale: divide by the group std (GRPO); ``False`` for Dr.GRPO.
-        eps: added to the std.
+        eps: added to the std (``>= 0``).
         drop_zero_spread: remove rows of zero-spread groups (dynamic sampling).
         critic_targets: also write ``value_target`` (Monte-Carlo returns) for a value head.
-        gamma: discount of those returns (``critic_targets`` only).
+        gamma: discount of those returns (``critic_targets`` only), in ``[0, 1]``.
 
     Example:
         >>> from tensordict import TensorDict
         >>> mask = torch.tensor([[False, True], [False, True]])
         >>> td = TensorDict({"loss_mask": mask, "prompt_id": torch.zeros(2, 2, dtype=torch.long),
         ...     "next": {"reward": torch.tensor([[[0.0], [1.0]], [[0.0], [-1.0]]])}}, [2, 2])
-        >>> [[round(a, 4) for a in row] for row in GRPOAdvantage()(td)["advantage"].squeeze(-1).tolist()]
+        >>> grpo = GRPOAdvantage()
+        >>> [[round(a, 4) for a in row] for row in grpo(td)["advantage"].squeeze(-1).tolist()]
         [[0.0, 0.7071], [0.0, -0.7071]]
+        >>> grpo.stats
+        {'groups': 1, 'zero_spread_groups': 0, 'dropped_rows': 0}
     """
+
+    @dataclass
+    class _AcceptedKeys:
+        """Keys read and written (TorchRL names plus ``loss_mask`` and the group id ``prompt_id``)."""
+
+        reward: NestedKey = ("next", "reward")
+        loss_mask: NestedKey = "loss_mask"
+        group: NestedKey = "prompt_id"
+        advantage: NestedKey = "advantage"
+        value_target: NestedKey = "value_target"
+
+    default_keys = _AcceptedKeys
 
     def __init__(
         self,
@@ -64,91 +89,90 @@ class GRPOAdvantage(Transform):
         drop_zero_spread: bool = False,
         critic_targets: bool = False,
         gamma: float = 1.0,
-        reward_key: NestedKey = ("next", "reward"),
-        loss_mask_key: NestedKey = "loss_mask",
-        group_key: NestedKey = "prompt_id",
-        advantage_key: NestedKey = "advantage",
-        value_target_key: NestedKey = "value_target",
     ) -> None:
-        if eps < 0:
-            raise ValueError(f"GRPOAdvantage: eps must be >= 0, got {eps}")
-        if not 0.0 <= gamma <= 1.0:
-            raise ValueError(f"GRPOAdvantage: gamma must be in [0, 1], got {gamma}")
-        out_keys = [advantage_key] + ([value_target_key] if critic_targets else [])
-        super().__init__(in_keys=[reward_key, loss_mask_key, group_key], out_keys=out_keys)
-        self.scale = scale
-        self.eps = float(eps)
-        self.drop_zero_spread = drop_zero_spread
-        self.critic_targets, self.gamma = critic_targets, float(gamma)
-        self.reward_key, self.loss_mask_key = reward_key, loss_mask_key
-        self.group_key, self.advantage_key = group_key, advantage_key
-        self.value_target_key = value_target_key
+        args = check_grpo_args(_OWNER, scale=scale, eps=eps, drop_zero_spread=drop_zero_spread,
+                               critic_targets=critic_targets, gamma=gamma)  # fmt: skip
+        super().__init__(in_keys=[], out_keys=[])
+        self.scale, self.eps = args["scale"], args["eps"]
+        self.drop_zero_spread = args["drop_zero_spread"]
+        self.critic_targets, self.gamma = args["critic_targets"], args["gamma"]
+        self.tensor_keys = self._AcceptedKeys()
+        self._refresh_keys()
         self.stats: dict[str, int] = {"groups": 0, "zero_spread_groups": 0, "dropped_rows": 0}
 
     def set_keys(self, **keys: NestedKey) -> GRPOAdvantage:
-        """Rename ``reward``, ``loss_mask``, ``group`` or ``advantage`` keys (TorchRL style)."""
+        """Rename keys: ``reward``, ``loss_mask``, ``group``, ``advantage``, ``value_target``."""
+        names = [f.name for f in fields(self._AcceptedKeys)]
         for name, key in keys.items():
-            if name not in ("reward", "loss_mask", "group", "advantage", "value_target"):
-                raise KeyError(f"GRPOAdvantage.set_keys: unknown key name {name!r}")
-            setattr(self, f"{name}_key", key)
-        self.in_keys = [self.reward_key, self.loss_mask_key, self.group_key]
-        self.out_keys = [self.advantage_key] + (
-            [self.value_target_key] if self.critic_targets else []
-        )
+            if name not in names:
+                raise KeyError(
+                    f"{_OWNER}.set_keys: unknown key name {name!r}; expected one of {names}"
+                )
+            setattr(self.tensor_keys, name, key)
+        self._refresh_keys()
         return self
 
+    def _refresh_keys(self) -> None:
+        k = self.tensor_keys
+        self.in_keys = [k.reward, k.loss_mask, k.group]
+        self.out_keys = [k.advantage] + ([k.value_target] if self.critic_targets else [])
+
     def compute(self, td: TensorDictBase) -> TensorDictBase:
-        """Compute advantages for ``td`` (always; the other entry points may skip)."""
+        """Compute advantages for ``td`` (what every call does); updates :attr:`stats`."""
         if td.batch_dims != 2:
             raise ValueError(
-                f"GRPOAdvantage expects a [B, L] token trajectory, got batch_size {tuple(td.batch_size)}"
+                f"{_OWNER} expects a [B, L] token trajectory, got batch_size {tuple(td.batch_size)}"
             )
-        shape = td.batch_size
-        mask = require_key(td, self.loss_mask_key, "GRPOAdvantage", "bool [B, L]").bool()
+        k, shape = self.tensor_keys, td.batch_size
+        mask = require_key(td, k.loss_mask, _OWNER, "bool [B, L]").bool()
         reward = squeeze_feature(
-            require_key(td, self.reward_key, "GRPOAdvantage", "per-token reward"),
-            self.reward_key,
-            shape,
-            "GRPOAdvantage",
+            require_key(td, k.reward, _OWNER, "per-token reward"), k.reward, shape, _OWNER
         )
+        check_finite_reward(reward, _OWNER, f"reward {k.reward!r}")
         stray = (reward != 0) & ~mask
         if stray.any():
             raise ValueError(
-                f"GRPOAdvantage: {int(stray.sum())} non-zero reward(s) on masked tokens; rewards "
+                f"{_OWNER}: {int(stray.sum())} non-zero reward(s) on masked tokens; rewards "
                 "belong on loss_mask tokens (the last generated token for the task reward)"
             )
-        group = require_key(td, self.group_key, "GRPOAdvantage", "group id per row (stored [B, L])")
+        group = require_key(td, k.group, _OWNER, "group id per row (stored [B, L])")
         group = group.reshape(shape[0], -1)[:, 0] if group.ndim > 1 else group
         adv, flat = grpo_advantage(reward.sum(-1), group.long(), scale=self.scale, eps=self.eps)
         self._count(group, flat)
-        td.set(self.advantage_key, torch.where(mask, adv.unsqueeze(-1), 0.0).unsqueeze(-1))
+        td.set(k.advantage, torch.where(mask, adv.unsqueeze(-1), 0.0).unsqueeze(-1))
         if self.critic_targets:  # Monte-Carlo return: GAE with V = 0 and lambda = 1
             _, ret = token_gae(reward, torch.zeros_like(reward), mask, gamma=self.gamma, lmbda=1.0)
-            td.set(self.value_target_key, ret.unsqueeze(-1))
+            td.set(k.value_target, ret.unsqueeze(-1))
         if self.drop_zero_spread and flat.any():
-            self.stats["dropped_rows"] += int(flat.sum())
+            self.stats["dropped_rows"] = int(flat.sum())
             td = td[~flat]
         return td
 
     def _count(self, group: torch.Tensor, flat: torch.Tensor) -> None:
-        groups = torch.unique(group)
-        flat_groups = torch.unique(group[flat])
-        self.stats["groups"] += int(groups.numel())
-        self.stats["zero_spread_groups"] += int(flat_groups.numel())
+        groups, flat_groups = torch.unique(group), torch.unique(group[flat])
+        self.stats = {
+            "groups": int(groups.numel()),
+            "zero_spread_groups": int(flat_groups.numel()),
+            "dropped_rows": 0,
+        }
         if flat_groups.numel():
             logger.debug(
-                "GRPOAdvantage: %d of %d groups have zero spread",
-                flat_groups.numel(),
-                groups.numel(),
+                "%s: %d of %d groups have zero spread", _OWNER, flat_groups.numel(), groups.numel()
             )
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        if tensordict.get(self.advantage_key, None) is not None:
-            return tensordict
         return self.compute(tensordict)
 
     def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase:
-        return self.compute(tensordict)
+        # Reached through ``inv``: the read side of ``rb.append_transform(self, invert=True)`` (the
+        # stored advantages pass through), or the write side of a registration without invert=True.
+        if tensordict.get(self.tensor_keys.advantage, None) is not None:
+            return tensordict
+        raise RuntimeError(
+            f"{_OWNER}: reached through inv() on a batch without {self.tensor_keys.advantage!r}. On a "
+            "replay buffer, register it as rb.append_transform(GRPOAdvantage(), invert=True) so that "
+            "advantages are computed when complete groups are written (extend), not on samples."
+        )
 
     def _call(self, next_tensordict: TensorDictBase) -> TensorDictBase:
         return next_tensordict

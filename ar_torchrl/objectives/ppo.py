@@ -16,7 +16,6 @@ Departures from ``torchrl.objectives.ClipPPOLoss`` (DESIGN.md section 8 lists wh
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import get_args
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -26,7 +25,7 @@ from torchrl.objectives.utils import ValueEstimators
 from torchrl.objectives.value import ValueEstimatorBase
 
 from ar_torchrl import functional as F
-from ar_torchrl.checks import check_clip_epsilon
+from ar_torchrl.checks import check_ppo_loss_args
 from ar_torchrl.functional import AggregationMode
 from ar_torchrl.modules import LMActorCritic
 from ar_torchrl.objectives.gae import TokenGAE, require_key, squeeze_feature
@@ -55,7 +54,25 @@ class TokenPPOLoss(ClipPPOLoss):
 
     Reads ``sample_log_prob``, ``state_value``, ``advantage`` (computed with the value estimator,
     :class:`TokenGAE` by default, when missing), ``value_target``, ``loss_mask`` and the actor's
-    ``tokens``/``attention_mask``; optionally ``ref_log_prob`` and ``rollout_log_prob``.
+    ``tokens``/``attention_mask``; optionally ``ref_log_prob`` and ``rollout_log_prob``. Keys are
+    changed with :meth:`set_keys` (TorchRL's mechanism; the value estimator follows).
+
+    Output (every entry listed in :attr:`out_keys`; every metric is reduced over ``loss_mask`` only,
+    log-ratios clamped to ``[-20, 20]`` first):
+
+    - ``loss_objective``, ``loss_critic``, ``loss_entropy``, ``loss_kl``: the summed terms;
+    - TorchRL's ``ClipPPOLoss`` names, same definitions: ``clip_fraction``, ``kl_approx``
+      (``mean(log pi_old - log pi)``, the k1 estimate of KL(old || new)), ``mean_ratio``,
+      ``max_ratio``, ``ESS`` (``(sum r)^2 / sum r^2 / n``), ``entropy``, ``value_clip_fraction``,
+      ``explained_variance``;
+    - ours: ``approx_kl`` (``mean((r - 1) - log r)``, the non-negative k3 estimate, as CleanRL logs it),
+      ``ratio_mean`` (= ``mean_ratio``), ``ratio_min``, ``ratio_max`` (= ``max_ratio``), ``kl_ref`` (k3
+      KL to the reference policy) and ``rollout_log_prob_abs_diff`` (only when the batch holds
+      ``rollout_log_prob``).
+
+    ``entropy`` is present only when entropies are computed (``entropy_coeff > 0`` or the actor's
+    ``return_entropy``), the critic metrics only with a critic, ``loss_kl``/``kl_ref`` only with
+    ``kl_coeff > 0``. A batch without trained tokens gives ratio statistics of 1 and 0 elsewhere.
 
     Example:
         >>> from tensordict import TensorDict
@@ -71,7 +88,7 @@ class TokenPPOLoss(ClipPPOLoss):
         ...     anchors = ac(td.select("tokens", "attention_mask"))
         >>> td["sample_log_prob"], td["state_value"] = anchors["log_prob"], anchors["state_value"]
         >>> out = TokenPPOLoss(ac, clip_epsilon=(0.2, 0.28), clip_value=0.2)(td)
-        >>> out["ratio_min"].item(), out["ratio_max"].item(), out["approx_kl"].item()
+        >>> out["ratio_min"].item(), out["max_ratio"].item(), out["kl_approx"].item()
         (1.0, 1.0, 0.0)
     """
 
@@ -103,36 +120,30 @@ class TokenPPOLoss(ClipPPOLoss):
         norm_length: int | None = None,
         tis_cap: float | None = None,
     ) -> None:
-        _validate(
-            actor_critic,
-            clip_epsilon,
-            dual_clip,
-            clip_value,
-            kl_coeff,
-            loss_agg_mode,
-            norm_length,
-            tis_cap,
-        )
-        if entropy_coeff and not actor_critic.return_entropy:
+        a = check_ppo_loss_args(_OWNER, clip_epsilon=clip_epsilon, dual_clip=dual_clip,
+                                clip_value=clip_value, entropy_coeff=entropy_coeff,
+                                critic_coeff=critic_coeff, kl_coeff=kl_coeff,
+                                loss_agg_mode=loss_agg_mode, norm_length=norm_length,
+                                tis_cap=tis_cap)  # fmt: skip
+        _check_actor(actor_critic, a["critic_coeff"])
+        if a["entropy_coeff"] and not actor_critic.return_entropy:
             actor_critic.return_entropy = True
             actor_critic._refresh_keys()
         super().__init__(
             actor_critic,
-            actor_critic if critic_coeff else None,
-            clip_epsilon=tuple(clip_epsilon)
-            if isinstance(clip_epsilon, (tuple, list))
-            else clip_epsilon,
-            entropy_bonus=bool(entropy_coeff),
-            entropy_coeff=float(entropy_coeff),
-            critic_coeff=critic_coeff or None,
-            clip_value=clip_value,
+            actor_critic if a["critic_coeff"] else None,
+            clip_epsilon=a["clip_epsilon"],
+            entropy_bonus=bool(a["entropy_coeff"]),
+            entropy_coeff=a["entropy_coeff"],
+            critic_coeff=a["critic_coeff"] or None,
+            clip_value=a["clip_value"],
             functional=False,
         )
-        self.dual_clip = dual_clip
-        self.kl_coeff = float(kl_coeff)
-        self.loss_agg_mode = loss_agg_mode
-        self.norm_length = norm_length
-        self.tis_cap = tis_cap
+        self.dual_clip = a["dual_clip"]
+        self.kl_coeff = a["kl_coeff"]
+        self.loss_agg_mode = a["loss_agg_mode"]
+        self.norm_length = a["norm_length"]
+        self.tis_cap = a["tis_cap"]
 
     @property
     def actor_critic(self) -> LMActorCritic:
@@ -140,6 +151,7 @@ class TokenPPOLoss(ClipPPOLoss):
 
     @property
     def out_keys(self) -> list[NestedKey]:
+        """Every key the output may hold for this configuration (see the class docstring)."""
         keys = ["loss_objective"]
         if self._has_critic:
             keys += ["loss_critic", "value_clip_fraction", "explained_variance"]
@@ -147,7 +159,7 @@ class TokenPPOLoss(ClipPPOLoss):
             keys += ["loss_entropy"]
         if self.kl_coeff:
             keys += ["loss_kl", "kl_ref"]
-        keys += ["ratio_mean", "ratio_min", "ratio_max", "clip_fraction", "approx_kl"]
+        keys += list(_POLICY_METRICS) + ["rollout_log_prob_abs_diff"]
         return keys + ["entropy"] if self.actor_network.return_entropy else keys
 
     @out_keys.setter
@@ -182,6 +194,7 @@ class TokenPPOLoss(ClipPPOLoss):
             est.set_keys(
                 advantage=k.advantage,
                 value_target=k.value_target,
+                value=k.value,
                 reward=k.reward,
                 done=k.done,
                 terminated=k.terminated,
@@ -286,17 +299,10 @@ class TokenPPOLoss(ClipPPOLoss):
                 raise KeyError(
                     f"{_OWNER}: tis_cap is set but {k.rollout_log_prob!r} is missing from the batch"
                 )
-            weight = torch.exp(torch.where(mask, old - rollout, 0.0)).clamp(max=self.tis_cap)
+            weight = torch.exp(F.masked_log_ratio(old, rollout, mask)).clamp(max=self.tis_cap)
             loss = loss * weight.detach()
         out["loss_objective"] = self._agg(loss, mask, normalizer)
-        ratio = ratio.detach()
-        has = mask.any()
-        out["ratio_mean"] = F.masked_mean(ratio, mask)
-        out["ratio_min"] = ratio[mask].min() if has else torch.full((), float("nan"))
-        out["ratio_max"] = ratio[mask].max() if has else torch.full((), float("nan"))
-        out["clip_fraction"] = F.masked_mean(clipped.float(), mask)
-        log_ratio = torch.where(mask, log_prob.detach() - old, 0.0)
-        out["approx_kl"] = F.masked_mean(torch.expm1(log_ratio) - log_ratio, mask)
+        out.update(_policy_metrics(F.masked_log_ratio(log_prob.detach(), old, mask), clipped, mask))
 
     def _critic_terms(self, td, value, mask, normalizer, out) -> None:
         k = self.tensor_keys
@@ -309,27 +315,39 @@ class TokenPPOLoss(ClipPPOLoss):
         out["explained_variance"] = F.explained_variance(value.detach(), target, mask)
 
 
-def _validate(
-    actor_critic, clip_epsilon, dual_clip, clip_value, kl_coeff, mode, norm_length, tis_cap
-) -> None:
+#: Policy metrics of every call, in ``out_keys`` order (TorchRL's names first, then ours).
+_POLICY_METRICS = ("clip_fraction", "kl_approx", "mean_ratio", "max_ratio", "ESS",
+                   "approx_kl", "ratio_mean", "ratio_min", "ratio_max")  # fmt: skip
+
+
+def _policy_metrics(
+    log_ratio: torch.Tensor, clipped: torch.Tensor, mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Ratio / KL diagnostics over ``mask`` from the (detached, clamped) log-ratio ``[B, L]``."""
+    ratio = torch.exp(log_ratio)
+    has = bool(mask.any())
+    one = torch.ones((), dtype=ratio.dtype, device=ratio.device)
+    mean = F.masked_mean(ratio, mask)
+    top = ratio[mask].max() if has else one
+    sq = F.masked_mean(ratio * ratio, mask)
+    return {
+        "clip_fraction": F.masked_mean(clipped.float(), mask),
+        "kl_approx": F.masked_mean(-log_ratio, mask),
+        "mean_ratio": mean if has else one,
+        "max_ratio": top,
+        "ESS": mean * mean / sq if has else one,
+        "approx_kl": F.masked_mean(torch.expm1(log_ratio) - log_ratio, mask),
+        "ratio_mean": mean if has else one,
+        "ratio_min": ratio[mask].min() if has else one,
+        "ratio_max": top,
+    }
+
+
+def _check_actor(actor_critic, critic_coeff: float | None) -> None:
     if not isinstance(actor_critic, LMActorCritic):
         raise TypeError(f"{_OWNER} needs an LMActorCritic, got {type(actor_critic).__name__}")
-    check_clip_epsilon(_OWNER, clip_epsilon)
-    if dual_clip is not None and dual_clip <= 1:
-        raise ValueError(f"{_OWNER}: dual_clip must be > 1 (e.g. 3.0), got {dual_clip}")
-    if clip_value is not None and (isinstance(clip_value, bool) or clip_value <= 0):
+    if critic_coeff and not actor_critic.critic:
         raise ValueError(
-            f"{_OWNER}: clip_value must be a positive float or None, got {clip_value!r}"
+            f"{_OWNER}: critic_coeff={critic_coeff} needs an LMActorCritic with a value head "
+            "(critic=True); pass critic_coeff=None (or 0) for an actor-only loss such as GRPO"
         )
-    if kl_coeff < 0:
-        raise ValueError(f"{_OWNER}: kl_coeff must be >= 0, got {kl_coeff}")
-    if mode not in get_args(AggregationMode):
-        raise ValueError(
-            f"{_OWNER}: unknown loss_agg_mode {mode!r}; expected one of {get_args(AggregationMode)}"
-        )
-    if mode == "seq_mean_token_sum_norm" and not norm_length:
-        raise ValueError(
-            f"{_OWNER}: loss_agg_mode='seq_mean_token_sum_norm' needs norm_length (e.g. max_new_tokens)"
-        )
-    if tis_cap is not None and tis_cap <= 0:
-        raise ValueError(f"{_OWNER}: tis_cap must be > 0, got {tis_cap}")
