@@ -43,3 +43,72 @@ def test_checks_module_does_not_import_torch():
     code = "import sys, ar_torchrl.checks; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_group_checks_return_normalised_values_and_name_the_owner():
+    from ar_torchrl.checks import (
+        check_actor_args,
+        check_gae_args,
+        check_grpo_args,
+        check_optimizer_args,
+        check_ppo_loss_args,
+        check_ppo_update_args,
+    )
+
+    assert check_gae_args(gamma=1, lmbda=0.95)["gamma"] == 1.0
+    loss = check_ppo_loss_args("algo", clip_epsilon=[0.2, 0.28], clip_value=None, critic_coeff=0)
+    assert loss["clip_epsilon"] == (0.2, 0.28) and loss["clip_value"] is None
+    assert check_ppo_update_args(epochs=2, num_minibatches=4, grad_clip=None)["grad_clip"] is None
+    assert check_grpo_args(scale=False)["scale"] is False
+    assert check_actor_args(temperature=0.7)["temperature"] == 0.7
+    assert check_optimizer_args("algo", lr=1e-3, value_lr=0.0)["value_lr"] == 0.0
+    for call, msg in [
+        (lambda: check_gae_args("algo", gamma=1.5), r"algo: gamma must be >= 0 and <= 1, got 1.5"),
+        (
+            lambda: check_gae_args("algo", adaptive_lmbda_alpha=0),
+            r"adaptive_lmbda_alpha must be > 0",
+        ),
+        (
+            lambda: check_ppo_loss_args("algo", dual_clip=1.0),
+            r"algo: dual_clip must be > 1, got 1.0",
+        ),
+        (
+            lambda: check_ppo_loss_args("algo", loss_agg_mode="sum"),
+            r"loss_agg_mode='sum' is not one of",
+        ),
+        (lambda: check_optimizer_args("algo", lr=-1e-3), r"algo: lr must be > 0, got -0.001"),
+        (
+            lambda: check_optimizer_args("algo", lr=1e-3, weight_decay=-1),
+            r"weight_decay must be >= 0",
+        ),
+        (
+            lambda: check_ppo_update_args("algo", grad_clip=-1),
+            r"algo: grad_clip must be > 0, got -1",
+        ),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            call()
+    with pytest.raises(
+        TypeError, match=r"algo: normalize_advantage must be true or false, got 'false'"
+    ):
+        check_gae_args("algo", normalize_advantage="false")
+
+
+def test_library_and_checks_give_the_same_message():
+    """The library classes raise exactly what the shared checks raise (one source of ranges)."""
+    from trajectories import tiny_actor_critic
+
+    from ar_torchrl.checks import check_gae_args, check_ppo_loss_args
+    from ar_torchrl.objectives import TokenGAE, TokenPPOLoss
+
+    ac = tiny_actor_critic()
+    for lib, shared in [
+        (lambda: TokenPPOLoss(ac, clip_value=-1.0), lambda: check_ppo_loss_args(clip_value=-1.0)),
+        (lambda: TokenPPOLoss(ac, kl_coeff=-1.0), lambda: check_ppo_loss_args(kl_coeff=-1.0)),
+        (lambda: TokenGAE(lmbda=2.0), lambda: check_gae_args(lmbda=2.0)),
+    ]:
+        with pytest.raises(ValueError) as a:
+            lib()
+        with pytest.raises(ValueError) as b:
+            shared()
+        assert str(a.value) == str(b.value)

@@ -138,3 +138,24 @@ def test_actor_critic_errors_and_keys():
     assert ac(td)["lp"].shape == (1, 4)
     with pytest.raises(ValueError, match="temperature must be > 0"):
         tiny_actor_critic(temperature=0.0)
+
+
+def test_actor_without_value_head_and_accepted_keys():
+    """critic=False runs a bare HF model (no value head) and writes no value key."""
+    bare = build_tiny_qwen3(VOCAB, seed=2)
+    actor = LMActorCritic(bare, critic=False, return_entropy=True)
+    td = make_trajectory([3, 2], [2, 4], seed=0).select("tokens", "attention_mask")
+    out = actor(td.clone())
+    assert set(out.keys()) == {"tokens", "attention_mask", "log_prob", "entropy"}
+    full = LMActorCritic(attach_value_head(bare))(td.clone())  # same backbone: same log-probs
+    assert torch.equal(out["log_prob"], full["log_prob"])
+    actor.set_keys(value=("critic", "v"))  # next_value follows value
+    assert actor.tensor_keys.next_value == ("next", "critic", "v") and actor.value_key == (
+        "critic",
+        "v",
+    )
+    assert actor.out_keys == ["log_prob", "entropy"]
+    with pytest.raises(TypeError, match="LMActorCritic: critic must be true or false, got 'no'"):
+        LMActorCritic(bare, critic="no")
+    with pytest.raises(ValueError, match="LMActorCritic: logits_chunk_tokens must be >= 1, got 0"):
+        LMActorCritic(bare, critic=False, logits_chunk_tokens=0)

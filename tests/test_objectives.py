@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import pytest
@@ -15,7 +16,9 @@ from trajectories import make_trajectory, tiny_actor_critic
 
 from ar_torchrl.data import plan_micro_batches
 from ar_torchrl.functional import AGGREGATION_MODES
+from ar_torchrl.modules import LMActorCritic
 from ar_torchrl.objectives import GRPOAdvantage, TokenGAE, TokenPPOLoss, recompute_anchors
+from ar_torchrl.training import ppo_update
 
 torch.set_num_threads(1)
 
@@ -307,7 +310,7 @@ def test_token_gae_bootstrap_truncated_and_adaptive_lambda():
 
 
 def test_token_gae_errors():
-    with pytest.raises(ValueError, match=r"lmbda must be in \[0, 1\], got 1.5"):
+    with pytest.raises(ValueError, match=r"TokenGAE: lmbda must be >= 0 and <= 1, got 1.5"):
         TokenGAE(lmbda=1.5)
     td = _batch()
     with pytest.raises(KeyError, match=r"missing key 'state_value' .*recompute_anchors"):
@@ -348,15 +351,57 @@ def test_grpo_advantage_module_broadcasts_and_drops_zero_spread_groups():
 
 
 def test_grpo_advantage_as_replay_buffer_write_transform():
+    """TorchRL's invert=True: computed on extend (whole groups), samples keep the stored values."""
     td = _batch(seed=2, group_size=3)
-    rb = ReplayBuffer(storage=LazyTensorStorage(16), batch_size=2)
-    rb.append_transform(GRPOAdvantage())
-    rb.extend(td)
-    stored = rb[:]
     expected = GRPOAdvantage()(td.clone())["advantage"]
-    assert torch.equal(stored["advantage"], expected)
-    sample = rb.sample()
-    assert sample["advantage"].shape == (2, td.shape[1], 1)
+    rb = ReplayBuffer(storage=LazyTensorStorage(16), batch_size=2)
+    rb.append_transform(GRPOAdvantage(), invert=True)
+    rb.extend(td.clone())
+    assert torch.equal(rb[:]["advantage"], expected)
+    sample, info = rb.sample(return_info=True)
+    assert torch.equal(sample["advantage"], expected[info["index"]])  # not recomputed on 2 rows
+    plain = ReplayBuffer(storage=LazyTensorStorage(16), batch_size=2)
+    plain.append_transform(GRPOAdvantage())
+    with pytest.raises(RuntimeError, match=r"append_transform\(GRPOAdvantage\(\), invert=True\)"):
+        plain.extend(td.clone())
+
+
+def test_both_estimators_recompute_on_every_call():
+    """One call contract: a stale advantage in the batch is overwritten by both modules."""
+    td = _batch(seed=5, group_size=2)
+    td["state_value"] = torch.randn(*td.shape, 1)
+    for module in (TokenGAE(gamma=1.0, lmbda=0.9), GRPOAdvantage()):
+        fresh = module(td.clone())["advantage"]
+        stale = td.clone().set("advantage", torch.full((*td.shape, 1), 7.0))
+        assert torch.equal(module(stale)["advantage"], fresh), type(module).__name__
+
+
+def test_grpo_stats_describe_the_last_call_only():
+    td = _batch(seed=1, group_size=2)
+    last = td["loss_mask"].long().cumsum(-1).argmax(-1)
+    td["next", "reward"].zero_()
+    td["next", "reward"][torch.arange(6), last, 0] = torch.tensor([1.0, -1.0, 1.0, 1.0, 1.0, 1.0])
+    grpo = GRPOAdvantage(drop_zero_spread=True)
+    for _ in range(3):  # running totals would read 9 groups, 6 zero-spread, 12 dropped rows
+        assert grpo(td.clone()).shape[0] == 2
+        assert grpo.stats == {"groups": 3, "zero_spread_groups": 2, "dropped_rows": 4}
+    GRPOAdvantage.compute(grpo, td[:2].clone())
+    assert grpo.stats == {"groups": 1, "zero_spread_groups": 0, "dropped_rows": 0}
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_estimators_reject_non_finite_rewards_naming_row_and_position(bad):
+    td = _batch(seed=3, group_size=2)
+    td["state_value"] = torch.zeros(*td.shape, 1)
+    pos = int(td["loss_mask"][4].nonzero()[-1])
+    td["next", "reward"][4, pos, 0] = bad
+    for module in (TokenGAE(), GRPOAdvantage()):
+        name = type(module).__name__
+        with pytest.raises(
+            ValueError,
+            match=rf"{name}: non-finite reward \('next', 'reward'\) {bad} at row 4, position {pos}",
+        ):
+            module(td.clone())
 
 
 def test_grpo_advantage_errors():
@@ -404,12 +449,21 @@ def test_loss_errors():
             r"clip_epsilon must be a float in \(0, 1\) or \(low, high\) with 0 < low < 1 and high > 0, got 1.5",
         ),
         ({"clip_epsilon": (0.2, 0.3, 0.4)}, "clip_epsilon must be a float in"),
-        ({"dual_clip": 0.5}, r"dual_clip must be > 1 \(e.g. 3.0\), got 0.5"),
-        ({"clip_value": -1.0}, "clip_value must be a positive float or None"),
-        ({"loss_agg_mode": "mean"}, "unknown loss_agg_mode 'mean'"),
+        ({"dual_clip": 0.5}, r"TokenPPOLoss: dual_clip must be > 1, got 0.5 \(e.g. 3.0\)"),
+        (
+            {"clip_value": -1.0},
+            r"clip_value must be > 0, got -1.0 \(None disables value clipping\)",
+        ),
+        ({"loss_agg_mode": "mean"}, r"loss_agg_mode='mean' is not one of \['token_mean'"),
         ({"loss_agg_mode": "seq_mean_token_sum_norm"}, "needs norm_length"),
-        ({"kl_coeff": -1.0}, "kl_coeff must be >= 0"),
-        ({"tis_cap": 0.0}, "tis_cap must be > 0"),
+        ({"kl_coeff": -1.0}, "kl_coeff must be >= 0, got -1.0"),
+        ({"entropy_coeff": -0.01}, "entropy_coeff must be >= 0, got -0.01"),
+        ({"critic_coeff": -1.0}, "critic_coeff must be >= 0, got -1.0"),
+        ({"tis_cap": 0.0}, "tis_cap must be > 0, got 0.0"),
+        (
+            {"norm_length": 0, "loss_agg_mode": "seq_mean_token_sum_norm"},
+            "norm_length must be >= 1",
+        ),
     ]:
         with pytest.raises(ValueError, match=msg):
             TokenPPOLoss(ac, **kwargs)
@@ -447,5 +501,150 @@ def test_grpo_critic_targets_are_monte_carlo_returns():
                 expected[b, t] = ret
     torch.testing.assert_close(out["value_target"].squeeze(-1), expected)
     assert "value_target" not in GRPOAdvantage()(td.exclude("advantage", "value_target")).keys()
-    with pytest.raises(ValueError, match="gamma must be in"):
+    with pytest.raises(ValueError, match=r"GRPOAdvantage: gamma must be >= 0 and <= 1, got 1.5"):
         GRPOAdvantage(critic_targets=True, gamma=1.5)
+    with pytest.raises(ValueError, match=r"GRPOAdvantage: eps must be >= 0, got -0.1"):
+        GRPOAdvantage(eps=-0.1)
+    with pytest.raises(TypeError, match=r"GRPOAdvantage: scale must be true or false, got 'no'"):
+        GRPOAdvantage(scale="no")
+
+
+# ---------------------------------------------------------------------------- keys and metrics
+def _chain(ac, ref, td, renamed: bool):
+    """anchors -> GAE -> ppo_update with default keys, or with every key nested and renamed."""
+    loss = TokenPPOLoss(ac, clip_value=0.2, kl_coeff=0.1, entropy_coeff=0.01)
+    if renamed:
+        td = td.clone()
+        for old, new in [("tokens", ("in", "ids")), ("attention_mask", ("in", "attn")),
+                         ("loss_mask", ("in", "train")), (("next", "reward"), ("next", "task", "r")),
+                         (("next", "done"), ("next", "task", "d")),
+                         (("next", "terminated"), ("next", "task", "t"))]:  # fmt: skip
+            td.rename_key_(old, new)
+        for module in (ac, ref):
+            module.set_keys(tokens=("in", "ids"), attention_mask=("in", "attn"),
+                            log_prob=("out", "lp"), value=("out", "v"), entropy=("out", "h"))  # fmt: skip
+        loss.set_keys(sample_log_prob=("anchor", "lp"), value=("out", "v"),
+                      ref_log_prob=("anchor", "ref"), loss_mask=("in", "train"),
+                      advantage=("adv", "a"), value_target=("adv", "t"),
+                      reward=("task", "r"), done=("task", "d"), terminated=("task", "t"))  # fmt: skip
+    plan = plan_micro_batches(td, token_budget=24, attention_mask_key=ac.tensor_keys.attention_mask)
+    recompute_anchors(ac, td, plan, ref_actor=ref, loss=loss)
+    loss.value_estimator(td)  # the loss's TokenGAE follows the loss's keys
+    opt = torch.optim.SGD(ac.parameters(), lr=0.1)
+    return td, ppo_update(loss, opt, td, plan, epochs=2, generator=torch.Generator().manual_seed(0))
+
+
+def test_nested_renamed_keys_through_the_whole_chain():
+    """Anchors, GAE, loss and ppo_update all read the modules' keys: same numbers as the defaults."""
+    base = _batch(seed=7)
+    results = []
+    for renamed in (False, True):
+        ac = tiny_actor_critic(seed=3)
+        _perturb(ac.model.value_head, scale=0.5)
+        ref = LMActorCritic(copy.deepcopy(ac.model), critic=False)
+        _perturb(ref.model, scale=0.02, seed=9)
+        results.append((_chain(ac, ref, base.clone(), renamed), ac))
+    ((td_a, out_a), ac_a), ((td_b, out_b), ac_b) = results
+    assert ("anchor", "ref") in td_b.keys(True) and ("next", "out", "v") in td_b.keys(True)
+    assert torch.equal(td_a["advantage"], td_b["adv", "a"])
+    assert torch.equal(td_a["value_target"], td_b["adv", "t"])
+    assert out_a == out_b and out_a["train/kl_ref"] > 0 and out_a["train/optimizer_steps"] == 2
+    for pa, pb in zip(ac_a.parameters(), ac_b.parameters()):
+        assert torch.equal(pa, pb)
+
+
+def test_grpo_set_keys_nested_and_unknown_name():
+    td = _batch(seed=2, group_size=2)
+    td.rename_key_("prompt_id", ("meta", "group"))
+    grpo = GRPOAdvantage().set_keys(group=("meta", "group"), advantage=("adv", "grpo"))
+    assert grpo.in_keys == [("next", "reward"), "loss_mask", ("meta", "group")]
+    out = grpo(td.clone())
+    ref = GRPOAdvantage()(td.clone().set("prompt_id", td["meta", "group"]))
+    assert torch.equal(out["adv", "grpo"], ref["advantage"])
+    with pytest.raises(KeyError, match="unknown key name 'groups'"):
+        GRPOAdvantage().set_keys(groups="x")
+
+
+def test_loss_emits_torchrl_metric_names_and_lists_every_key_in_out_keys():
+    ac = tiny_actor_critic(seed=1)
+    td = _batch(seed=3)
+    recompute_anchors(ac, td, plan_micro_batches(td, token_budget=1000))
+    td["ref_log_prob"] = td["sample_log_prob"] - 0.1
+    td = TokenGAE()(td)
+    _perturb(ac.model, scale=0.02, seed=4)  # ratios != 1
+    configs = [{}, {"critic_coeff": None}, {"entropy_coeff": 0.01, "kl_coeff": 0.1}]
+    for kwargs in configs:
+        loss = TokenPPOLoss(ac, **kwargs)
+        out = loss(td)
+        assert set(out.keys()) == set(loss.out_keys), kwargs
+        assert set(loss(td.exclude("rollout_log_prob")).keys()) == set(loss.out_keys) - {
+            "rollout_log_prob_abs_diff"
+        }
+    assert "entropy" in out.keys()  # entropy_coeff > 0 computes it; without, it is omitted
+    assert "entropy" not in TokenPPOLoss(tiny_actor_critic(seed=1))(td).keys()
+    # the metrics against plain loops over the trained tokens
+    with torch.no_grad():
+        new = ac(td.select("tokens", "attention_mask"))["log_prob"]
+    mask = td["loss_mask"]
+    lr = (new - td["sample_log_prob"])[mask].double()
+    r = lr.exp()
+    expected = {"kl_approx": (-lr).mean(), "approx_kl": ((r - 1) - lr).mean(),
+                "mean_ratio": r.mean(), "ratio_mean": r.mean(), "max_ratio": r.max(),
+                "ratio_max": r.max(), "ratio_min": r.min(), "ESS": r.sum() ** 2 / (r**2).sum() / r.numel()}  # fmt: skip
+    for key, value in expected.items():
+        assert out[key].item() == pytest.approx(value.item(), rel=1e-5, abs=1e-7), key
+    assert 0 < out["ESS"].item() < 1
+
+
+def test_loss_stays_finite_at_extreme_log_ratios():
+    """A log-ratio of 100 (exp overflows float32): finite loss, metrics and gradients."""
+    ac = tiny_actor_critic(seed=0)
+    td = _batch(seed=1)
+    recompute_anchors(ac, td, plan_micro_batches(td, token_budget=1000))
+    td = TokenGAE()(td)
+    mask = td["loss_mask"]
+    td["sample_log_prob"] = torch.where(mask, td["sample_log_prob"] - 100.0, 0.0)
+    td["rollout_log_prob"] = torch.where(mask, td["sample_log_prob"] - 100.0, 0.0)
+    td["advantage"][0] = 0.0  # advantage 0 with an overflowing ratio: was a NaN loss
+    out = TokenPPOLoss(ac, clip_value=0.2, tis_cap=2.0)(td)
+    total = out["loss_objective"] + out["loss_critic"]
+    total.backward()
+    assert all(torch.isfinite(v).all() for v in out.values())
+    assert all(torch.isfinite(p.grad).all() for p in ac.parameters() if p.grad is not None)
+
+
+def test_loss_metrics_are_finite_for_one_and_zero_trained_tokens():
+    ac = tiny_actor_critic(seed=0)
+    td = _batch(seed=1)
+    recompute_anchors(ac, td, plan_micro_batches(td, token_budget=1000))
+    td = TokenGAE()(td)
+    one = torch.zeros_like(td["loss_mask"])
+    one[2, int(td["loss_mask"][2].nonzero()[0])] = True
+    for mask, ev in ((one, 1.0), (torch.zeros_like(one), 0.0)):
+        out = TokenPPOLoss(ac)(td.clone().set("loss_mask", mask))
+        assert all(torch.isfinite(v) for v in out.values())
+        assert out["explained_variance"].item() == ev  # was nan for one token
+    assert out["ratio_min"].item() == out["max_ratio"].item() == 1.0
+
+
+def test_actor_only_module_as_reference_and_critic_errors():
+    """critic=False: no value head needed, no value keys; the loss then refuses a critic term."""
+    from ar_torchrl.assets import build_tiny_qwen3
+
+    bare = build_tiny_qwen3(99, seed=0)
+    ref = LMActorCritic(bare, critic=False)
+    assert ref.out_keys == ["log_prob"] and not hasattr(bare, "value_head")
+    ac = tiny_actor_critic(seed=0)
+    td = _batch(seed=2)
+    recompute_anchors(ac, td, plan_micro_batches(td, token_budget=1000), ref_actor=ref)
+    assert torch.equal(td["ref_log_prob"], td["sample_log_prob"])  # same weights
+    actor_only = LMActorCritic(copy.deepcopy(bare), critic=False)
+    td2 = _batch(seed=2)
+    recompute_anchors(actor_only, td2, plan_micro_batches(td2, token_budget=1000))
+    assert "state_value" not in td2.keys() and ("next", "state_value") not in td2.keys(True)
+    out = TokenPPOLoss(actor_only, critic_coeff=None)(GRPOAdvantage()(td2))
+    assert torch.isfinite(out["loss_objective"]) and "loss_critic" not in out.keys()
+    with pytest.raises(
+        ValueError, match=r"critic_coeff=1.0 needs an LMActorCritic with a value head"
+    ):
+        TokenPPOLoss(actor_only)

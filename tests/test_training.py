@@ -156,3 +156,20 @@ def test_ppo_update_rejects_zero_or_negative_grad_clip(bad):
     with pytest.raises(ValueError, match=r"ppo_update: grad_clip must be > 0, got"):
         ppo_update(lambda td, normalizer: None, torch.optim.SGD([w], lr=0.1), td, plan,
                    grad_clip=bad, normalizer=lambda m: 1.0)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "msg"),
+    [
+        ({"num_minibatches": 0}, ValueError, r"ppo_update: num_minibatches must be >= 1, got 0"),
+        ({"epochs": 1.5}, TypeError, r"ppo_update: epochs must be an integer, got 1.5 \(float\)"),
+        ({"epochs": True}, TypeError, r"ppo_update: epochs must be an integer, got True \(bool\)"),
+    ],
+)
+def test_ppo_update_checks_its_integer_arguments(kwargs, error, msg):
+    w = torch.nn.Parameter(torch.ones(1))
+    td = TensorDict({"attention_mask": torch.ones(2, 3, dtype=torch.bool)}, [2, 3])
+    plan = plan_micro_batches(td, token_budget=6)
+    with pytest.raises(error, match=msg):
+        ppo_update(lambda td, normalizer: None, torch.optim.SGD([w], lr=0.1), td, plan,
+                   normalizer=lambda m: 1.0, **kwargs)  # fmt: skip

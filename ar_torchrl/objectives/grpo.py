@@ -163,9 +163,14 @@ class GRPOAdvantage(Transform):
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         return self.compute(tensordict)
 
+    def _call(self, next_tensordict: TensorDictBase) -> TensorDictBase:
+        # The write side of ``rb.append_transform(self, invert=True)`` (TorchRL's ``Compose.inv``
+        # reaches an inverted transform's ``_call``): compute on the complete groups written.
+        return self.compute(next_tensordict)
+
     def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase:
-        # Reached through ``inv``: the read side of ``rb.append_transform(self, invert=True)`` (the
-        # stored advantages pass through), or the write side of a registration without invert=True.
+        # The read side of ``invert=True`` (samples keep the stored advantages), or the write side of a
+        # registration without ``invert=True``, which would recompute on partial groups when sampled.
         if tensordict.get(self.tensor_keys.advantage, None) is not None:
             return tensordict
         raise RuntimeError(
@@ -173,6 +178,3 @@ class GRPOAdvantage(Transform):
             "replay buffer, register it as rb.append_transform(GRPOAdvantage(), invert=True) so that "
             "advantages are computed when complete groups are written (extend), not on samples."
         )
-
-    def _call(self, next_tensordict: TensorDictBase) -> TensorDictBase:
-        return next_tensordict
