@@ -5,16 +5,37 @@ normalisation): only the last 300 characters of the response are searched, the a
 after the *last* ``Answer:`` (case-insensitive) up to the end of its line, both answer and ground truth
 are normalised the same way, and the reward is ``+1`` on an exact string match, else ``-1``.
 Departure (opt-in only): ``use_math_verify=True`` also accepts answers that the ``math-verify``
-package proves equivalent (e.g. ``0.5`` vs ``\\frac{1}{2}``).
+package proves equivalent (e.g. ``0.5`` vs ``\\frac{1}{2}``), with the same answer in any thread.
+
+Bounded work: the response is searched in its last 300 characters only; each ground truth is
+normalised once (cached) in linear time; math-verify is not consulted for ground truths longer than
+:data:`MATH_VERIFY_MAX_CHARS` (counted in :func:`reward_stats`, logged once).
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
+import functools
+import logging
 import re
+import threading
+from collections import Counter
 
-__all__ = ["dapo_math_reward", "extract_answer", "normalize_final_answer", "overlong_penalty"]
+from ar_torchrl.rewards._math_verify_worker import (
+    MathVerifyWorker,
+    math_verify_equal,
+    require_math_verify,
+)
+
+__all__ = [
+    "MATH_VERIFY_MAX_CHARS",
+    "dapo_math_reward",
+    "extract_answer",
+    "normalize_final_answer",
+    "overlong_penalty",
+    "reward_stats",
+]
+
+logger = logging.getLogger(__name__)
 
 #: Characters searched for the answer (DAPO: the longest MATH-500 answer is under 200 characters).
 SEARCH_WINDOW = 300
@@ -41,8 +62,11 @@ _REMOVED = (
     "\\text{\ns}", "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}", "\\mathrm{th}", "^\\circ",
     "^{\\circ}", "\\;", ",\\!", "{,}", '"', "\\dots",
 )  # fmt: skip
+#: Ground truths longer than this are compared as normalised strings only (no math-verify).
+MATH_VERIFY_MAX_CHARS = 1000
+_STATS: Counter = Counter()
+_WORKER = MathVerifyWorker()
 _REGEX_REWRITES = (
-    (r"(.*?)(\$)(.*?)(\$)(.*)", "$\\3$"),  # keep only the first $...$ span
     (r"(\\text\{)(.*?)(\})", "\\2"),
     (r"(\\textbf\{)(.*?)(\})", "\\2"),
     (r"(\\overline\{)(.*?)(\})", "\\2"),
@@ -66,12 +90,62 @@ def normalize_final_answer(answer: str) -> str:
         answer = answer.replace(before, after)
     for expr in _REMOVED:
         answer = answer.replace(expr, "")
+    answer = _first_dollar_span(answer)
     for pattern, repl in _REGEX_REWRITES:
         answer = re.sub(pattern, repl, answer)
     answer = answer.replace("$", "")
     if answer.replace(",", "").isdigit():
         answer = answer.replace(",", "")
     return answer.strip()
+
+
+def _first_dollar_span(answer: str) -> str:
+    """Minerva's ``re.sub(r"(.*?)(\\$)(.*?)(\\$)(.*)", "$\\3$", answer)`` in linear time.
+
+    ``.`` stops at newlines, so the regex rewrites each line holding two or more ``$`` to its first
+    ``$...$`` span and leaves the others; on a line without two ``$`` it retried from every
+    position (quadratic: 9 s for a 20,000-character ground truth).
+    """
+    lines = answer.split("\n")
+    for i, line in enumerate(lines):
+        first = line.find("$")
+        second = line.find("$", first + 1) if first >= 0 else -1
+        if second >= 0:
+            lines[i] = "$" + line[first + 1 : second] + "$"
+    return "\n".join(lines)
+
+
+@functools.lru_cache(maxsize=65536)
+def _normalized_truth(truth: str) -> str:
+    return normalize_final_answer(truth)
+
+
+def reward_stats() -> dict[str, int]:
+    """Counters of this process: ``math_verify_calls``, ``math_verify_worker_calls`` (off the main
+    thread), ``math_verify_skipped_long`` (ground truth over :data:`MATH_VERIFY_MAX_CHARS`),
+    ``math_verify_failed`` (the worker died or timed out: scored as not equivalent)."""
+    return dict(_STATS)
+
+
+def _math_verify_equal(pred: str, truth: str) -> bool:
+    """math-verify in a main thread: here on the main thread, else in the worker process."""
+    if len(truth) > MATH_VERIFY_MAX_CHARS:
+        if not _STATS["math_verify_skipped_long"]:
+            logger.warning("ground truth of %d characters (> %d): compared as a string only, "
+                           "without math-verify (counted in reward_stats())", len(truth),
+                           MATH_VERIFY_MAX_CHARS)  # fmt: skip
+        _STATS["math_verify_skipped_long"] += 1
+        return False
+    require_math_verify()  # a missing package is an error in every thread, never a silent -1
+    _STATS["math_verify_calls"] += 1
+    if threading.current_thread() is threading.main_thread():
+        return math_verify_equal(pred, truth)
+    _STATS["math_verify_worker_calls"] += 1
+    answer = _WORKER.equal(pred, truth)
+    if answer is None:
+        _STATS["math_verify_failed"] += 1
+        return False
+    return answer
 
 
 def extract_answer(response_text: str) -> str | None:
@@ -85,20 +159,6 @@ def extract_answer(response_text: str) -> str | None:
     """
     matches = ANSWER_PATTERN.findall(response_text[-SEARCH_WINDOW:])
     return matches[-1] if matches else None
-
-
-def _math_verify_equal(pred: str, truth: str) -> bool:
-    if importlib.util.find_spec("math_verify") is None:
-        raise ImportError(
-            "dapo_math_reward(use_math_verify=True) needs the `math-verify` package: "
-            "pip install 'ar_torchrl[math]'"
-        )
-    math_verify = importlib.import_module("math_verify")
-    try:
-        gold, answer = math_verify.parse(f"${truth}$"), math_verify.parse(f"${pred}$")
-        return bool(math_verify.verify(gold, answer))
-    except Exception:  # math-verify's parser raises on malformed TeX: not equivalent
-        return False
 
 
 def dapo_math_reward(
@@ -122,7 +182,7 @@ def dapo_math_reward(
     """
     raw = extract_answer(response_text)
     pred = normalize_final_answer(raw if raw is not None else INVALID)
-    truth = normalize_final_answer(str(ground_truth))
+    truth = _normalized_truth(str(ground_truth))
     if pred == truth:
         return 1.0
     if use_math_verify and raw is not None and _math_verify_equal(pred, truth):
