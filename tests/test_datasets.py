@@ -79,7 +79,7 @@ def test_loader_errors(tmp_path):
         load_dapo_math(tmp_path / "missing.parquet")
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(make_row("q", "1", index=0)) + "\n{not json\n")
-    with pytest.raises(ValueError, match=r"bad.jsonl:2 is not valid JSON"):
+    with pytest.raises(ValueError, match=r"bad.jsonl: line 2: not valid JSON \(Expecting"):
         load_dapo_math(bad)
     csv = tmp_path / "rows.csv"
     csv.write_text("x")
@@ -99,3 +99,38 @@ def test_train_holdout_split():
     assert len(train_holdout_split(ds, 0.2)[1]) == 10
     with pytest.raises(ValueError, match="holdout=50 gives 50 of 50 rows"):
         train_holdout_split(ds, 50)
+
+
+def test_unreadable_lines_and_bad_extra_info_are_skipped_and_counted_naming_the_line(tmp_path):
+    """Non-UTF-8 bytes and a non-dict extra_info used to crash with UnicodeDecodeError/TypeError."""
+    good = json.dumps(make_row("What is 1 + 1?", "2", index=0)).encode()
+    extra_int = json.dumps({**make_row("q", "3", index=1), "extra_info": 5}).encode()
+    extra_list = json.dumps({**make_row("q", "4", index=2), "extra_info": ["a"]}).encode()
+    latin1 = (
+        json.dumps(make_row("Was kostet das?", "5", index=3))
+        .encode()
+        .replace(b"kostet", b"k\xf6stet")
+    )
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(b"\n".join([good, extra_int, b"", latin1, b"{oops", extra_list, good]) + b"\n")
+    ds = load_dapo_math(path, skip_invalid=True)
+    assert len(ds) == 2 and ds.num_skipped == 4
+    reasons = [msg for _, msg in ds.skipped]
+    assert reasons[0].startswith("line 2: field 'extra_info' must be a mapping (or absent), got 5")
+    assert re.fullmatch(r"line 4: not valid UTF-8 \(byte 0xf6 at column \d+\)", reasons[1])
+    assert reasons[2].startswith("line 5: not valid JSON")
+    assert reasons[3].startswith("line 6: field 'extra_info' must be a mapping")
+    for lines, msg in [
+        (
+            [good, extra_int],
+            r"mixed.jsonl: line 2: field 'extra_info' must be a mapping .*got 5 \(pass skip_invalid=True",
+        ),
+        ([good, latin1], r"mixed.jsonl: line 2: not valid UTF-8 \(byte 0xf6 at column \d+\)"),
+    ]:
+        path.write_bytes(b"\n".join(lines) + b"\n")
+        with pytest.raises(ValueError, match=msg):
+            load_dapo_math(path)
+    with pytest.raises(ValueError, match=r"row 1: field 'extra_info' must be a mapping"):
+        MathDataset(
+            [make_row("q", "1", index=0), {**make_row("q", "1", index=1), "extra_info": "x"}]
+        )

@@ -6,9 +6,10 @@ A row is a plain dict (DESIGN.md section 5)::
      "reward_model": {"ground_truth": str, "style": str}, "extra_info": {"index": int}}
 
 :class:`MathDataset` is a ``Sequence`` of such rows, so anything that takes DAPO rows (the warm start,
-:class:`~ar_torchrl.envs.LLMEnv`) takes it. Rows are validated on load; an invalid row raises an error
-naming its index and field, or, with ``skip_invalid=True``, is skipped *and counted*
-(``dataset.num_skipped``, ``dataset.skipped``).
+:class:`~ar_torchrl.envs.LLMEnv`) takes it. Rows are validated on load; an invalid row (a wrong field,
+or in a ``.jsonl`` file a line that is not UTF-8 or not JSON) raises a ``ValueError`` naming the file,
+the row (the line, for ``.jsonl``) and the field, or, with ``skip_invalid=True``, is skipped *and
+counted* (``dataset.num_skipped``, ``dataset.skipped``).
 """
 
 from __future__ import annotations
@@ -81,52 +82,67 @@ def _plain(value):
     return value
 
 
-def _check_messages(messages, index: int) -> None:
+def _check_messages(messages, where: str) -> None:
     if not isinstance(messages, list) or not messages:
         raise ValueError(
-            f"row {index}: field 'prompt' must be a non-empty list of chat messages, got {messages!r:.80}"
+            f"{where}: field 'prompt' must be a non-empty list of chat messages, got {messages!r:.80}"
         )
     for j, m in enumerate(messages):
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
-            raise ValueError(
-                f"row {index}: field 'prompt[{j}]' needs a string 'role', got {m!r:.80}"
-            )
+            raise ValueError(f"{where}: field 'prompt[{j}]' needs a string 'role', got {m!r:.80}")
         if not isinstance(m.get("content"), str) or not m["content"]:
             raise ValueError(
-                f"row {index}: field 'prompt[{j}].content' must be a non-empty string, got {m!r:.80}"
+                f"{where}: field 'prompt[{j}].content' must be a non-empty string, got {m!r:.80}"
             )
 
 
-def validate_row(row, index: int) -> dict:
+class InvalidRecord(str):
+    """A record that could not even be read (its text says why); :func:`validate_row` rejects it."""
+
+
+def validate_row(row, index: int, *, where: str | None = None) -> dict:
     """Check one row against the DAPO-Math schema; return it as plain Python objects.
 
     Integer ground truths are turned into strings; missing optional fields get defaults
     (``extra_info.index`` defaults to ``index``).
 
+    Args:
+        row: the raw row.
+        index: its index (the default of ``extra_info.index``).
+        where: how errors name the row (default ``"row {index}"``; e.g. ``"line 7"``).
+
     Raises:
-        ValueError: naming the row index and the field that is wrong.
+        ValueError: naming the row and the field that is wrong.
 
     Example:
         >>> validate_row({"prompt": [{"role": "user", "content": "1+1?"}],
         ...               "reward_model": {"ground_truth": 2}}, 0)["reward_model"]["ground_truth"]
         '2'
     """
+    where = where or f"row {index}"
+    if isinstance(row, InvalidRecord):
+        raise ValueError(f"{where}: {row}")
     row = _plain(row)
     if not isinstance(row, Mapping):
-        raise ValueError(f"row {index}: expected a mapping, got {type(row).__name__}")
-    _check_messages(row.get("prompt"), index)
+        raise ValueError(f"{where}: expected a mapping, got {type(row).__name__}")
+    _check_messages(row.get("prompt"), where)
     reward_model = row.get("reward_model")
     if not isinstance(reward_model, Mapping) or "ground_truth" not in reward_model:
         raise ValueError(
-            f"row {index}: field 'reward_model.ground_truth' is missing (got reward_model="
+            f"{where}: field 'reward_model.ground_truth' is missing (got reward_model="
             f"{reward_model!r:.80})"
         )
     truth = reward_model["ground_truth"]
     if isinstance(truth, bool) or not isinstance(truth, (str, int)) or str(truth).strip() == "":
         raise ValueError(
-            f"row {index}: field 'reward_model.ground_truth' must be a non-empty string, got {truth!r}"
+            f"{where}: field 'reward_model.ground_truth' must be a non-empty string, got {truth!r}"
         )
-    extra = dict(row.get("extra_info") or {})
+    extra = row.get("extra_info")
+    if extra is not None and not isinstance(extra, Mapping):
+        raise ValueError(
+            f"{where}: field 'extra_info' must be a mapping (or absent), got {extra!r:.80}"
+        )
+    extra = dict(extra or {})
     extra.setdefault("index", index)
     return {
         "data_source": str(row.get("data_source", "")),
@@ -144,6 +160,7 @@ class MathDataset(Sequence):
         rows: raw rows (dicts, or parquet records).
         skip_invalid: skip (and count) invalid rows instead of raising.
         name: shown in log messages.
+        lines: the source line of each row (``.jsonl``): errors then name ``line N``, not ``row i``.
 
     Example:
         >>> ds = MathDataset([{"prompt": [{"role": "user", "content": "1+1?"}],
@@ -154,13 +171,19 @@ class MathDataset(Sequence):
     """
 
     def __init__(
-        self, rows: Iterable, *, skip_invalid: bool = False, name: str = "dataset"
+        self,
+        rows: Iterable,
+        *,
+        skip_invalid: bool = False,
+        name: str = "dataset",
+        lines: Sequence[int] | None = None,
     ) -> None:
         self.rows: list[dict] = []
         self.skipped: list[tuple[int, str]] = []
         for i, raw in enumerate(rows):
             try:
-                self.rows.append(validate_row(raw, i))
+                where = None if lines is None else f"line {lines[i]}"
+                self.rows.append(validate_row(raw, i, where=where))
             except ValueError as err:
                 if not skip_invalid:
                     raise ValueError(f"{name}: {err} (pass skip_invalid=True to skip it)") from None
@@ -214,34 +237,43 @@ def load_dapo_math(
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"load_dapo_math: no file at {path}")
+    lines = None
     if path.suffix == ".parquet":
         import pandas as pd  # test/data extra; only needed for parquet
 
         records = pd.read_parquet(path).to_dict(orient="records")
     elif path.suffix in (".jsonl", ".json"):
-        records = _read_jsonl(path)
+        records, lines = _read_jsonl(path)
     else:
         raise ValueError(
             f"load_dapo_math: unsupported file type {path.suffix!r}; use .parquet or .jsonl"
         )
     if limit is not None:
-        records = records[:limit]
-    return MathDataset(records, skip_invalid=skip_invalid, name=str(path))
+        records, lines = records[:limit], None if lines is None else lines[:limit]
+    return MathDataset(records, skip_invalid=skip_invalid, name=str(path), lines=lines)
 
 
-def _read_jsonl(path: Path) -> list:
-    records = []
-    with path.open() as f:
-        for line_no, line in enumerate(f, start=1):
+def _read_jsonl(path: Path) -> tuple[list, list[int]]:
+    """Records and their line numbers; unreadable lines become :class:`InvalidRecord` entries."""
+    records, lines = [], []
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8-sig")
+            except UnicodeDecodeError as err:
+                records.append(InvalidRecord(
+                    f"not valid UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start + 1})"
+                ))  # fmt: skip
+                lines.append(line_no)
+                continue
             if not line.strip():
                 continue
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError as err:
-                raise ValueError(
-                    f"load_dapo_math: {path}:{line_no} is not valid JSON: {err}"
-                ) from None
-    return records
+                records.append(InvalidRecord(f"not valid JSON ({err})"))
+            lines.append(line_no)
+    return records, lines
 
 
 def arithmetic_dataset(
