@@ -268,8 +268,8 @@ def train(cfg: DictConfig, stack: contextlib.ExitStack) -> None:
     temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
     ref_actor = None
     if cfg.model.ref_policy and cfg.algo.kl_coeff > 0:
-        ref = attach_value_head(copy.deepcopy(model)).to(cfg.device).eval().requires_grad_(False)
-        ref_actor = LMActorCritic(ref, temperature=temperature)
+        ref = copy.deepcopy(model).to(cfg.device).eval().requires_grad_(False)
+        ref_actor = LMActorCritic(ref, temperature=temperature, critic=False)  # log-probs only
     model = attach_value_head(model).to(cfg.device)
     actor_critic = LMActorCritic(model, temperature=temperature)
 
