@@ -29,6 +29,7 @@ __all__ = [
     "check_optimizer_args",
     "check_ppo_loss_args",
     "check_ppo_update_args",
+    "check_warm_start_args",
 ]
 
 #: Loss aggregation modes (``ar_torchrl.functional.aggregate_loss``), defined here so that a config
@@ -390,6 +391,36 @@ def check_actor_args(
         ),
         "return_entropy": check_bool(owner, "return_entropy", return_entropy),
         "critic": check_bool(owner, "critic", critic),
+    }
+
+
+def check_warm_start_args(
+    owner: str = "supervised_warm_start",
+    *,
+    steps: Any = 300,
+    batch_size: Any = 32,
+    lr: Any = 3e-3,
+    final_lr_ratio: Any = 0.1,
+    correct_fraction: Any = 0.3,
+    grad_clip: Any = 1.0,
+) -> dict[str, Any]:
+    """Arguments of :func:`~ar_torchrl.warmstart.supervised_warm_start`.
+
+    Example:
+        >>> check_warm_start_args(lr=0.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: supervised_warm_start: lr must be > 0, got 0.0
+    """
+    return {
+        "steps": check_number(owner, "steps", steps, ge=1, integer=True),
+        "batch_size": check_number(owner, "batch_size", batch_size, ge=1, integer=True),
+        "lr": float(check_number(owner, "lr", lr, gt=0)),
+        "final_lr_ratio": float(check_number(owner, "final_lr_ratio", final_lr_ratio, gt=0, le=1)),
+        "correct_fraction": float(
+            check_number(owner, "correct_fraction", correct_fraction, ge=0, le=1)
+        ),
+        "grad_clip": float(check_number(owner, "grad_clip", grad_clip, gt=0)),
     }
 
 

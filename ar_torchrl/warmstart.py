@@ -25,6 +25,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from ar_torchrl.checks import check_warm_start_args
 from ar_torchrl.models import check_tokenizer
 
 __all__ = ["build_sft_batch", "cached_warm_start", "sft_response", "supervised_warm_start"]
@@ -135,7 +136,9 @@ def supervised_warm_start(
         >>> losses[-1] < losses[0]
         True
     """
-    _check_warm_start_args(tokenizer, rows, steps, batch_size, correct_fraction)
+    check_warm_start_args(steps=steps, batch_size=batch_size, lr=lr, final_lr_ratio=final_lr_ratio,
+                          correct_fraction=correct_fraction, grad_clip=grad_clip)  # fmt: skip
+    _check_warm_start_args(tokenizer, rows)
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     decay = torch.optim.lr_scheduler.LinearLR(
@@ -160,18 +163,10 @@ def supervised_warm_start(
     return losses
 
 
-def _check_warm_start_args(tokenizer, rows, steps, batch_size, correct_fraction) -> None:
+def _check_warm_start_args(tokenizer, rows) -> None:
     check_tokenizer(tokenizer, where="warm start tokenizer")
     if not rows:
         raise ValueError("supervised_warm_start: `rows` is empty; pass generated DAPO-schema rows.")
-    if steps < 1 or batch_size < 1:
-        raise ValueError(
-            f"supervised_warm_start: steps={steps}, batch_size={batch_size}; both >= 1"
-        )
-    if not 0.0 <= correct_fraction <= 1.0:
-        raise ValueError(
-            f"supervised_warm_start: correct_fraction={correct_fraction} not in [0, 1]"
-        )
 
 
 def _fingerprint(model: PreTrainedModel, tokenizer, rows: Sequence[dict], settings: dict) -> str:

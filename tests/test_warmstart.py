@@ -95,8 +95,10 @@ def test_errors_are_clear():
         build_sft_batch(tok, [{"question": "1+1"}], ["Answer: 2"])
     with pytest.raises(ValueError, match="`rows` is empty"):
         supervised_warm_start(model, tok, [], steps=1)
-    with pytest.raises(ValueError, match=r"correct_fraction=1.5 not in \[0, 1\]"):
+    with pytest.raises(ValueError, match=r"correct_fraction must be >= 0 and <= 1, got 1.5"):
         supervised_warm_start(model, tok, rows, steps=1, correct_fraction=1.5)
+    with pytest.raises(ValueError, match=r"supervised_warm_start: lr must be > 0, got -0.001"):
+        supervised_warm_start(model, tok, rows, steps=1, lr=-1e-3)  # would train the wrong way
     tok.chat_template = None
     with pytest.raises(ValueError, match="warm start tokenizer has no chat template"):
         supervised_warm_start(model, tok, rows, steps=1)
