@@ -279,7 +279,7 @@ class TokenPPOLoss(ClipPPOLoss):
             if self._asymmetric_clip
             else (self.clip_epsilon,) * 2
         )
-        loss, ratio, clipped = F.clipped_surrogate(
+        loss, _, clipped = F.clipped_surrogate(
             log_prob,
             old,
             adv,
