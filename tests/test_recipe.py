@@ -175,7 +175,9 @@ def test_malformed_dataset_rows_fail_or_are_skipped_and_counted(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     recipe = recipe_module()
-    with pytest.raises(ValueError, match=r"row 3: field 'reward_model.ground_truth' is missing"):
+    with pytest.raises(
+        ValueError, match=r"bad.jsonl: line 4: field 'reward_model.ground_truth' is missing"
+    ):
         recipe.build_datasets(load(["data=dapo_math", f"data.path={path}", "data.holdout=4"]).data)
     cfg = load(["data=dapo_math", f"data.path={path}", "data.holdout=4", "data.skip_invalid=true"])
     train, held_out = recipe.build_datasets(cfg.data)
