@@ -22,6 +22,7 @@ from torch import nn
 
 from ar_torchrl.checks import check_ppo_update_args
 from ar_torchrl.data.micro_batch import MicroBatchPlan
+from ar_torchrl.distributed.plan import ShardedPlan
 
 __all__ = ["ppo_update", "total_loss"]
 
@@ -56,7 +57,7 @@ def _mask_count(td: TensorDictBase, mask_key: NestedKey) -> float:
 def _minibatch_step(
     loss_fn: Callable,
     optimizer: torch.optim.Optimizer,
-    micro: list[TensorDictBase],
+    micro: list[tuple[TensorDictBase, bool]],
     *,
     normalizer: Callable[[list[TensorDictBase]], object],
     params: list[nn.Parameter],
@@ -64,25 +65,42 @@ def _minibatch_step(
     grad_clip: float | None,
     loss_keys: Sequence[str] | None,
     mask_key: NestedKey,
+    sharded: ShardedPlan | None = None,
 ) -> tuple[dict[str, float], bool]:
-    """Accumulate gradients over ``micro``; step unless the loss or grad norm is not finite."""
+    """Accumulate gradients over ``micro`` (``(td, is_padding)`` pairs); step unless not finite.
+
+    Data-parallel (``sharded``): the normaliser and metric weights are summed over ranks, and a
+    non-finite loss does not return early (every rank must run the same backward passes): the ranks
+    agree on skipping the step after the last one.
+    """
     optimizer.zero_grad(set_to_none=True)
-    norm = normalizer(micro)
+    real = [mb for mb, pad in micro if not pad]
+    counts = [0.0 if pad else _mask_count(mb, mask_key) for mb, pad in micro]
+    norm, weights = normalizer(real), sum(counts)
+    if sharded is not None:
+        total = sharded.reduce({"norm": float(norm), "weights": weights})
+        norm, weights = total["norm"], total["weights"]
+    weights = weights or 1.0
     sums: dict[str, float] = {}
-    weights = sum(_mask_count(mb, mask_key) for mb in micro) or 1.0
-    for mb in micro:
+    finite = True
+    for (mb, pad), count in zip(micro, counts):
         out = loss_fn(mb, normalizer=norm)
         loss = total_loss(out, loss_keys)
+        if pad:  # a padding pass: FSDP's collectives run, the gradient gets exactly nothing
+            loss = loss * 0.0
         if not torch.isfinite(loss):
-            optimizer.zero_grad(set_to_none=True)
-            return {}, False
+            finite = False
+            if sharded is None:
+                optimizer.zero_grad(set_to_none=True)
+                return {}, False
         loss.backward()
-        w = _mask_count(mb, mask_key) / weights
-        for key, value in out.items():
-            if isinstance(key, str) and value.numel() == 1:
-                # loss_* are already normalised by the whole mini-batch: sum them; average metrics.
-                scale = 1.0 if key.startswith("loss_") else w
-                sums[key] = sums.get(key, 0.0) + scale * float(value.detach())
+        _accumulate(sums, out, count / weights, padding=pad)
+    if sharded is not None:
+        sums = sharded.reduce({**sums, "_nonfinite": float(not finite)})
+        finite = sums.pop("_nonfinite") == 0.0
+    if not finite:
+        optimizer.zero_grad(set_to_none=True)
+        return {}, False
     if trainable is not None:
         for p in params:
             if id(p) not in trainable:
@@ -96,11 +114,22 @@ def _minibatch_step(
     return sums, True
 
 
+def _accumulate(sums: dict[str, float], out: TensorDictBase, weight: float, padding: bool) -> None:
+    """Add a micro-batch's scalars: ``loss_*`` are already normalised by the whole mini-batch (sum
+    them), other metrics are averaged with ``weight``; padding passes and empty masks add 0."""
+    for key, value in out.items():
+        if isinstance(key, str) and value.numel() == 1:
+            scale = 1.0 if key.startswith("loss_") else weight
+            add = 0.0 if padding or scale == 0.0 else scale * float(value.detach())
+            sums[key] = sums.get(key, 0.0) + add
+
+
 def _grad_norm(params: list[nn.Parameter], grad_clip: float | None) -> float:
     with_grad = [p for p in params if p.grad is not None]
     if not with_grad:
         return 0.0
     max_norm = grad_clip if grad_clip is not None else float("inf")
+    # FSDP2 parameters are DTensors: the norm is global (a replicated DTensor) on every rank.
     return float(torch.nn.utils.clip_grad_norm_(with_grad, max_norm))
 
 
@@ -108,7 +137,7 @@ def ppo_update(
     loss_fn: Callable,
     optimizer: torch.optim.Optimizer,
     td: TensorDictBase,
-    plan: MicroBatchPlan,
+    plan: MicroBatchPlan | ShardedPlan,
     *,
     epochs: int = 1,
     num_minibatches: int = 1,
@@ -126,7 +155,9 @@ def ppo_update(
             ``loss_*`` terms and scalar metrics (e.g. :class:`~ar_torchrl.objectives.TokenPPOLoss`).
         optimizer: steps once per mini-batch.
         td: the ``[B, L]`` rollout batch carrying anchors and advantages.
-        plan: the micro-batch plan the anchors were computed with.
+        plan: the micro-batch plan the anchors were computed with, or this rank's
+            :class:`~ar_torchrl.distributed.ShardedPlan` (data-parallel training: each rank trains
+            on the micro-batches it owns, normalisers and metrics are summed over ranks).
         epochs: passes over the data (PPO epochs).
         num_minibatches: optimizer steps per epoch (:meth:`MicroBatchPlan.minibatches`: the
             micro-batches are shuffled, then dealt into groups).
@@ -170,6 +201,7 @@ def ppo_update(
             f"ppo_update: plan was made for batch size {plan.batch_size}, got {tuple(td.batch_size)}"
         )
     normalizer = normalizer or _default_normalizer(loss_fn)
+    sharded = plan if isinstance(plan, ShardedPlan) else None
     params = [p for g in optimizer.param_groups for p in g["params"]]
     keep = None if trainable is None else {id(p) for p in trainable}
     totals: dict[str, float] = {}
@@ -177,9 +209,9 @@ def ppo_update(
     for _ in range(epochs):
         for group in plan.minibatches(num_minibatches, generator):
             metrics, ok = _minibatch_step(
-                loss_fn, optimizer, [plan.crop(td, mb) for mb in group], normalizer=normalizer,
-                params=params, trainable=keep, grad_clip=grad_clip, loss_keys=loss_keys,
-                mask_key=mask_key,
+                loss_fn, optimizer, [(plan.crop(td, mb), mb.padding) for mb in group],
+                normalizer=normalizer, params=params, trainable=keep, grad_clip=grad_clip,
+                loss_keys=loss_keys, mask_key=mask_key, sharded=sharded,
             )  # fmt: skip
             steps, skipped = steps + ok, skipped + (not ok)
             for key, value in metrics.items():

@@ -21,11 +21,18 @@ __all__ = ["MicroBatch", "MicroBatchPlan", "plan_micro_batches"]
 
 @dataclass(frozen=True, order=True)
 class MicroBatch:
-    """Rows of the batch and the column span ``[start, end)`` they are cropped to."""
+    """Rows of the batch and the column span ``[start, end)`` they are cropped to.
+
+    ``padding=True`` marks a padding pass of data-parallel training
+    (:func:`ar_torchrl.distributed.shard_plan`): a rank with fewer micro-batches than the others
+    still runs a forward (and backward) so that every rank makes the same collective calls, but the
+    pass contributes no gradient, no metric and no anchor (:meth:`MicroBatchPlan.scatter` skips it).
+    """
 
     rows: tuple[int, ...]
     start: int
     end: int
+    padding: bool = False
 
     @property
     def width(self) -> int:
@@ -97,7 +104,12 @@ class MicroBatchPlan:
         ]
 
     def scatter(self, full: torch.Tensor, mb: MicroBatch, values: torch.Tensor) -> None:
-        """Write a micro-batch result ``values`` ``[b, w, ...]`` into ``full`` ``[B, L, ...]``."""
+        """Write a micro-batch result ``values`` ``[b, w, ...]`` into ``full`` ``[B, L, ...]``.
+
+        A padding micro-batch (``mb.padding``) writes nothing.
+        """
+        if mb.padding:
+            return
         rows = torch.tensor(mb.rows, dtype=torch.long, device=full.device)
         full[rows, mb.start : mb.end] = values.to(full.dtype)
 

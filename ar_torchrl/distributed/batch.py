@@ -1,0 +1,75 @@
+"""One controller: rank 0's rollout batch reaches every rank; anchors are computed per rank, shared.
+
+Rank 0 owns the collector (rollouts and rewards). :func:`broadcast_batch` sends its ``[B, L]``
+TensorDict to every rank (tensordict's consolidated broadcast: one metadata message and one storage
+buffer). Each rank then computes the PPO anchors of the micro-batches it owns
+(:func:`recompute_sharded_anchors`) and the ranks sum them, so every rank holds the anchors of the
+whole batch (needed by whole-batch statistics such as advantage whitening) while each rank's own
+rows carry exactly the numbers its own forward produced (ratio exactly 1 on the first update).
+"""
+
+from __future__ import annotations
+
+from tensordict import TensorDict, TensorDictBase
+from tensordict.utils import NestedKey
+
+from ar_torchrl.distributed.context import DistContext
+from ar_torchrl.distributed.fsdp import reshard
+from ar_torchrl.distributed.plan import ShardedPlan
+from ar_torchrl.modules import LMActorCritic
+from ar_torchrl.objectives.anchors import recompute_anchors
+
+__all__ = ["broadcast_batch", "recompute_sharded_anchors"]
+
+
+def broadcast_batch(td: TensorDictBase | None, ctx: DistContext, src: int = 0) -> TensorDictBase:
+    """Rank ``src``'s ``td`` on every rank, on ``ctx.device`` (other ranks pass ``None``).
+
+    Without a process group (or at world size 1) ``td`` is returned moved to ``ctx.device``.
+
+    Example:
+        >>> import torch
+        >>> td = TensorDict({"tokens": torch.ones(2, 3, dtype=torch.long)}, [2, 3])
+        >>> broadcast_batch(td, DistContext())["tokens"].shape
+        torch.Size([2, 3])
+    """
+    if ctx.rank == src and td is None:
+        raise ValueError(f"broadcast_batch: rank {src} (the source) must pass the batch, got None")
+    if not ctx.is_distributed or ctx.world_size == 1:
+        return td.to(ctx.device)
+    if ctx.rank == src:
+        out = td.to(ctx.device).broadcast(src, device=ctx.device)
+    else:
+        out = TensorDict().broadcast(src, device=ctx.device)
+    return out.unlock_()  # consolidated TensorDicts come locked; the anchors are added to it
+
+
+def recompute_sharded_anchors(
+    actor_critic: LMActorCritic,
+    td: TensorDictBase,
+    sharded: ShardedPlan,
+    *,
+    ref_actor: LMActorCritic | None = None,
+    log_prob_key: NestedKey = "sample_log_prob",
+    value_key: NestedKey = "state_value",
+    next_value_key: NestedKey = ("next", "state_value"),
+    ref_log_prob_key: NestedKey = "ref_log_prob",
+) -> TensorDictBase:
+    """:func:`~ar_torchrl.objectives.recompute_anchors` over this rank's micro-batches, then summed.
+
+    Every rank runs the same number of forwards (its micro-batches plus padding passes, which FSDP's
+    all-gathers need); each writes the anchors of its own rows and zeros elsewhere; the sum over ranks
+    is exact (``x + 0 = x``). Arguments are those of ``recompute_anchors``; returns ``td``.
+    """
+    recompute_anchors(actor_critic, td, sharded.local_plan, ref_actor=ref_actor,
+                      log_prob_key=log_prob_key, value_key=value_key,
+                      next_value_key=next_value_key, ref_log_prob_key=ref_log_prob_key)  # fmt: skip
+    keys = [log_prob_key, value_key, next_value_key]
+    if ref_actor is not None:
+        keys.append(ref_log_prob_key)
+    for key in keys:
+        sharded.all_reduce_(td.get(key))
+    for module in (actor_critic, ref_actor):  # FSDP2 keeps the root gathered after a forward
+        if module is not None:  # without backward: free it (and re-expose the fp32 shards)
+            reshard(module)
+    return td

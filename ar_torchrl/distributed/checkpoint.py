@@ -1,0 +1,357 @@
+"""Distributed checkpoints: ``torch.distributed.checkpoint`` shards, atomic, never unpickling code.
+
+Layout of ``<dir>/step_<N>/``: DCP's ``.metadata`` and ``__<rank>_*.distcp`` files (the sharded model
+and optimizer tensors, each rank writing its own shards), ``rng/rank_<r>.json`` (each rank's Python,
+NumPy, torch and CUDA RNG states) and ``meta.json`` (step, world size, optimizer hyper-parameters,
+the caller's ``extra`` such as the collector state, and the size of every file).
+
+Atomic: all ranks write into ``.step_<N>.tmp``; rank 0 writes ``meta.json`` last and renames the
+directory (one ``os.rename``), so a crash mid-save leaves the previous checkpoint as the newest one.
+:func:`latest_distributed_checkpoint` checks every file against ``meta.json`` and skips (and names,
+in a warning) a damaged or truncated checkpoint. Loading executes no code from the files: tensors
+are read with ``torch.load(weights_only=True)`` by DCP, ``.metadata`` is unpickled through an
+allowlist of DCP's own metadata classes, everything else is JSON.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import pickle
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from ar_torchrl.distributed.context import DistContext
+from ar_torchrl.distributed.fsdp import reshard
+
+__all__ = [
+    "latest_distributed_checkpoint",
+    "load_distributed_checkpoint",
+    "save_distributed_checkpoint",
+    "verify_checkpoint",
+]
+
+logger = logging.getLogger(__name__)
+_NAME = re.compile(r"^step_(\d+)$")
+_META = "meta.json"
+_FORMAT = 1
+
+
+# --------------------------------------------------------------------------- code-free formats
+def _encode(obj: Any) -> Any:
+    """JSON-ready copy of ``obj`` (dicts with str keys, lists, numbers, strings, CPU tensors)."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu()
+        return {"__tensor__": t.flatten().tolist(), "dtype": str(t.dtype).removeprefix("torch."),
+                "shape": list(t.shape)}  # fmt: skip
+    if isinstance(obj, dict):
+        if not all(isinstance(k, str) for k in obj):
+            raise TypeError(f"checkpoint extra: dict keys must be str, got {list(obj)[:4]}")
+        return {k: _encode(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_encode(v) for v in obj]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(
+        f"checkpoint extra: cannot store a {type(obj).__name__} without pickling; use dicts, "
+        "lists, numbers, strings and tensors"
+    )
+
+
+def _decode(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            dtype = getattr(torch, obj["dtype"])
+            return torch.tensor(obj["__tensor__"], dtype=dtype).reshape(obj["shape"])
+        return {k: _decode(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_decode(v) for v in obj]
+    return obj
+
+
+def _rng_state() -> dict[str, Any]:
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": [version, list(internal), gauss],
+             "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+             "torch": torch.get_rng_state()}  # fmt: skip
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return _encode(state)
+
+
+def _restore_rng(state: dict[str, Any]) -> None:
+    state = _decode(state)
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# --------------------------------------------------------------------------- safe DCP reading
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` allowing only DCP's metadata classes and plain torch values."""
+
+    MODULES = ("torch.distributed.checkpoint.metadata",)
+    NAMES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+             ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+             ("pathlib", "PurePosixPath"), ("collections", "OrderedDict")}  # fmt: skip
+
+    def find_class(self, module: str, name: str):
+        if module in self.MODULES or (module, name) in self.NAMES:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(
+            f"checkpoint .metadata refers to {module}.{name}, which is not a DCP metadata class; "
+            "refusing to load it (it could run code)"
+        )
+
+
+class _SafeReader(FileSystemReader):
+    """DCP's file reader, except that ``.metadata`` goes through :class:`_MetadataUnpickler`
+    (``FileSystemReader.read_metadata`` uses a plain ``pickle.load``)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        with open(Path(str(self.path)) / ".metadata", "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is not None:
+            metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _TensorsOnlyPlanner(DefaultLoadPlanner):
+    """DCP's planner, refusing pickled (non-tensor) items: ``DefaultLoadPlanner.load_bytes``
+    uses ``torch.load(weights_only=False)``. Our checkpoints store only tensors in DCP."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        raise ValueError(
+            f"checkpoint item {read_item.dest_index.fqn!r} is a pickled object, not a tensor; "
+            "refusing to unpickle it"
+        )
+
+
+# --------------------------------------------------------------------------- save / verify / load
+def _tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer | None):
+    reshard(model)
+    if optimizer is None:
+        return {"model": get_state_dict(model, [])[0]}, None
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd["state"]}, optim_sd["param_groups"]
+
+
+def _file_sizes(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_size
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != _META}  # fmt: skip
+
+
+def save_distributed_checkpoint(
+    directory: str | os.PathLike,
+    *,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    ctx: DistContext,
+    extra: dict[str, Any] | None = None,
+    keep_last: int | None = None,
+) -> Path:
+    """Every rank: write ``directory/step_<step>`` atomically and return its path.
+
+    Args:
+        directory: checkpoint directory, shared by all ranks (created if missing).
+        step: completed training iterations.
+        model: the (FSDP-sharded) module, e.g. the :class:`LMActorCritic` root.
+        optimizer: its optimizer (states sharded like the parameters).
+        ctx: this process's :class:`DistContext`.
+        extra: what the run needs to continue (collector state, generator states...): dicts with
+            str keys, lists, numbers, strings, CPU tensors (stored as JSON, no pickle).
+        keep_last: delete older ``step_*`` directories beyond the newest ``keep_last``.
+    """
+    directory = Path(directory)
+    final, tmp = directory / f"step_{int(step)}", directory / f".step_{int(step)}.tmp"
+    if ctx.is_main:
+        directory.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt
+        tmp.mkdir()
+    ctx.barrier()
+    state, groups = _tensor_state(model, optimizer)
+    dcp.save(state, storage_writer=FileSystemWriter(tmp))
+    _write_json(tmp / "rng" / f"rank_{ctx.rank}.json", _rng_state())
+    ctx.barrier()
+    if ctx.is_main:
+        meta = {"format": _FORMAT, "step": int(step), "world_size": ctx.world_size,
+                "param_groups": _encode(groups), "extra": _encode(extra or {}),
+                "files": _file_sizes(tmp)}  # fmt: skip
+        _write_json(tmp / _META, meta)  # last: its presence marks a complete checkpoint
+        _replace_dir(tmp, final)
+        if keep_last is not None:
+            for old in _checkpoints(directory)[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+        logger.info("saved distributed checkpoint %s", final)
+    ctx.barrier()
+    return final
+
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    old = final.with_name(f".{final.name}.old")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    fd = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _checkpoints(directory: Path) -> list[Path]:
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def verify_checkpoint(path: str | os.PathLike) -> str | None:
+    """What is wrong with the checkpoint at ``path`` (``None``: complete and intact).
+
+    Checks that ``meta.json`` exists and parses, and that every file it lists has its size.
+
+    Example:
+        >>> import tempfile
+        >>> verify_checkpoint(tempfile.mkdtemp())
+        'meta.json is missing (an interrupted save?)'
+    """
+    path = Path(path)
+    try:
+        meta = json.loads((path / _META).read_text())
+    except FileNotFoundError:
+        return f"{_META} is missing (an interrupted save?)"
+    except (OSError, ValueError) as err:
+        return f"{_META} is unreadable: {err}"
+    if meta.get("format") != _FORMAT:
+        return f"{_META} has format {meta.get('format')!r}, expected {_FORMAT}"
+    for name, size in meta["files"].items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != size:
+            return f"{name} has {file.stat().st_size} bytes, expected {size} (truncated?)"
+    return None
+
+
+def latest_distributed_checkpoint(
+    directory: str | os.PathLike, ctx: DistContext | None = None
+) -> Path | None:
+    """The newest intact ``step_*`` checkpoint in ``directory`` (``None``: there is none).
+
+    Damaged ones are skipped with a warning naming them and the problem. With a distributed
+    ``ctx``, rank 0 decides and every rank gets its answer.
+    """
+    choice = None
+    if ctx is None or ctx.is_main:
+        for path in reversed(_checkpoints(Path(directory))):
+            problem = verify_checkpoint(path)
+            if problem is None:
+                choice = str(path)
+                break
+            logger.warning("checkpoint %s is unusable (%s); trying the previous one", path, problem)
+    if ctx is not None:
+        choice = ctx.broadcast_object(choice)
+    return None if choice is None else Path(choice)
+
+
+def load_distributed_checkpoint(
+    path: str | os.PathLike,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    ctx: DistContext,
+    restore_rng: bool = True,
+) -> dict[str, Any]:
+    """Every rank: load model and optimizer shards, this rank's RNG states; return step and extra.
+
+    The world size may differ from the saving run's (DCP reshards); RNG states are then not
+    restored (a warning says so) and runs are not bit-identical to an uninterrupted one.
+
+    Returns:
+        ``{"step": int, "extra": dict, "path": Path}``.
+
+    Raises:
+        ValueError: the checkpoint is incomplete or damaged (naming the problem).
+    """
+    path = Path(path)
+    problem = verify_checkpoint(path)
+    if problem is not None:
+        raise ValueError(f"load_distributed_checkpoint: {path} is unusable: {problem}")
+    meta = json.loads((path / _META).read_text())
+    state, groups = _tensor_state(model, optimizer)
+    reader = _SafeReader(path)
+    stored = reader.read_metadata().state_dict_metadata
+    missing = sorted(k for k in state["model"] if f"model.{k}" not in stored)
+    if missing:
+        raise ValueError(f"load_distributed_checkpoint: {path} has no {missing[:6]} "
+                         f"({len(missing)} model tensors missing; another model config?)")  # fmt: skip
+    # Optimizer states may be partial: parameters that never had a gradient (critic warm-up,
+    # critic_coeff=0) have none saved; their state is dropped again after loading (see below).
+    dcp.load(state, storage_reader=reader, planner=_TensorsOnlyPlanner(allow_partial_load=True))
+    optim_sd = None
+    if optimizer is not None:
+        optim_sd = {"state": state["optim"], "param_groups": _param_groups(meta, groups)}
+    set_state_dict(model, optimizer if optimizer is not None else [],
+                   model_state_dict=state["model"], optim_state_dict=optim_sd or {})  # fmt: skip
+    if optimizer is not None:
+        _drop_unsaved_states(model, optimizer, state["optim"], stored)
+    rng_file = path / "rng" / f"rank_{ctx.rank}.json"
+    if restore_rng and meta["world_size"] == ctx.world_size:
+        _restore_rng(json.loads(rng_file.read_text()))
+    elif restore_rng:
+        logger.warning("checkpoint %s was saved by %d ranks, this run has %d: RNG states are not "
+                       "restored", path, meta["world_size"], ctx.world_size)  # fmt: skip
+    logger.info("loaded distributed checkpoint %s (step %d)", path, meta["step"])
+    return {"step": meta["step"], "extra": _decode(meta["extra"]), "path": path}
+
+
+def _drop_unsaved_states(model: nn.Module, optimizer, optim_state: dict, stored) -> None:
+    """Forget the optimizer state of parameters the checkpoint has none for (DCP's state-dict
+    helpers initialise every state with a zero-learning-rate step, which counts as one AdamW step)."""
+    params = dict(model.named_parameters())
+    for fqn, entry in optim_state.items():
+        if not any(f"optim.{fqn}.{key}" in stored for key in entry):
+            optimizer.state.pop(params[fqn], None)
+
+
+def _param_groups(meta: dict, current: list[dict]) -> list[dict]:
+    """Saved hyper-parameters (tuples restored where the current group has tuples)."""
+    saved = _decode(meta["param_groups"])
+    if len(saved) != len(current):
+        raise ValueError(
+            f"load_distributed_checkpoint: the checkpoint has {len(saved)} optimizer param groups, "
+            f"the optimizer has {len(current)} (another optimizer config?)"
+        )
+    return [{k: tuple(v) if isinstance(cur.get(k), tuple) else v for k, v in s.items()}
+            for s, cur in zip(saved, current)]  # fmt: skip
