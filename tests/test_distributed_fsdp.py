@@ -10,6 +10,7 @@ import pytest
 import torch
 from dist_workers import Recorder, actor_critic, batch, ppo_loss, prepare
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ar_torchrl.assets import build_tiny_qwen3, save_tiny_model
 from ar_torchrl.data import plan_micro_batches
@@ -24,8 +25,8 @@ from ar_torchrl.distributed import (
     load_pretrained_weights,
     parameters_on_meta,
     push_weights,
-    reshard,
     shard_actor_critic,
+    shard_plan,
 )
 from ar_torchrl.training import ppo_update
 
@@ -39,6 +40,21 @@ def _grads(ac, td, plan):
         out = loss(sub)
         (out["loss_objective"] + out["loss_critic"]).backward()
     return {n: p.grad.clone() for n, p in ac.named_parameters() if p.grad is not None}
+
+
+class RecordRatios:
+    """Wraps a loss: records ``(ratio_min, ratio_max)`` of every call."""
+
+    def __init__(self, loss):
+        self.loss, self.ratios = loss, []
+
+    def global_normalizer(self, tds):
+        return self.loss.global_normalizer(tds)
+
+    def __call__(self, td, normalizer=None):
+        out = self.loss(td, normalizer=normalizer)
+        self.ratios.append((out["ratio_min"].item(), out["ratio_max"].item()))
+        return out
 
 
 def test_activation_checkpointing_recomputes_layers_with_the_same_gradients():
@@ -85,13 +101,19 @@ def test_world_size_1_bf16_first_update_ratio_is_one_and_masters_stay_fp32():
         ac = shard_actor_critic(actor_critic(seed=2), ctx, compute_dtype="bfloat16",
                                 activation_checkpointing=True)  # fmt: skip
         td = batch()
+        with torch.no_grad():  # torch behaviour the anchor pass works around (pinned here)
+            ac(td[:2].select("tokens", "attention_mask"))
+        assert not all(isinstance(p, DTensor) for p in ac.parameters())
         plan = plan_micro_batches(td, 20)
-        td = prepare(ac, td, plan)
-        reshard(ac)
+        td = prepare(ac, td, plan, shard_plan(plan, td, rank=0, world_size=1))
+        # the anchor pass resharded FSDP2's root: the optimizer gets the fp32 shards, not the
+        # gathered bf16 parameters a forward without backward leaves registered
+        assert all(isinstance(p, DTensor) for p in ac.parameters())
         opt = torch.optim.AdamW(ac.parameters(), lr=1e-6, weight_decay=0.0)
-        out = ppo_update(ppo_loss(ac), opt, td, plan)
+        loss = RecordRatios(ppo_loss(ac))
+        ppo_update(loss, opt, td, plan)  # one mini-batch: every forward at unchanged weights
         masters = {p.dtype for p in ac.parameters()}
-    assert out["train/ratio_min"] == out["train/ratio_max"] == 1.0  # one mini-batch, unchanged
+    assert len(loss.ratios) == len(plan) and set(loss.ratios) == {(1.0, 1.0)}
     assert masters == {torch.float32}
     assert td["sample_log_prob"].dtype == td["state_value"].dtype == torch.float32
 

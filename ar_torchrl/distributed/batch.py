@@ -11,13 +11,13 @@ rows carry exactly the numbers its own forward produced (ratio exactly 1 on the 
 from __future__ import annotations
 
 from tensordict import TensorDict, TensorDictBase
-from tensordict.utils import NestedKey
+from torchrl.objectives import ClipPPOLoss
 
 from ar_torchrl.distributed.context import DistContext
 from ar_torchrl.distributed.fsdp import reshard
 from ar_torchrl.distributed.plan import ShardedPlan
 from ar_torchrl.modules import LMActorCritic
-from ar_torchrl.objectives.anchors import recompute_anchors
+from ar_torchrl.objectives.anchors import _anchor_keys, recompute_anchors
 
 __all__ = ["broadcast_batch", "recompute_sharded_anchors"]
 
@@ -50,26 +50,20 @@ def recompute_sharded_anchors(
     sharded: ShardedPlan,
     *,
     ref_actor: LMActorCritic | None = None,
-    log_prob_key: NestedKey = "sample_log_prob",
-    value_key: NestedKey = "state_value",
-    next_value_key: NestedKey = ("next", "state_value"),
-    ref_log_prob_key: NestedKey = "ref_log_prob",
+    loss: ClipPPOLoss | None = None,
 ) -> TensorDictBase:
     """:func:`~ar_torchrl.objectives.recompute_anchors` over this rank's micro-batches, then summed.
 
     Every rank runs the same number of forwards (its micro-batches plus padding passes, which FSDP's
     all-gathers need); each writes the anchors of its own rows and zeros elsewhere; the sum over ranks
-    is exact (``x + 0 = x``). Arguments are those of ``recompute_anchors``; returns ``td``.
+    is exact (``x + 0 = x``). Arguments and keys are those of ``recompute_anchors``; returns ``td``.
+    Afterwards the FSDP roots are resharded (FSDP2 keeps a root gathered after a forward without
+    backward, which would also hide the fp32 shards from an optimizer built now).
     """
-    recompute_anchors(actor_critic, td, sharded.local_plan, ref_actor=ref_actor,
-                      log_prob_key=log_prob_key, value_key=value_key,
-                      next_value_key=next_value_key, ref_log_prob_key=ref_log_prob_key)  # fmt: skip
-    keys = [log_prob_key, value_key, next_value_key]
-    if ref_actor is not None:
-        keys.append(ref_log_prob_key)
-    for key in keys:
+    recompute_anchors(actor_critic, td, sharded.local_plan, ref_actor=ref_actor, loss=loss)
+    for key in _anchor_keys(actor_critic, ref_actor, loss):
         sharded.all_reduce_(td.get(key))
-    for module in (actor_critic, ref_actor):  # FSDP2 keeps the root gathered after a forward
-        if module is not None:  # without backward: free it (and re-expose the fp32 shards)
+    for module in (actor_critic, ref_actor):
+        if module is not None:
             reshard(module)
     return td

@@ -140,8 +140,10 @@ def shard_actor_critic(
                                   cast_forward_inputs=False)  # fmt: skip
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-    fully_shard(model.value_head, mesh=mesh, mp_policy=fp32)
+    head = getattr(model, "value_head", None)
+    if isinstance(head, nn.Module):  # its own unit: the critic computes in fp32
+        fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        fully_shard(head, mesh=mesh, mp_policy=fp32)
     fully_shard(actor_critic, mesh=mesh, mp_policy=policy)
     for module in actor_critic.modules():
         if isinstance(module, FSDPModule):

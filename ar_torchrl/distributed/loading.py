@@ -164,6 +164,8 @@ def _materialize(root: nn.Module, device: torch.device) -> None:
 
 
 def _load_value_head(model: nn.Module, path: Path) -> str:
+    if not isinstance(getattr(model, "value_head", None), nn.Module):
+        return "none"
     head = dict(model.value_head.named_parameters())
     file = path / VALUE_HEAD_FILE
     if not file.is_file():
@@ -194,7 +196,7 @@ def load_pretrained_weights(
 
     Returns:
         ``{"tensors": number loaded, "unexpected": checkpoint keys the model lacks,
-        "value_head": "zero" or the head file}``.
+        "value_head": "zero", the head file, or "none" (a model without a value head)}``.
 
     Raises:
         KeyError: a model parameter (other than the value head) is in no checkpoint file.
