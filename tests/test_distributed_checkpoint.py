@@ -20,6 +20,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 import ar_torchrl.distributed.checkpoint as ckpt
 from ar_torchrl.assets import build_tiny_qwen3
 from ar_torchrl.distributed import DistContext
+from ar_torchrl.distributed._safe_io import TensorsOnlyPlanner
 from ar_torchrl.modules import attach_value_head
 
 torch.set_num_threads(1)
@@ -124,7 +125,7 @@ def test_pickled_checkpoint_items_are_refused():
     """DCP's DefaultLoadPlanner.load_bytes would torch.load(weights_only=False) them."""
     item = type("Item", (), {"dest_index": type("Index", (), {"fqn": "optim.lr"})()})()
     with pytest.raises(ValueError, match=r"'optim.lr' is a pickled object, not a tensor"):
-        ckpt._TensorsOnlyPlanner().load_bytes(item, io.BytesIO(b"anything"))
+        TensorsOnlyPlanner().load_bytes(item, io.BytesIO(b"anything"))
 
 
 def test_bad_extra_and_other_model_fail_clearly(tmp_path):

@@ -15,24 +15,29 @@ allowlist of DCP's own metadata classes, everything else is JSON.
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
-import pickle
-import random
 import re
 import shutil
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from ar_torchrl.distributed._safe_io import (
+    SafeReader,
+    TensorsOnlyPlanner,
+    decode,
+    encode,
+    rng_state,
+    write_json,
+)
+from ar_torchrl.distributed._safe_io import restore_rng as _restore_rng_state
 from ar_torchrl.distributed.context import DistContext
 from ar_torchrl.distributed.fsdp import reshard
 
@@ -47,111 +52,6 @@ logger = logging.getLogger(__name__)
 _NAME = re.compile(r"^step_(\d+)$")
 _META = "meta.json"
 _FORMAT = 1
-
-
-# --------------------------------------------------------------------------- code-free formats
-def _encode(obj: Any) -> Any:
-    """JSON-ready copy of ``obj`` (dicts with str keys, lists, numbers, strings, CPU tensors)."""
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach().cpu()
-        return {"__tensor__": t.flatten().tolist(), "dtype": str(t.dtype).removeprefix("torch."),
-                "shape": list(t.shape)}  # fmt: skip
-    if isinstance(obj, dict):
-        if not all(isinstance(k, str) for k in obj):
-            raise TypeError(f"checkpoint extra: dict keys must be str, got {list(obj)[:4]}")
-        return {k: _encode(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_encode(v) for v in obj]
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    raise TypeError(
-        f"checkpoint extra: cannot store a {type(obj).__name__} without pickling; use dicts, "
-        "lists, numbers, strings and tensors"
-    )
-
-
-def _decode(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        if "__tensor__" in obj:
-            dtype = getattr(torch, obj["dtype"])
-            return torch.tensor(obj["__tensor__"], dtype=dtype).reshape(obj["shape"])
-        return {k: _decode(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_decode(v) for v in obj]
-    return obj
-
-
-def _rng_state() -> dict[str, Any]:
-    version, internal, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": [version, list(internal), gauss],
-             "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
-             "torch": torch.get_rng_state()}  # fmt: skip
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return _encode(state)
-
-
-def _restore_rng(state: dict[str, Any]) -> None:
-    state = _decode(state)
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-# --------------------------------------------------------------------------- safe DCP reading
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's ``.metadata`` allowing only DCP's metadata classes and plain torch values."""
-
-    MODULES = ("torch.distributed.checkpoint.metadata",)
-    NAMES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-             ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-             ("pathlib", "PurePosixPath"), ("collections", "OrderedDict")}  # fmt: skip
-
-    def find_class(self, module: str, name: str):
-        if module in self.MODULES or (module, name) in self.NAMES:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(
-            f"checkpoint .metadata refers to {module}.{name}, which is not a DCP metadata class; "
-            "refusing to load it (it could run code)"
-        )
-
-
-class _SafeReader(FileSystemReader):
-    """DCP's file reader, except that ``.metadata`` goes through :class:`_MetadataUnpickler`
-    (``FileSystemReader.read_metadata`` uses a plain ``pickle.load``)."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any):
-        with open(Path(str(self.path)) / ".metadata", "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        if getattr(metadata, "storage_meta", None) is not None:
-            metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class _TensorsOnlyPlanner(DefaultLoadPlanner):
-    """DCP's planner, refusing pickled (non-tensor) items: ``DefaultLoadPlanner.load_bytes``
-    uses ``torch.load(weights_only=False)``. Our checkpoints store only tensors in DCP."""
-
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        raise ValueError(
-            f"checkpoint item {read_item.dest_index.fqn!r} is a pickled object, not a tensor; "
-            "refusing to unpickle it"
-        )
 
 
 # --------------------------------------------------------------------------- save / verify / load
@@ -199,13 +99,13 @@ def save_distributed_checkpoint(
     ctx.barrier()
     state, groups = _tensor_state(model, optimizer)
     dcp.save(state, storage_writer=FileSystemWriter(tmp))
-    _write_json(tmp / "rng" / f"rank_{ctx.rank}.json", _rng_state())
+    write_json(tmp / "rng" / f"rank_{ctx.rank}.json", rng_state())
     ctx.barrier()
     if ctx.is_main:
         meta = {"format": _FORMAT, "step": int(step), "world_size": ctx.world_size,
-                "param_groups": _encode(groups), "extra": _encode(extra or {}),
+                "param_groups": encode(groups), "extra": encode(extra or {}),
                 "files": _file_sizes(tmp)}  # fmt: skip
-        _write_json(tmp / _META, meta)  # last: its presence marks a complete checkpoint
+        write_json(tmp / _META, meta)  # last: its presence marks a complete checkpoint
         _replace_dir(tmp, final)
         if keep_last is not None:
             for old in _checkpoints(directory)[:-keep_last]:
@@ -310,7 +210,7 @@ def load_distributed_checkpoint(
         raise ValueError(f"load_distributed_checkpoint: {path} is unusable: {problem}")
     meta = json.loads((path / _META).read_text())
     state, groups = _tensor_state(model, optimizer)
-    reader = _SafeReader(path)
+    reader = SafeReader(path)
     stored = reader.read_metadata().state_dict_metadata
     missing = sorted(k for k in state["model"] if f"model.{k}" not in stored)
     if missing:
@@ -318,7 +218,7 @@ def load_distributed_checkpoint(
                          f"({len(missing)} model tensors missing; another model config?)")  # fmt: skip
     # Optimizer states may be partial: parameters that never had a gradient (critic warm-up,
     # critic_coeff=0) have none saved; their state is dropped again after loading (see below).
-    dcp.load(state, storage_reader=reader, planner=_TensorsOnlyPlanner(allow_partial_load=True))
+    dcp.load(state, storage_reader=reader, planner=TensorsOnlyPlanner(allow_partial_load=True))
     optim_sd = None
     if optimizer is not None:
         optim_sd = {"state": state["optim"], "param_groups": _param_groups(meta, groups)}
@@ -328,12 +228,12 @@ def load_distributed_checkpoint(
         _drop_unsaved_states(model, optimizer, state["optim"], stored)
     rng_file = path / "rng" / f"rank_{ctx.rank}.json"
     if restore_rng and meta["world_size"] == ctx.world_size:
-        _restore_rng(json.loads(rng_file.read_text()))
+        _restore_rng_state(json.loads(rng_file.read_text()))
     elif restore_rng:
         logger.warning("checkpoint %s was saved by %d ranks, this run has %d: RNG states are not "
                        "restored", path, meta["world_size"], ctx.world_size)  # fmt: skip
     logger.info("loaded distributed checkpoint %s (step %d)", path, meta["step"])
-    return {"step": meta["step"], "extra": _decode(meta["extra"]), "path": path}
+    return {"step": meta["step"], "extra": decode(meta["extra"]), "path": path}
 
 
 def _drop_unsaved_states(model: nn.Module, optimizer, optim_state: dict, stored) -> None:
@@ -347,7 +247,7 @@ def _drop_unsaved_states(model: nn.Module, optimizer, optim_state: dict, stored)
 
 def _param_groups(meta: dict, current: list[dict]) -> list[dict]:
     """Saved hyper-parameters (tuples restored where the current group has tuples)."""
-    saved = _decode(meta["param_groups"])
+    saved = decode(meta["param_groups"])
     if len(saved) != len(current):
         raise ValueError(
             f"load_distributed_checkpoint: the checkpoint has {len(saved)} optimizer param groups, "
