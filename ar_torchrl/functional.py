@@ -49,10 +49,6 @@ __all__ = [
 #: (advantage 0: ``inf * 0``) or the gradient (``0 * inf`` through the unselected branch) into NaN.
 LOG_RATIO_CLAMP = 20.0
 
-# Largest |log(c**n)| a chunk may span: c**n and c**-n stay far from under/overflow (and float32
-# denormals) in the compute dtype; longer rows are cut into chunks that carry values right to left.
-_MAX_LOG_RANGE = {torch.float32: 70.0, torch.float64: 600.0}
-
 
 def _check_same_shape(name: str, tensor: Tensor, ref_name: str, ref: Tensor) -> None:
     if tensor.shape != ref.shape:
@@ -161,90 +157,24 @@ def explained_variance(value: Tensor, target: Tensor, mask: Tensor) -> Tensor:
 
 
 # ----------------------------------------------------------------------------- GAE
-def _chunk_size(c: Tensor, length: int, dtype: torch.dtype) -> int:
-    positive = c[c > 0]
-    if positive.numel() == 0:
-        return max(length, 1)
-    log_c = -math.log(float(positive.min()))
-    if log_c == 0.0:
-        return max(length, 1)
-    return max(1, min(length, int(_MAX_LOG_RANGE[dtype] / log_c)))
-
-
-def _masked_discounted_cumsum(delta: Tensor, n: Tensor, c: Tensor) -> Tensor:
-    """``X_t = sum_{k >= t} c**(n_k - n_t) * delta_k`` per row, in chunks, right to left.
-
-    With ``delta`` zero on masked tokens and ``n_t`` the number of trained tokens before ``t``, this
-    is ``X_t = delta_t + c * X_{next trained}`` on trained tokens, masked tokens skipped. Contiguous
-    rows may pass ``n`` as plain positions ``[L]`` (the same differences inside the trained run).
-    Each chunk is short enough for ``c**n`` and ``c**-n`` to stay representable.
-
-    Shapes: delta ``[B, L]``, n ``[B, L]`` or ``[L]`` (delta's dtype), c ``[B, 1]`` in ``(0, 1]``.
-    Returns ``[B, L]`` (pass-through values at masked positions).
-    """
-    batch, length = delta.shape
-    # a batch-wide c keeps the weights 1-D when n is 1-D (contiguous rows): no [B, L] exp
-    log_c = torch.log(c[:1, 0] if bool((c == c[0]).all()) else c)
-    chunk = _chunk_size(c, length, delta.dtype)
-    if chunk >= length:
-        return _discounted_block(delta, n - n[..., :1], log_c, None)
-    out = torch.empty_like(delta)
-    carry = delta.new_zeros(batch, 1)
-    for start in reversed(range(0, length, chunk)):
-        end = min(start + chunk, length)
-        rel = n[..., start:end] - n[..., start : start + 1]
-        span = n[..., end : end + 1] - n[..., start : start + 1] if end < length else None
-        block = _discounted_block(delta[:, start:end], rel, log_c, (span, carry))
-        out[:, start:end] = block
-        carry = block[:, :1]
-    return out
-
-
-def _discounted_block(delta: Tensor, rel: Tensor, log_c: Tensor, carry) -> Tensor:
-    """One chunk: ``c**-rel * revcumsum(c**rel * delta) + c**(span - rel) * carry``."""
-    weight = torch.exp(rel * log_c)  # c ** rel, [L] or [B, L]
-    out = (delta * weight).flip(-1).cumsum(-1).flip(-1).mul_(torch.reciprocal(weight))
-    if carry is not None and carry[0] is not None:
-        span, value = carry
-        out.add_(torch.exp((span - rel) * log_c) * value)
-    return out
-
-
-def _next_trained_value(value: Tensor, mask: Tensor) -> Tensor:
-    """Value at the next trained position strictly after ``t`` (0 past the last one).
-
-    Shapes: value ``[B, L]`` (0 at masked positions), mask ``[B, L]`` -> ``[B, L]``.
-    """
-    batch, length = value.shape
-    pos = torch.arange(length, device=value.device).expand(batch, length)
-    idx = torch.where(mask, pos, torch.full_like(pos, length))
-    suffix_min = idx.flip(-1).cummin(-1).values.flip(-1)
-    nxt = torch.cat([suffix_min[:, 1:], suffix_min.new_full((batch, 1), length)], dim=-1)
-    return torch.cat([value, value.new_zeros(batch, 1)], dim=-1).gather(-1, nxt)
-
-
-def _rows_are_contiguous(mask: Tensor) -> bool:
-    """True when every row's trained tokens form one run (the usual prompt + response layout)."""
-    starts = (mask[:, 1:] & ~mask[:, :-1]).sum(-1) + mask[:, 0]
-    return bool((starts <= 1).all())
-
-
-def _last_trained(mask: Tensor) -> Tensor:
-    pos = torch.arange(mask.shape[-1], device=mask.device)
-    return torch.where(mask, pos, -1).max(-1).values
-
-
-def _as_row_coeff(x: float | Tensor, name: str, batch: int, like: Tensor) -> Tensor:
-    t = torch.as_tensor(x, dtype=torch.float64, device=like.device)
-    if t.ndim == 0:
-        t = t.expand(batch)
-    if t.shape != (batch,):
+def _as_row_coeff(
+    x: float | Tensor, name: str, batch: int, dtype: torch.dtype, device: torch.device
+) -> float | Tensor:
+    """A hyper-parameter in ``[0, 1]``: a float stays a float (checked on the host: no device
+    sync), a ``[B]`` tensor becomes ``[B, 1]`` in ``dtype``."""
+    if not torch.is_tensor(x) or x.ndim == 0:
+        value = float(x)
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1], got {value}")
+        return value
+    if x.shape != (batch,):
         raise ValueError(
-            f"{name} must be a float or a [B]={batch} tensor, got shape {tuple(t.shape)}"
+            f"{name} must be a float or a [B]={batch} tensor, got shape {tuple(x.shape)}"
         )
+    t = x.to(dtype=torch.float64, device=device)
     if ((t < 0) | (t > 1)).any() or not torch.isfinite(t).all():
         raise ValueError(f"{name} must be in [0, 1], got {t.tolist() if t.numel() < 9 else t}")
-    return t.reshape(batch, 1)
+    return t.to(dtype).reshape(batch, 1)
 
 
 def check_finite_reward(reward: Tensor, owner: str, name: str = "reward") -> None:
@@ -269,7 +199,9 @@ def check_finite_reward(reward: Tensor, owner: str, name: str = "reward") -> Non
     )
 
 
-def _check_gae_inputs(reward: Tensor, value: Tensor, mask: Tensor) -> None:
+def _check_gae_inputs(reward: Tensor, value: Tensor, mask: Tensor) -> bool:
+    """Check shapes and rewards; return whether every row's trained tokens form one run (the
+    usual prompt + response layout). Both answers come from one device sync."""
     if reward.ndim != 2:
         raise ValueError(
             f"token_gae expects [B, L] tensors, got reward of shape {tuple(reward.shape)}; "
@@ -277,15 +209,23 @@ def _check_gae_inputs(reward: Tensor, value: Tensor, mask: Tensor) -> None:
         )
     _check_same_shape("value", value, "reward", reward)
     _check_mask(mask, reward)
-    check_finite_reward(reward, "token_gae")
-    stray = (reward != 0) & ~mask
-    if stray.any():
+    if reward.shape[1] == 0:
+        check_finite_reward(reward, "token_gae")
+        return True
+    stray = reward.ne(0).logical_and_(~mask)
+    runs = (mask[:, 1:] & ~mask[:, :-1]).sum(-1, dtype=torch.int32) + mask[:, 0]
+    flags = torch.stack([torch.isfinite(reward).all(), stray.any(), (runs <= 1).all()])
+    finite, has_stray, contiguous = flags.tolist()
+    if not finite:
+        check_finite_reward(reward, "token_gae")
+    if has_stray:
         row, col = (int(i) for i in stray.nonzero()[0])
         raise ValueError(
             f"token_gae: {int(stray.sum())} non-zero reward(s) on masked tokens (first at row {row}, "
             f"position {col}, reward {reward[row, col].item():g}). Put the task reward on the last "
             "generated token (loss_mask True) and shaping rewards on trained tokens only."
         )
+    return bool(contiguous)
 
 
 def token_gae(
@@ -308,9 +248,13 @@ def token_gae(
 
     ``V_next`` starts at ``bootstrap_value`` (0 when ``None``: terminal), ``A_next`` at 0.
     ``value_target = A' + V`` where ``A'`` uses ``critic_lmbda`` (defaults to ``lmbda``; VAPO's
-    decoupled lambdas). Masked positions get ``advantage = value_target = 0``. Computed in float64
-    for float64 inputs, else float32, in closed form (one matmul per block of 16 tokens, or chunks
-    of ``c**n``-weighted cumsums; no Python loop over tokens), returned in ``reward.dtype``.
+    decoupled lambdas). Masked positions get ``advantage = value_target = 0``.
+
+    Closed form, no loop over tokens: rows with gaps between trained tokens (multi-turn) are first
+    compacted (each row's trained tokens moved next to each other), then ``A`` is the discounted
+    suffix sum of ``delta`` (factor ``gamma * lmbda``, :func:`_discounted_suffix`). Computed in
+    float64 for float64 inputs, else float32, returned in ``reward.dtype``; with float
+    hyper-parameters the input check is the only device sync.
 
     Args:
         reward: ``[B, L]`` per-token reward; must be 0 wherever ``loss_mask`` is False.
@@ -337,139 +281,117 @@ def token_gae(
         >>> adv.tolist(), ret.tolist()
         ([[0.0, 0.5, 0.5, 0.5, 0.0]], [[0.0, 1.0, 1.0, 1.0, 0.0]])
     """
-    _check_gae_inputs(reward, value, loss_mask)
+    contiguous = _check_gae_inputs(reward, value, loss_mask)
     check_number("token_gae", "gamma", gamma, ge=0, le=1)
     batch, length = reward.shape
+    if bootstrap_value is not None and bootstrap_value.shape != (batch,):
+        raise ValueError(
+            f"bootstrap_value must have shape [B]=({batch},), got {tuple(bootstrap_value.shape)}"
+        )
     dtype = torch.float64 if reward.dtype == torch.float64 else torch.float32
+    lam = _as_row_coeff(lmbda, "lmbda", batch, dtype, reward.device)
+    c_lam = lam
+    if critic_lmbda is not None:
+        c_lam = _as_row_coeff(critic_lmbda, "critic_lmbda", batch, dtype, reward.device)
     if length == 0:
         return torch.zeros_like(reward), torch.zeros_like(reward)
-    zero = torch.zeros((), dtype=dtype, device=reward.device)
-    r = reward.to(dtype)
-    v = torch.where(loss_mask, value.to(dtype), zero)
-    # one trained run per row (the usual prompt + response layout): positions count trained tokens
-    if _rows_are_contiguous(loss_mask):
-        n = torch.arange(length, dtype=dtype, device=reward.device)
-    else:
-        n = torch.cumsum(loss_mask, dim=-1, dtype=dtype) - loss_mask.to(dtype)
-    boot = None
+    v = torch.where(loss_mask, value.to(dtype), 0.0)
+    r, v_run, index = reward.to(dtype), v, None
+    if not contiguous:
+        r, v_run, index = _compact(r, v, loss_mask)
+    delta = r - v_run  # delta_t = r_t + gamma * V_{t+1} - V_t along each run (0 after it)
+    delta[:, :-1].add_(v_run[:, 1:], alpha=gamma)
     if bootstrap_value is not None:
-        if bootstrap_value.shape != (batch,):
-            raise ValueError(
-                f"bootstrap_value must have shape [B]=({batch},), got {tuple(bootstrap_value.shape)}"
-            )
-        last = _last_trained(loss_mask)
-        rows = (last >= 0).nonzero().flatten()
-        boot = (rows, last[rows], gamma * bootstrap_value.to(dtype)[rows])
-    lam = _as_row_coeff(lmbda, "lmbda", batch, reward)
-    advantage = _advantage(r, v, loss_mask, n, gamma, lam, boot)
-    if critic_lmbda is None:
-        critic_adv = advantage
-    else:
-        c_lam = _as_row_coeff(critic_lmbda, "critic_lmbda", batch, reward)
-        critic_adv = _advantage(r, v, loss_mask, n, gamma, c_lam, boot)
-    value_target = critic_adv + v  # both 0 at masked positions
+        _add_bootstrap(delta, loss_mask, gamma * bootstrap_value.to(dtype), compact=not contiguous)
+    advantage = _discounted_suffix(delta, gamma * lam)
+    critic_adv = advantage if c_lam is lam else _discounted_suffix(delta, gamma * c_lam)
+    if index is not None:  # back to the original columns (masked tokens read the zero column)
+        advantage = torch.nn.functional.pad(advantage, (0, 1)).gather(1, index)
+        critic_adv = torch.nn.functional.pad(critic_adv, (0, 1)).gather(1, index)
+    advantage = torch.where(loss_mask, advantage, 0.0)
+    value_target = torch.where(loss_mask, critic_adv + v, 0.0)
     return advantage.to(reward.dtype), value_target.to(reward.dtype)
 
 
-# Below this lambda the telescoped form's 1/lambda would amplify rounding: use the delta form.
-_MIN_TELESCOPE_LMBDA = 0.1
+def _compact(r: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Move each row's trained tokens to columns ``0 .. n - 1`` (zeros after them).
 
-
-def _advantage(
-    r: Tensor, v: Tensor, mask: Tensor, n: Tensor, gamma: float, lam: Tensor, boot
-) -> Tensor:
-    """GAE advantage ``[B, L]`` for per-row ``lam`` ``[B, 1]`` (0 at masked positions).
-
-    Telescoped form (no next-value gather): with ``c = gamma * lam``,
-    ``A_t = X_t - V_t / lam`` where ``X`` is the masked discounted suffix sum (factor ``c``) of
-    ``u = r + (1 / lam - 1) * V`` (the ``gamma * V_next`` terms of consecutive deltas telescope).
-    The bootstrap enters as ``+ gamma * V_boot`` on the last trained token, as in ``delta``.
+    Returns ``(r, v, index)``: ``index[b, t]`` is the new column of trained token ``(b, t)``, ``L``
+    for masked tokens. Shapes: ``[B, L]`` each (index int64).
     """
-    dtype = r.dtype
-    if gamma > 0 and float(lam.min()) >= _MIN_TELESCOPE_LMBDA:
-        inv = (1.0 / lam).to(dtype)
-        unit = bool((inv == 1).all())
-        if unit:
-            u = r if boot is None else r.clone()  # never modified in place below
-        else:
-            u = torch.addcmul(r, inv - 1, v)
-        if boot is not None:
-            u[boot[0], boot[1]] += boot[2]
-        x = _discounted_suffix(u, n, gamma * lam)  # a new tensor (c > 0): in place is safe
-        x = x.sub_(v) if unit else x.addcmul_(v, inv, value=-1)
-        return torch.where(mask, x, 0.0)
-    v_next = _next_trained_value(v, mask)
-    delta = torch.add(r, v_next, alpha=gamma).sub_(v).mul_(mask)
-    if boot is not None:
-        delta[boot[0], boot[1]] += boot[2]
-    return _discounted_suffix(delta, n, gamma * lam).mul_(mask)
+    batch, length = r.shape
+    count = mask.to(torch.int32).cumsum(-1, dtype=torch.int32)
+    index = torch.where(mask, count.long() - 1, length)
+    out = r.new_zeros(2, batch, length + 1)
+    out[0].scatter_(1, index, r)
+    out[1].scatter_(1, index, v)
+    return out[0, :, :length], out[1, :, :length], index
 
 
-def _discounted_suffix(x: Tensor, n: Tensor, c: Tensor) -> Tensor:
-    """Masked discounted suffix sum with per-row ``c`` in [0, 1] (rows with c == 0 get ``x``).
+def _add_bootstrap(delta: Tensor, mask: Tensor, boot: Tensor, compact: bool) -> None:
+    """``delta[last trained token] += boot`` in place, per row with a trained token.
 
-    Contiguous rows (``n`` ``[L]``) with one batch-wide ``c < 1`` go through :func:`_blocked_suffix`,
-    other ``c < 1`` through :func:`_masked_discounted_cumsum`.
-    Shapes: x ``[B, L]`` (0 at masked positions), n ``[B, L]`` or ``[L]``, c ``[B, 1]``.
+    Shapes: delta, mask ``[B, L]``, boot ``[B]``. ``compact``: delta is in the compacted layout
+    (the last trained token is at column ``n - 1``).
     """
-    c = c.to(x.dtype)
-    if bool((c == 1).all()):
-        return x.flip(-1).cumsum(-1).flip(-1)
-    zero_rows = c == 0
-    if bool(zero_rows.all()):
-        return x
-    if n.ndim == 1 and bool((c == c[0]).all()):
-        block = _block_size(float(c[0]))
-        if block >= _MIN_BLOCK:
-            return _blocked_suffix(x, float(c[0]), block)
-    safe_c = torch.where(zero_rows, torch.ones_like(c), c)
-    out = _masked_discounted_cumsum(x, n, safe_c)
-    return torch.where(zero_rows, x, out) if bool(zero_rows.any()) else out
+    if compact:
+        last = mask.sum(-1) - 1
+    else:
+        pos = torch.arange(mask.shape[-1], device=mask.device)
+        last = torch.where(mask, pos, -1).amax(-1)
+    add = torch.where(last >= 0, boot, 0.0)
+    delta.scatter_add_(1, last.clamp_min(0).unsqueeze(-1), add.unsqueeze(-1))
 
 
-# Blocks of the Toeplitz path: K tokens per matmul, fewer when c**K would leave float32's normal
-# range (c**K >= 1e-30); below _MIN_BLOCK tokens the chunked closed form is used instead.
+# Tokens per block of _discounted_suffix for a batch-wide factor (per-row factors use ~sqrt(L)).
 _BLOCK = 16
-_MIN_BLOCK = 8
 
 
-def _block_size(c: float) -> int:
-    """Tokens per block for factor ``c``: at most ``_BLOCK``, and ``c**K >= 1e-30``."""
-    return min(_BLOCK, int(69.0 / -math.log(c))) if 0.0 < c < 1.0 else _BLOCK
+def _discounted_suffix(x: Tensor, c: float | Tensor) -> Tensor:
+    """``Y_t = x_t + c * Y_{t+1}`` along each row (``Y_L = 0``), with ``c`` in ``[0, 1]``.
 
+    Two levels of the constant Toeplitz matrix ``W[i, j] = c**(i - j)`` (``i >= j``): one matmul
+    gives the suffix sums inside blocks of ``k`` tokens, a second the suffix sums ``S`` from each
+    block's start (factor ``c**k`` between blocks), and token ``j`` of a block adds
+    ``c**(k - j) * S`` of the next block. Every weight lies in ``[0, 1]`` (no ``c**-n``
+    rescaling), so float32 keeps its precision on long rows; ``c = 1`` is a reversed cumsum.
 
-@functools.lru_cache(maxsize=16)
-def _toeplitz(c: float, k: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
-    """``T[i, j] = c**(i - j)`` for ``i >= j`` (0 above) ``[k, k]`` and ``c**(k - j)`` ``[k]``."""
-    i = torch.arange(k, dtype=torch.float64)
-    e = i[:, None] - i[None, :]
-    toep = torch.where(e >= 0, c ** e.clamp_min(0), 0.0)
-    return toep.to(dtype=dtype, device=device), (c ** (k - i)).to(dtype=dtype, device=device)
-
-
-def _blocked_suffix(x: Tensor, c: float, k: int) -> Tensor:
-    """``Y_t = x_t + c * Y_{t+1}`` along each row (``Y_L = 0``), in blocks of ``k`` tokens.
-
-    Inside a block the suffix sum is one matmul with the constant Toeplitz matrix ``c**(i - j)``;
-    the value entering block ``b`` from the right, ``Y`` at the start of block ``b + 1``, is the
-    discounted (factor ``c**k``) suffix sum of the blocks' heads, computed on ``[B, L / k]`` in
-    float64, and enters token ``j`` of the block as ``c**(k - j) * Y``. Every weight lies in
-    ``[c**k, 1]``: no ``c**-n`` rescaling, so float32 keeps its precision on long rows.
-
-    Shapes: x ``[B, L]``, c in ``(0, 1)``. Returns ``[B, L]``.
+    Shapes: x ``[B, L]``; c a float or ``[B, 1]`` (one factor per row). Returns ``[B, L]``.
     """
     batch, length = x.shape
-    nb = -(-length // k)
-    if nb * k != length:  # zeros past the row end change no suffix sum
-        x = torch.nn.functional.pad(x, (0, nb * k - length))
-    toep, tail = _toeplitz(c, k, x.dtype, x.device)
-    y = x.reshape(batch, nb, k).matmul(toep)  # in-block suffix sums
-    head = y[:, :, 0].double()
-    c_k = torch.full((batch, 1), c**k, dtype=torch.float64, device=x.device)
-    blocks = torch.arange(nb, dtype=torch.float64, device=x.device)
-    entering = _masked_discounted_cumsum(head, blocks, c_k)[:, 1:].to(x.dtype)
-    y[:, :-1].addcmul_(entering.unsqueeze(-1), tail)
-    return y.view(batch, nb * k)[:, :length]
+    if isinstance(c, float) and c == 1.0:
+        return x.flip(-1).cumsum(-1).flip(-1)
+    k = _BLOCK if isinstance(c, float) else max(_BLOCK, math.isqrt(length - 1) + 1)
+    blocks = -(-length // k)
+    if blocks * k != length:  # zeros past the row end change no suffix sum
+        x = torch.nn.functional.pad(x, (0, blocks * k - length))
+    y = x.view(batch, blocks, k) @ _powers(c, k, x)  # suffix sums inside each block
+    starts = y[:, :, 0].unsqueeze(1) @ _powers(c**k, blocks, x)  # [B, 1, blocks]
+    tail = _powers(c, k + 1, x)[..., k, :k]  # c**(k - j): [k] or [B, k]
+    y[:, :-1].addcmul_(starts[:, 0, 1:, None], tail if tail.ndim == 1 else tail.unsqueeze(1))
+    return y.view(batch, blocks * k)[:, :length]
+
+
+def _powers(c: float | Tensor, n: int, like: Tensor) -> Tensor:
+    """``W[i, j] = c**(i - j)`` for ``i >= j``, else 0: ``[n, n]`` for a float ``c`` (cached on
+    ``like``'s device), ``[B, n, n]`` for ``c`` ``[B, 1]``. Weights below ``eps**2`` of ``like``'s
+    dtype are 0 (they change no sum, and denormal arithmetic is slow on CPUs)."""
+    if isinstance(c, float):
+        return _float_powers(c, n, like.dtype, like.device)
+    return _geometric(c.to(like.dtype).view(-1, 1, 1), n, torch.finfo(like.dtype).eps ** 2)
+
+
+@functools.lru_cache(maxsize=32)
+def _float_powers(c: float, n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    weights = _geometric(torch.tensor(c, dtype=torch.float64), n, torch.finfo(dtype).eps ** 2)
+    return weights.to(dtype=dtype, device=device)
+
+
+def _geometric(c: Tensor, n: int, tiny: float) -> Tensor:
+    i = torch.arange(n, dtype=c.dtype, device=c.device)
+    exponent = i[:, None] - i[None, :]
+    weights = torch.pow(c, exponent.clamp_min(0))
+    return torch.where((exponent >= 0) & (weights >= tiny), weights, 0.0)
 
 
 def length_adaptive_lmbda(response_length: Tensor, alpha: float = 0.05) -> Tensor:
