@@ -368,11 +368,13 @@ def check_actor_args(
     owner: str = "LMActorCritic",
     *,
     temperature: Any = 1.0,
-    logits_chunk_tokens: Any = 4096,
+    logits_chunk_tokens: Any = None,
     return_entropy: Any = False,
     critic: Any = True,
+    logits_memory_budget: Any = 2**30,
 ) -> dict[str, Any]:
-    """Arguments of :class:`~ar_torchrl.modules.LMActorCritic` (``temperature > 0``, chunk ``>= 1``).
+    """Arguments of :class:`~ar_torchrl.modules.LMActorCritic` (``temperature > 0``, chunk ``>= 1``
+    or ``None``, memory budget ``>= 1`` byte).
 
     Example:
         >>> check_actor_args(temperature=0.0)
@@ -387,7 +389,10 @@ def check_actor_args(
             )  # fmt: skip
         ),
         "logits_chunk_tokens": check_number(
-            owner, "logits_chunk_tokens", logits_chunk_tokens, ge=1, integer=True
+            owner, "logits_chunk_tokens", logits_chunk_tokens, ge=1, integer=True, allow_none=True
+        ),
+        "logits_memory_budget": check_number(
+            owner, "logits_memory_budget", logits_memory_budget, ge=1, integer=True
         ),
         "return_entropy": check_bool(owner, "return_entropy", return_entropy),
         "critic": check_bool(owner, "critic", critic),

@@ -5,23 +5,37 @@ cropped to. Running the anchor pass (:func:`~ar_torchrl.objectives.recompute_anc
 training forward over the *same* plan makes the first PPO update see ratio exactly 1: the two
 forwards see identical inputs with identical shapes. Mini-batches for PPO epochs are groups of the
 plan's micro-batches (:meth:`MicroBatchPlan.minibatches`), so shuffling never changes the geometry.
+
+With ``packing`` a micro-batch is *packed*: its crop carries ``PACKED_KEY = True`` and
+:class:`~ar_torchrl.modules.LMActorCritic` runs it padding-free (the rows' real tokens share
+backbone sequences, :mod:`ar_torchrl.modules.packing`), so the token budget counts the tokens the
+packed forward computes (real tokens plus the slack of its bins) instead of ``rows x width``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 
+from ar_torchrl.modules.packing import PACKED_KEY
+
 __all__ = ["MicroBatch", "MicroBatchPlan", "plan_micro_batches"]
+
+
+# "auto" packs when packing removes at least this fraction of the tokens the padded plan computes
+# (measured on CPU with benchmarks/bench_packing.py: below it the packing overhead ate the gain).
+AUTO_PACKING_MIN_SAVING = 0.1
 
 
 @dataclass(frozen=True, order=True)
 class MicroBatch:
-    """Rows of the batch and the column span ``[start, end)`` they are cropped to.
+    """Rows of the batch, the column span ``[start, end)`` they are cropped to, and for a packed
+    micro-batch the ``(bins, bin width)`` its forward computes.
 
     ``padding=True`` marks a padding pass of data-parallel training
     (:func:`ar_torchrl.distributed.shard_plan`): a rank with fewer micro-batches than the others
@@ -33,14 +47,21 @@ class MicroBatch:
     start: int
     end: int
     padding: bool = False
+    packed_shape: tuple[int, int] | None = None
 
     @property
     def width(self) -> int:
         return self.end - self.start
 
     @property
+    def packed(self) -> bool:
+        return self.packed_shape is not None
+
+    @property
     def num_tokens(self) -> int:
-        """Padded size ``rows x width`` (what the forward pays for)."""
+        """What the forward pays for: ``rows x width`` padded, ``bins x bin width`` packed."""
+        if self.packed_shape is not None:
+            return self.packed_shape[0] * self.packed_shape[1]
         return len(self.rows) * self.width
 
 
@@ -66,6 +87,11 @@ class MicroBatchPlan:
     def __len__(self) -> int:
         return len(self.micro_batches)
 
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the forwards over the whole plan compute (padding and bin slack included)."""
+        return sum(mb.num_tokens for mb in self.micro_batches)
+
     def _check(self, td: TensorDictBase) -> None:
         if tuple(td.batch_size[:2]) != self.batch_size:
             raise ValueError(
@@ -74,9 +100,13 @@ class MicroBatchPlan:
             )
 
     def crop(self, td: TensorDictBase, mb: MicroBatch) -> TensorDictBase:
-        """The sub-TensorDict of ``mb``: its rows, cropped to its columns (a copy)."""
+        """The sub-TensorDict of ``mb``: its rows, cropped to its columns (a copy), carrying
+        ``PACKED_KEY = True`` when ``mb`` is packed."""
         rows = torch.tensor(mb.rows, dtype=torch.long, device=td.device)
-        return td[rows][:, mb.start : mb.end]
+        sub = td[rows][:, mb.start : mb.end]
+        if mb.packed:
+            sub.set_non_tensor(PACKED_KEY, True)
+        return sub
 
     def split(self, td: TensorDictBase) -> Iterator[TensorDictBase]:
         """Yield each micro-batch of ``td`` in plan order."""
@@ -129,19 +159,27 @@ def plan_micro_batches(
     token_budget: int,
     max_rows: int | None = None,
     *,
+    packing: bool | Literal["auto"] = False,
     attention_mask_key: NestedKey = "attention_mask",
 ) -> MicroBatchPlan:
     """Pack the rows of a ``[B, L]`` token trajectory into micro-batches of at most ``token_budget``.
 
-    Rows are sorted by real length (longest first) and added greedily while ``rows x padded width``
-    (the span from the earliest first real token to the latest last real token of the rows) stays
-    within ``token_budget`` and the row count within ``max_rows``. Sorting by length removes most of
-    the padding.
+    Rows are sorted by real length (longest first) and added greedily while the micro-batch's
+    computed tokens stay within ``token_budget`` and the row count within ``max_rows``. Padded
+    (``packing=False``), that is ``rows x padded width`` (the span from the earliest first real
+    token to the latest last real token of the rows); sorting by length removes most of the
+    padding. Packed (``packing=True``), it is ``bins x bin width`` of the padding-free forward
+    (:func:`~ar_torchrl.modules.pack_rows`: real tokens plus the slack of first-fit bins as wide as
+    the micro-batch's longest row; shorter rows fill the holes of earlier micro-batches first). A
+    model whose attention kernel takes variable-length sequences computes only the real tokens
+    (:func:`~ar_torchrl.modules.packed_layout`), so there the budget is an upper bound. ``"auto"``
+    packs when that removes at least ``AUTO_PACKING_MIN_SAVING`` of the padded plan's tokens.
 
     Args:
         td: a TensorDict with batch size ``[B, L]`` holding ``attention_mask`` ``[B, L]`` bool.
-        token_budget: max ``rows x width`` per micro-batch.
+        token_budget: max computed tokens per micro-batch.
         max_rows: optional max rows per micro-batch.
+        packing: ``False`` (padded crops), ``True`` (padding-free forwards) or ``"auto"``.
 
     Raises:
         ValueError: a row longer than ``token_budget`` on its own, a row without any real token,
@@ -151,36 +189,86 @@ def plan_micro_batches(
         raise ValueError(f"token_budget must be >= 1, got {token_budget}")
     if max_rows is not None and max_rows < 1:
         raise ValueError(f"max_rows must be >= 1 or None, got {max_rows}")
+    if packing not in (True, False, "auto"):
+        raise ValueError(f"packing must be True, False or 'auto', got {packing!r}")
     if td.batch_dims < 2:
         raise ValueError(
             f"plan_micro_batches expects a [B, L] TensorDict, got batch_size {tuple(td.batch_size)}"
         )
     mask = td.get(attention_mask_key).bool()
-    first, last = _row_spans(mask)
-    lengths = last - first
-    if (lengths == 0).any():
-        empty = (lengths == 0).nonzero().flatten().tolist()
+    first, last = (x.tolist() for x in _row_spans(mask))
+    lengths = mask.sum(-1).tolist()
+    _check_rows(lengths, [b - a for a, b in zip(first, last)], token_budget, attention_mask_key)
+    order = sorted(range(mask.shape[0]), key=lambda i: (-lengths[i], i))
+    size = (mask.shape[0], mask.shape[1])
+    padded = _group_padded(order, first, last, token_budget, max_rows)
+    if packing is False:
+        return MicroBatchPlan(padded, size, token_budget)
+    packed = _group_packed(order, first, last, lengths, token_budget, max_rows)
+    plan = MicroBatchPlan(packed, size, token_budget)
+    if packing == "auto" and plan.num_tokens > (1 - AUTO_PACKING_MIN_SAVING) * sum(
+        mb.num_tokens for mb in padded
+    ):
+        return MicroBatchPlan(padded, size, token_budget)
+    return plan
+
+
+def _check_rows(lengths: list[int], spans: list[int], budget: int, key: NestedKey) -> None:
+    empty = [i for i, n in enumerate(lengths) if n == 0]
+    if empty:
         raise ValueError(
-            f"plan_micro_batches: rows {empty[:8]} have no real token in {attention_mask_key!r}; "
+            f"plan_micro_batches: rows {empty[:8]} have no real token in {key!r}; "
             "drop empty rows before planning"
         )
-    too_long = int(lengths.max()) if lengths.numel() else 0
-    if too_long > token_budget:
+    too_long = max(spans, default=0)
+    if too_long > budget:
         raise ValueError(
-            f"token_budget={token_budget} is smaller than the longest row ({too_long} tokens); "
+            f"token_budget={budget} is smaller than the longest row ({too_long} tokens); "
             f"raise token_budget to at least {too_long}"
         )
-    order = sorted(range(mask.shape[0]), key=lambda i: (-int(lengths[i]), i))
+
+
+def _group_padded(order, first, last, budget, max_rows) -> tuple[MicroBatch, ...]:
     micro, current, lo, hi = [], [], 0, 0
     for i in order:
-        f, l_ = int(first[i]), int(last[i])
-        new_lo, new_hi = (min(lo, f), max(hi, l_)) if current else (f, l_)
-        fits = (len(current) + 1) * (new_hi - new_lo) <= token_budget
+        new_lo, new_hi = (min(lo, first[i]), max(hi, last[i])) if current else (first[i], last[i])
+        fits = (len(current) + 1) * (new_hi - new_lo) <= budget
         if current and (not fits or (max_rows is not None and len(current) >= max_rows)):
             micro.append(MicroBatch(tuple(sorted(current)), lo, hi))
-            current, (new_lo, new_hi) = [], (f, l_)
+            current, (new_lo, new_hi) = [], (first[i], last[i])
         current.append(i)
         lo, hi = new_lo, new_hi
     if current:
         micro.append(MicroBatch(tuple(sorted(current)), lo, hi))
-    return MicroBatchPlan(tuple(micro), (mask.shape[0], mask.shape[1]), token_budget)
+    return tuple(micro)
+
+
+def _group_packed(order, first, last, lengths, budget, max_rows) -> tuple[MicroBatch, ...]:
+    """Micro-batches of first-fit bins as wide as their longest row, at most ``budget`` tokens.
+
+    The longest remaining row opens a micro-batch; every remaining row, longest first, goes into
+    the first bin with room, a new bin while ``bins x width <= budget``, or waits for a later
+    micro-batch (so short rows fill the holes next to long ones). The rows of a micro-batch are
+    placed in the order :func:`~ar_torchrl.modules.pack_rows` places them, so its bins are exactly
+    the ones the packed forward lays out.
+    """
+    micro, remaining = [], list(order)
+    while remaining:
+        width = lengths[remaining[0]]
+        room: list[int] = []
+        current, waiting = [], []
+        for i in remaining:
+            b = next((k for k, free in enumerate(room) if free >= lengths[i]), len(room))
+            full = max_rows is not None and len(current) >= max_rows
+            if full or (b == len(room) and (b + 1) * width > budget):
+                waiting.append(i)
+                continue
+            if b == len(room):
+                room.append(width)
+            room[b] -= lengths[i]
+            current.append(i)
+        rows = tuple(sorted(current))
+        span = (min(first[i] for i in rows), max(last[i] for i in rows))
+        micro.append(MicroBatch(rows, *span, packed_shape=(len(room), width)))
+        remaining = waiting
+    return tuple(micro)

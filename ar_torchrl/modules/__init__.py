@@ -1,6 +1,18 @@
 """Value head and the LM actor-critic module."""
 
-from ar_torchrl.modules.actor_critic import LMActorCritic, token_log_probs
+from ar_torchrl.modules.actor_critic import LMActorCritic
+from ar_torchrl.modules.log_probs import (
+    LOGITS_MEMORY_BUDGET,
+    chunk_tokens_for_budget,
+    token_log_probs,
+)
+from ar_torchrl.modules.packing import (
+    PACKED_KEY,
+    PackedLayout,
+    is_varlen,
+    pack_rows,
+    packed_layout,
+)
 from ar_torchrl.modules.value_head import (
     VALUE_HEAD_FILE,
     ValueHead,
@@ -11,11 +23,18 @@ from ar_torchrl.modules.value_head import (
 )
 
 __all__ = [
+    "LOGITS_MEMORY_BUDGET",
+    "PACKED_KEY",
     "VALUE_HEAD_FILE",
     "LMActorCritic",
+    "PackedLayout",
     "ValueHead",
     "attach_value_head",
+    "chunk_tokens_for_budget",
+    "is_varlen",
     "load_value_head",
+    "pack_rows",
+    "packed_layout",
     "save_policy",
     "save_value_head",
     "token_log_probs",

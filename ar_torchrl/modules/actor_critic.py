@@ -5,8 +5,12 @@ Alignment (DESIGN.md section 1): ``log_prob[t] = log pi(tokens[t] | tokens[<t])`
 both. Position ids are ``cumsum(attention_mask) - 1`` so left padding never shifts positions.
 
 The ``[B, L, V]`` float32 logits are never materialised for the whole batch: the LM head and
-log-softmax run over chunks of ``logits_chunk_tokens`` token positions, each chunk wrapped in
-activation checkpointing when gradients are on (only the hidden states are kept for backward).
+log-softmax run over chunks sized by a memory budget (:mod:`ar_torchrl.modules.log_probs`).
+
+A micro-batch crop carrying ``PACKED_KEY = True`` (set by a packing
+:class:`~ar_torchrl.data.MicroBatchPlan`) runs padding-free: its rows' real tokens share backbone
+sequences (:mod:`ar_torchrl.modules.packing`) and the outputs come back in the crop's ``[b, w]``
+layout, 0 on padding and on each row's first real token.
 """
 
 from __future__ import annotations
@@ -18,79 +22,18 @@ from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from ar_torchrl.checks import check_actor_args
+from ar_torchrl.modules.log_probs import (
+    LOGITS_MEMORY_BUDGET,
+    _chunked_log_probs,
+    _vocab_size,
+    chunk_tokens_for_budget,
+    token_log_probs,
+)
+from ar_torchrl.modules.packing import PACKED_KEY, is_varlen, packed_layout
 
 __all__ = ["LMActorCritic", "token_log_probs"]
-
-
-def token_log_probs(
-    hidden: Tensor,
-    tokens: Tensor,
-    lm_head: nn.Module,
-    *,
-    temperature: float = 1.0,
-    chunk_tokens: int = 4096,
-    with_entropy: bool = False,
-    use_checkpoint: bool | None = None,
-) -> tuple[Tensor, Tensor | None]:
-    """Log-probs (and entropies) of ``tokens[:, t]`` under ``softmax(lm_head(hidden[:, t-1]) / T)``.
-
-    Args:
-        hidden: ``[B, L, H]`` final hidden states.
-        tokens: ``[B, L]`` int64 token ids.
-        lm_head: maps ``[N, H] -> [N, V]``.
-        temperature: divides the logits (match the rollout's sampling temperature).
-        chunk_tokens: token positions per LM-head chunk.
-        with_entropy: also return the entropy of each predictive distribution.
-        use_checkpoint: recompute each chunk in backward (default: when grad is enabled).
-
-    Returns:
-        ``(log_prob [B, L] float32, entropy [B, L] float32 or None)``, 0 at position 0.
-
-    Example:
-        >>> head = torch.nn.Linear(4, 7, bias=False)
-        >>> lp, ent = token_log_probs(torch.randn(2, 5, 4), torch.randint(7, (2, 5)), head,
-        ...                           chunk_tokens=3, with_entropy=True)
-        >>> lp.shape, bool((lp[:, 1:] < 0).all()), lp[:, 0].tolist()
-        (torch.Size([2, 5]), True, [0.0, 0.0])
-    """
-    batch, length, width = hidden.shape
-    if tokens.shape != (batch, length):
-        raise ValueError(f"tokens has shape {tuple(tokens.shape)}, expected {(batch, length)}")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
-    if use_checkpoint is None:
-        use_checkpoint = torch.is_grad_enabled()
-    flat_h = hidden[:, :-1].reshape(-1, width)
-    flat_t = tokens[:, 1:].reshape(-1)
-
-    def chunk_fn(h: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
-        logits = lm_head(h).float()
-        if temperature != 1.0:
-            logits = logits / temperature
-        logp = torch.log_softmax(logits, dim=-1)
-        picked = logp.gather(-1, t.unsqueeze(-1)).squeeze(-1)
-        if not with_entropy:
-            return picked, picked.new_zeros(())
-        return picked, -(logp.exp() * logp).sum(-1)
-
-    pieces, entropies = [], []
-    for start in range(0, flat_h.shape[0], chunk_tokens):
-        sl = slice(start, start + chunk_tokens)
-        if use_checkpoint:
-            lp, ent = checkpoint(chunk_fn, flat_h[sl], flat_t[sl], use_reentrant=False)
-        else:
-            lp, ent = chunk_fn(flat_h[sl], flat_t[sl])
-        pieces.append(lp)
-        entropies.append(ent)
-    zero_col = hidden.new_zeros(batch, 1, dtype=torch.float32)
-    log_prob = torch.cat([zero_col, torch.cat(pieces).reshape(batch, length - 1)], dim=1)
-    if not with_entropy:
-        return log_prob, None
-    entropy = torch.cat([zero_col, torch.cat(entropies).reshape(batch, length - 1)], dim=1)
-    return log_prob, entropy
 
 
 class LMActorCritic(TensorDictModuleBase):
@@ -113,8 +56,10 @@ class LMActorCritic(TensorDictModuleBase):
             soft-capping).
         return_entropy: also compute per-token entropies.
         temperature: logits are divided by it (use the rollout sampling temperature), ``> 0``.
-        logits_chunk_tokens: token positions per LM-head / log-softmax chunk, ``>= 1``.
+        logits_chunk_tokens: token positions per LM-head / log-softmax chunk, ``>= 1`` (default:
+            sized by ``logits_memory_budget``, see :func:`~ar_torchrl.modules.chunk_tokens_for_budget`).
         critic: compute ``state_value`` with ``model.value_head`` (``False``: an actor only).
+        logits_memory_budget: bytes the float32 ``[chunk, V]`` buffers of one chunk may take.
 
     Example:
         >>> from tensordict import TensorDict
@@ -151,12 +96,14 @@ class LMActorCritic(TensorDictModuleBase):
         *,
         return_entropy: bool = False,
         temperature: float = 1.0,
-        logits_chunk_tokens: int = 4096,
+        logits_chunk_tokens: int | None = None,
         critic: bool = True,
+        logits_memory_budget: int = LOGITS_MEMORY_BUDGET,
     ) -> None:
         super().__init__()
         args = check_actor_args("LMActorCritic", temperature=temperature, return_entropy=return_entropy,
-                                logits_chunk_tokens=logits_chunk_tokens, critic=critic)  # fmt: skip
+                                logits_chunk_tokens=logits_chunk_tokens, critic=critic,
+                                logits_memory_budget=logits_memory_budget)  # fmt: skip
         if critic and not isinstance(getattr(model, "value_head", None), nn.Module):
             raise ValueError(
                 f"LMActorCritic: {type(model).__name__} has no `value_head`; call "
@@ -168,6 +115,7 @@ class LMActorCritic(TensorDictModuleBase):
         self.temperature = args["temperature"]
         self.logits_chunk_tokens = args["logits_chunk_tokens"]
         self.critic = args["critic"]
+        self.logits_memory_budget = args["logits_memory_budget"]
         self.tensor_keys = self._AcceptedKeys()
         self._refresh_keys()
 
@@ -204,6 +152,17 @@ class LMActorCritic(TensorDictModuleBase):
     next_value_key = property(lambda self: self.tensor_keys.next_value)
     entropy_key = property(lambda self: self.tensor_keys.entropy)
 
+    def select_inputs(self, tensordict: TensorDictBase) -> TensorDictBase:
+        """The entries :meth:`forward` reads: ``in_keys`` and, when present, ``PACKED_KEY``.
+
+        Callers that hand the module a selection (``recompute_anchors``, ``TokenPPOLoss``) use it
+        so a packed micro-batch crop stays packed.
+        """
+        keys = list(self.in_keys)
+        if PACKED_KEY in tensordict.keys():
+            keys.append(PACKED_KEY)
+        return tensordict.select(*keys)
+
     def hidden_states(self, tokens: Tensor, attention_mask: Tensor) -> Tensor:
         """Final hidden states ``[B, L, H]`` of the backbone (position ids from the mask)."""
         mask = attention_mask.long()
@@ -221,23 +180,67 @@ class LMActorCritic(TensorDictModuleBase):
                 f"LMActorCritic expects {self.tokens_key!r} and {self.attention_mask_key!r} of one "
                 f"shape [B, L]; got {tuple(tokens.shape)} and {tuple(attention_mask.shape)}"
             )
+        if tensordict.get_non_tensor(PACKED_KEY, False):
+            log_prob, value, next_value, entropy = self._packed(tokens, attention_mask)
+        else:
+            log_prob, value, next_value, entropy = self._padded(tokens, attention_mask)
+        tensordict.set(self.log_prob_key, log_prob)
+        if self.critic:
+            tensordict.set(self.value_key, value)
+            tensordict.set(self.next_value_key, next_value)
+        if self.return_entropy:
+            tensordict.set(self.entropy_key, entropy)
+        return tensordict
+
+    def _chunk_tokens(self) -> int:
+        if self.logits_chunk_tokens is not None:
+            return self.logits_chunk_tokens
+        vocab = _vocab_size(self.model.get_output_embeddings())
+        return chunk_tokens_for_budget(vocab, self.logits_memory_budget)
+
+    def _padded(self, tokens: Tensor, attention_mask: Tensor) -> tuple[Tensor | None, ...]:
         hidden = self.hidden_states(tokens, attention_mask)
         log_prob, entropy = token_log_probs(
             hidden,
             tokens,
             self.model.get_output_embeddings(),
             temperature=self.temperature,
-            chunk_tokens=self.logits_chunk_tokens,
+            chunk_tokens=self._chunk_tokens(),
             with_entropy=self.return_entropy,
         )
-        tensordict.set(self.log_prob_key, log_prob)
-        if self.critic:
-            next_value = self.model.value_head(hidden)
-            value = torch.cat(
-                [next_value.new_zeros(next_value.shape[0], 1, 1), next_value[:, :-1]], dim=1
-            )
-            tensordict.set(self.value_key, value)
-            tensordict.set(self.next_value_key, next_value)
-        if self.return_entropy:
-            tensordict.set(self.entropy_key, entropy)
-        return tensordict
+        if not self.critic:
+            return log_prob, None, None, entropy
+        next_value = self.model.value_head(hidden)
+        value = torch.cat(
+            [next_value.new_zeros(next_value.shape[0], 1, 1), next_value[:, :-1]], dim=1
+        )
+        return log_prob, value, next_value, entropy
+
+    def _packed(self, tokens: Tensor, attention_mask: Tensor) -> tuple[Tensor | None, ...]:
+        """Padding-free forward; outputs in the ``[b, w]`` layout, 0 where nothing is defined
+        (padding, and each row's first real token for ``log_prob``/``state_value``/``entropy``)."""
+        implementation = getattr(self.model.config, "_attn_implementation", None)
+        layout = packed_layout(tokens, attention_mask, varlen=is_varlen(implementation))
+        out = self.model.get_decoder()(
+            input_ids=layout.input_ids, position_ids=layout.position_ids, use_cache=False
+        )
+        hidden = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])
+        mask, prev = attention_mask.bool(), layout.previous
+        here = layout.index[prev]  # packed position of each token that has a log-prob
+        lp, ent = _chunked_log_probs(
+            hidden[here - 1],
+            tokens[prev],
+            self.model.get_output_embeddings(),
+            temperature=self.temperature,
+            chunk_tokens=self._chunk_tokens(),
+            with_entropy=self.return_entropy,
+            use_checkpoint=torch.is_grad_enabled(),
+        )
+        zeros = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+        entropy = zeros.masked_scatter(prev, ent) if ent is not None else None
+        if not self.critic:
+            return zeros.masked_scatter(prev, lp), None, None, entropy
+        values = self.model.value_head(hidden)  # [N, 1]: V(h) at every packed position
+        next_value = zeros.unsqueeze(-1).masked_scatter(mask[..., None], values[layout.index[mask]])
+        value = zeros.unsqueeze(-1).masked_scatter(prev[..., None], values[here - 1])
+        return zeros.masked_scatter(prev, lp), value, next_value, entropy

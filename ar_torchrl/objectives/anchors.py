@@ -52,9 +52,9 @@ def recompute_anchors(
     outputs = _anchor_keys(actor_critic, ref_actor, loss)
     full: dict[NestedKey, torch.Tensor | None] = {key: None for key in outputs}
     for mb, sub in zip(plan.micro_batches, plan.split(td)):
-        results = {id(actor_critic): actor_critic(sub.select(*actor_critic.in_keys))}
+        results = {id(actor_critic): actor_critic(actor_critic.select_inputs(sub))}
         if ref_actor is not None:
-            results[id(ref_actor)] = ref_actor(sub.select(*ref_actor.in_keys))
+            results[id(ref_actor)] = ref_actor(ref_actor.select_inputs(sub))
         for key, (module, out_key) in outputs.items():
             values = results[id(module)].get(out_key)
             if full[key] is None:

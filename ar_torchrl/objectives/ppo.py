@@ -244,7 +244,7 @@ class TokenPPOLoss(ClipPPOLoss):
             raise TypeError(f"{_OWNER}: {k.loss_mask!r} must be bool, got {mask.dtype}")
         if tensordict.get(k.advantage, None) is None:
             self.value_estimator(tensordict)
-        new = self.actor_network(tensordict.select(*self.actor_network.in_keys))
+        new = self.actor_network(self.actor_network.select_inputs(tensordict))
         out: dict[str, torch.Tensor] = {}
         log_prob = new.get(self.actor_network.log_prob_key)
         self._policy_terms(tensordict, log_prob, mask, normalizer, out)
