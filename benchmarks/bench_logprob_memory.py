@@ -154,7 +154,7 @@ def measure(args: argparse.Namespace, path: str, pass_: str, save: Path) -> dict
 
 def run(args: argparse.Namespace) -> dict:
     budget = int(args.budget_mib * 2**20)
-    chunk = chunk_tokens_for_budget(args.vocab, budget, with_entropy=args.entropy)
+    chunk = chunk_tokens_for_budget(args.vocab, budget)
     rows, outputs = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for pass_ in PASSES:

@@ -27,7 +27,7 @@ def test_bench_logprob_memory_quick(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     cfg = result["config"]
     assert (cfg["vocab"], cfg["batch"], cfg["length"], cfg["quick"]) == (32768, 2, 256, True)
-    assert cfg["budget_chunk_tokens"] == 4 * 2**20 // (32768 * 4 * 3)
+    assert cfg["budget_chunk_tokens"] == 4 * 2**20 // (32768 * 4 * 5)
     rows = {(r["path"], r["pass"]): r for r in result["results"]}
     assert set(rows) == {
         (p, s) for p in ("naive", "chunk_4096", "budget") for s in ("anchor_no_grad", "train_grad")

@@ -13,6 +13,7 @@ from ar_torchrl.assets import build_tiny_qwen3
 from ar_torchrl.modules import (
     LMActorCritic,
     attach_value_head,
+    chunk_tokens_for_budget,
     load_value_head,
     save_policy,
     token_log_probs,
@@ -114,6 +115,39 @@ def test_chunked_log_probs_match_unchunked_and_gradients_flow():
         .squeeze(-1)
     )
     assert torch.allclose(hot[:, 1:], ref, atol=1e-5)
+
+
+def test_chunk_size_follows_the_memory_budget_and_vocabulary():
+    # k = 5 float32 [chunk, V] buffers per chunk, whatever the mode (anchors and training alike)
+    assert chunk_tokens_for_budget(151_936, 2**30) == 2**30 // (151_936 * 4 * 5) == 353
+    assert chunk_tokens_for_budget(1000, 60_000) == 3
+    assert chunk_tokens_for_budget(10**6, 1) == 1  # never 0
+    with pytest.raises(ValueError, match="vocab_size and memory_budget must be >= 1, got 0"):
+        chunk_tokens_for_budget(0, 2**20)
+    head = torch.nn.Linear(8, 50, bias=False)
+    hidden, tokens = torch.randn(2, 9, 8), torch.randint(50, (2, 9))
+    ref, _ = token_log_probs(hidden, tokens, head, chunk_tokens=10_000)
+    for budget in (50 * 4 * 5, 50 * 4 * 5 * 7, 2**30):  # 1, 7 and all positions per chunk
+        lp, _ = token_log_probs(hidden, tokens, head, memory_budget=budget)
+        assert torch.allclose(lp, ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("entropy", [False, True])
+def test_actor_critic_results_do_not_depend_on_the_chunking(entropy):
+    td = make_trajectory([3, 5, 1], [4, 2, 6], seed=2).select("tokens", "attention_mask")
+    outs, grads = [], []
+    for kwargs in ({}, {"logits_memory_budget": VOCAB * 4 * 5 * 2}, {"logits_chunk_tokens": 3}):
+        ac = tiny_actor_critic(seed=4, return_entropy=entropy, **kwargs)
+        out = ac(td.clone())
+        loss = out["log_prob"].sum() + (out["entropy"].sum() if entropy else 0.0)
+        loss.backward()
+        outs.append(out)
+        grads.append(ac.model.model.embed_tokens.weight.grad)
+    for out, grad in zip(outs[1:], grads[1:]):
+        assert torch.allclose(out["log_prob"], outs[0]["log_prob"], atol=1e-6)
+        assert torch.allclose(grad, grads[0], atol=1e-5, rtol=1e-5)
+        if entropy:
+            assert torch.allclose(out["entropy"], outs[0]["entropy"], atol=1e-6)
 
 
 def test_actor_critic_errors_and_keys():

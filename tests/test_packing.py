@@ -119,8 +119,9 @@ def test_packed_gradients_equal_padded_ones():
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
 
 
-def test_packed_plan_first_update_has_ratio_exactly_one():
-    ac = _actor_critic()
+@pytest.mark.parametrize("budget", [None, 99 * 4 * 5 * 3])  # default, or 3 positions per chunk
+def test_packed_plan_first_update_has_ratio_exactly_one(budget):
+    ac = _actor_critic(**({} if budget is None else {"logits_memory_budget": budget}))
     td = make_trajectory(PROMPTS, RESPONSES, seed=4)
     plan = plan_micro_batches(td, token_budget=64, packing=True)
     assert len(plan) >= 2 and all(mb.packed for mb in plan.micro_batches)

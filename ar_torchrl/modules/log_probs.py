@@ -15,34 +15,34 @@ from torch.utils.checkpoint import checkpoint
 
 __all__ = ["LOGITS_MEMORY_BUDGET", "chunk_tokens_for_budget", "token_log_probs"]
 
-#: Default bytes the float32 ``[chunk, V]`` buffers of one LM-head chunk may take (512 MiB).
-LOGITS_MEMORY_BUDGET = 512 * 2**20
+#: Default bytes the float32 ``[chunk, V]`` buffers of one LM-head chunk may take (1 GiB).
+LOGITS_MEMORY_BUDGET = 2**30
 
-# Float32 [chunk, V] buffers alive at the peak of one chunk, with gradients (the backward of the
-# recomputed chunk; the no-grad anchor pass needs at most as many), measured on CPU with
-# benchmarks/bench_logprob_memory.py: logits, log-softmax and its gradient (+2 for the entropy).
-# The chunk size must not depend on grad mode: anchors and training must chunk alike.
-_LIVE_BUFFERS = {False: 3, True: 5}
+# Float32 [chunk, V] buffers alive at the peak of one chunk: the backward of a recomputed chunk
+# with entropies (logits, log-softmax, its exp, their gradients; measured on CPU with
+# benchmarks/bench_logprob_memory.py; without entropies or without grad fewer are alive). One
+# constant for every mode: the no-grad anchor pass and the training forward, with or without
+# entropies, must cut the positions into the same chunks, or the matmuls round differently and the
+# first PPO ratio is no longer exactly 1.
+_LIVE_BUFFERS = 5
 
 
-def chunk_tokens_for_budget(
-    vocab_size: int, memory_budget: int, *, with_entropy: bool = False
-) -> int:
+def chunk_tokens_for_budget(vocab_size: int, memory_budget: int) -> int:
     """Token positions per LM-head chunk so one chunk's float32 buffers fit ``memory_budget`` bytes.
 
-    ``memory_budget // (vocab_size * 4 bytes * k)`` with ``k`` the float32 ``[chunk, V]`` buffers
-    alive at a chunk's peak (3, or 5 with entropies), at least 1.
+    ``memory_budget // (vocab_size * 4 bytes * k)`` with ``k = 5`` float32 ``[chunk, V]`` buffers
+    alive at a chunk's peak (backward with entropies; fewer otherwise), at least 1.
 
     Example:
-        >>> chunk_tokens_for_budget(151_936, 512 * 2**20)
-        294
+        >>> chunk_tokens_for_budget(151_936, 2**30)  # Qwen3's vocabulary, 1 GiB
+        353
     """
     if vocab_size < 1 or memory_budget < 1:
         raise ValueError(
             f"chunk_tokens_for_budget: vocab_size and memory_budget must be >= 1, got {vocab_size} "
             f"and {memory_budget}"
         )
-    return max(1, memory_budget // (vocab_size * 4 * _LIVE_BUFFERS[with_entropy]))
+    return max(1, memory_budget // (vocab_size * 4 * _LIVE_BUFFERS))
 
 
 def _vocab_size(lm_head: nn.Module) -> int:
@@ -137,9 +137,7 @@ def token_log_probs(
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
     if chunk_tokens is None:
-        chunk_tokens = chunk_tokens_for_budget(
-            _vocab_size(lm_head), memory_budget, with_entropy=with_entropy
-        )
+        chunk_tokens = chunk_tokens_for_budget(_vocab_size(lm_head), memory_budget)
     lp, ent = _chunked_log_probs(
         hidden[:, :-1].reshape(-1, width),
         tokens[:, 1:].reshape(-1),
