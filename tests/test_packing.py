@@ -7,7 +7,7 @@ import torch
 from trajectories import make_trajectory, tiny_actor_critic
 
 from ar_torchrl.data import plan_micro_batches
-from ar_torchrl.modules import PACKED_KEY, pack_rows, packed_layout
+from ar_torchrl.modules import PACKED_KEY, LMActorCritic, pack_rows, packed_layout
 from ar_torchrl.objectives import TokenGAE, TokenPPOLoss, recompute_anchors
 from ar_torchrl.training import ppo_update
 
@@ -166,3 +166,15 @@ def test_auto_packs_only_when_it_saves_enough():
     assert not any(mb.packed for mb in auto.micro_batches)
     with pytest.raises(ValueError, match="packing must be True, False or 'auto', got 'yes'"):
         plan_micro_batches(even, token_budget=64, packing="yes")
+
+
+def test_packed_reference_actor_without_value_head():
+    """A critic-free reference actor packs the same crops (ref log-probs for the KL term)."""
+    ac = _actor_critic()
+    ref = LMActorCritic(ac.model, critic=False)
+    td = make_trajectory(PROMPTS, RESPONSES, seed=5)
+    plan = plan_micro_batches(td, token_budget=64, packing=True)
+    recompute_anchors(ac, td, plan, ref_actor=ref)
+    assert torch.equal(td["ref_log_prob"], td["sample_log_prob"])  # same weights, same crops
+    out = ref(_packed(td))
+    assert set(out.keys()) == {"tokens", "attention_mask", PACKED_KEY, "log_prob"}
