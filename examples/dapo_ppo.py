@@ -74,6 +74,7 @@ OPTIONS = {
     ),
     "data.name": ("arithmetic", "dapo_math"),
     "train.mode": ("sync", "async"),
+    "rollout.packing": (False, True, "auto"),
 }
 POSITIVE = ("rollout.prompts_per_iter", "rollout.samples_per_prompt", "rollout.max_new_tokens",
             "rollout.token_budget", "train.iterations", "algo.ppo_epochs", "algo.num_minibatches")  # fmt: skip
@@ -327,12 +328,12 @@ def train(cfg: DictConfig, stack: contextlib.ExitStack) -> None:
         with timer(
             "anchors"
         ):  # old log-probs/values (+ reference log-probs) with the training geometry
-            plan = plan_micro_batches(td, r.token_budget, r.max_rows)
+            plan = plan_micro_batches(td, r.token_budget, r.max_rows, packing=r.packing)
             recompute_anchors(actor_critic, td, plan, ref_actor=ref_actor)
         with timer("advantage"):
             td = advantage(td)
             if td.shape[0] != plan.batch_size[0]:  # GRPO dynamic sampling dropped groups: re-plan
-                plan = plan_micro_batches(td, r.token_budget, r.max_rows)
+                plan = plan_micro_batches(td, r.token_budget, r.max_rows, packing=r.packing)
         with timer("update"):  # critic-only warm-up: only the value head learns for the first steps
             warmup = step <= a.critic_warmup_iters
             train_metrics = ppo_update(

@@ -120,6 +120,10 @@ def test_gpu_recipe_instantiates_up_to_the_gpu(tmp_path):
         (["rollout.max_new_tokens=0"], r"rollout.max_new_tokens=0 must be an integer >= 1"),
         (["algo.clip_epsilon=[0.2]"], r"algo.clip_epsilon=\[0.2\] must be \[low, high\]"),
         (["algo.critic_coeff=0"], r"advantage_mode=gae needs algo.critic_coeff > 0"),
+        (
+            ["rollout.packing=sometimes"],
+            r"rollout.packing='sometimes' is not one of \[False, True, 'auto'\]",
+        ),
     ],
 )
 def test_bad_values_get_clear_errors(overrides, message):
