@@ -214,7 +214,8 @@ def _check_gae_inputs(reward: Tensor, value: Tensor, mask: Tensor) -> bool:
         return True
     stray = reward.ne(0).logical_and_(~mask)
     runs = (mask[:, 1:] & ~mask[:, :-1]).sum(-1, dtype=torch.int32) + mask[:, 0]
-    flags = torch.stack([torch.isfinite(reward).all(), stray.any(), (runs <= 1).all()])
+    # a NaN/inf anywhere makes the sum non-finite (one read; check_finite_reward then locates it)
+    flags = torch.stack([reward.sum().isfinite(), stray.any(), (runs <= 1).all()])
     finite, has_stray, contiguous = flags.tolist()
     if not finite:
         check_finite_reward(reward, "token_gae")
@@ -304,13 +305,18 @@ def token_gae(
     if bootstrap_value is not None:
         _add_bootstrap(delta, loss_mask, gamma * bootstrap_value.to(dtype), compact=not contiguous)
     advantage = _discounted_suffix(delta, gamma * lam)
-    critic_adv = advantage if c_lam is lam else _discounted_suffix(delta, gamma * c_lam)
-    if index is not None:  # back to the original columns (masked tokens read the zero column)
-        advantage = torch.nn.functional.pad(advantage, (0, 1)).gather(1, index)
-        critic_adv = torch.nn.functional.pad(critic_adv, (0, 1)).gather(1, index)
-    advantage = torch.where(loss_mask, advantage, 0.0)
-    value_target = torch.where(loss_mask, critic_adv + v, 0.0)
+    critic_adv = None if c_lam is lam else _discounted_suffix(delta, gamma * c_lam)
+    advantage = _on_trained(advantage, loss_mask, index)
+    critic_adv = advantage if critic_adv is None else _on_trained(critic_adv, loss_mask, index)
+    value_target = critic_adv + v  # v is 0 on masked tokens
     return advantage.to(reward.dtype), value_target.to(reward.dtype)
+
+
+def _on_trained(x: Tensor, mask: Tensor, index: Tensor | None) -> Tensor:
+    """``x`` at the trained tokens of the original layout, 0 elsewhere (``index``: compacted)."""
+    if index is None:
+        return torch.where(mask, x, 0.0)
+    return torch.nn.functional.pad(x, (0, 1)).gather(1, index)  # masked tokens read column L
 
 
 def _compact(r: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
