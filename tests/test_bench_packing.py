@@ -39,5 +39,8 @@ def test_bench_packing_quick(tmp_path: Path, dist: str) -> None:
             )
         assert row["anchor_speedup"] > 0 and row["train_speedup"] > 0
     auto = result["auto"]
-    assert auto["choice"] == ("packed" if auto["token_saving"] >= auto["min_saving"] else "padded")
+    assert auto["padded_padding"] == pytest.approx(padded["padding_fraction"])
+    assert auto["choice"] == (
+        "packed" if auto["padded_padding"] >= auto["min_padding"] else "padded"
+    )
     assert all(0 <= d <= 1e-4 for d in result["check_max_abs_diff"].values())

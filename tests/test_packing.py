@@ -7,6 +7,7 @@ import torch
 from trajectories import make_trajectory, tiny_actor_critic
 
 from ar_torchrl.data import plan_micro_batches
+from ar_torchrl.data.micro_batch import AUTO_PACKING_MIN_PADDING
 from ar_torchrl.modules import PACKED_KEY, LMActorCritic, pack_rows, packed_layout
 from ar_torchrl.objectives import TokenGAE, TokenPPOLoss, recompute_anchors
 from ar_torchrl.training import ppo_update
@@ -157,13 +158,26 @@ def test_packed_plan_counts_the_tokens_the_forward_computes(seed, budget, max_ro
         assert sub["attention_mask"].sum() == td["attention_mask"][list(mb.rows)].sum()
 
 
-def test_auto_packs_only_when_it_saves_enough():
+def test_auto_packs_only_where_the_padded_plan_pads_enough():
     ragged = make_trajectory(PROMPTS, RESPONSES)
     auto = plan_micro_batches(ragged, token_budget=64, packing="auto")
     assert all(mb.packed for mb in auto.micro_batches)
     even = make_trajectory([4] * 8, [6] * 8)  # no padding at all: nothing to gain
     auto = plan_micro_batches(even, token_budget=64, packing="auto")
     assert not any(mb.packed for mb in auto.micro_batches)
+    choices = set()
+    for seed in range(8):  # the rule, on batches with 18-33 % padding
+        g = torch.Generator().manual_seed(seed)
+        td = make_trajectory(
+            torch.randint(1, 4 + seed, (8,), generator=g).tolist(),
+            torch.randint(2, 6 + 2 * seed, (8,), generator=g).tolist(),
+        )
+        padded = plan_micro_batches(td, token_budget=64)
+        padding = 1 - td["attention_mask"].sum().item() / padded.num_tokens
+        auto = plan_micro_batches(td, token_budget=64, packing="auto")
+        assert auto.micro_batches[0].packed == (padding >= AUTO_PACKING_MIN_PADDING)
+        choices.add(auto.micro_batches[0].packed)
+    assert choices == {True, False}
     with pytest.raises(ValueError, match="packing must be True, False or 'auto', got 'yes'"):
         plan_micro_batches(even, token_budget=64, packing="yes")
 
