@@ -90,6 +90,16 @@ def test_packed_outputs_equal_padded_ones(entropy, temperature):
     assert (b[~mask] == 0).all()
 
 
+def test_packed_equals_padded_with_eager_attention():
+    ac = _actor_critic()
+    ac.model.set_attn_implementation("eager")  # the block mask goes through eager's matmuls too
+    td = make_trajectory(PROMPTS, RESPONSES, seed=6)
+    padded = ac(td.select("tokens", "attention_mask").clone())
+    packed = ac(_packed(td))
+    has = _has_previous(td["attention_mask"])
+    assert torch.allclose(padded["log_prob"][has], packed["log_prob"][has], atol=1e-5, rtol=0)
+
+
 def test_varlen_layout_equals_bins():
     """The one-row layout of variable-length kernels gives the same hidden states as the bins
     (run here through sdpa, which detects the packed rows in one row too)."""
