@@ -1,7 +1,7 @@
 """ar_torchrl: TorchRL-native components for PPO on autoregressive language models.
 
 The one data layout is the *token trajectory*: a ``[B, L]`` TensorDict where each position is a
-time step (see ``DESIGN.md`` section 1). Sub-packages:
+time step (see ``docs/design.md`` section 1). Sub-packages:
 
 - :mod:`ar_torchrl.functional`: pure tensor math (GAE, GRPO, masked reductions, PPO terms).
 - :mod:`ar_torchrl.modules`: value head and :class:`~ar_torchrl.modules.LMActorCritic`.

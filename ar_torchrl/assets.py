@@ -1,7 +1,7 @@
 """Offline assets: a character-level tokenizer with a ChatML template and tiny Qwen3 models.
 
 Nothing here downloads anything: the tokenizer is built with ``tokenizers`` and the model from a
-``Qwen3Config``, so tests and the CPU recipe run on a machine with no network (DESIGN.md section 5).
+``Qwen3Config``, so tests and the CPU recipe run on a machine with no network (docs/design.md section 5).
 """
 
 from __future__ import annotations

@@ -2,47 +2,72 @@
 
 A checkpoint is one ``torch.save`` file written to a temporary name in the same directory and renamed
 into place (``os.replace`` is atomic on POSIX), so a crash never leaves a half-written checkpoint
-under the final name. Resuming restores every RNG stream (Python, NumPy, torch CPU and CUDA), so the
-resumed run draws the same samples an uninterrupted run would.
+under the final name; a temporary file left by a killed process is removed by the next save (and by
+:func:`remove_partial_checkpoints`). Resuming restores every RNG stream (Python, NumPy, torch CPU and
+CUDA), so the resumed run draws the same samples an uninterrupted run would.
+
+Loading never executes code from the file: it uses ``torch.load(weights_only=True)``, which accepts
+only tensors and plain containers (dicts, lists, tuples, numbers, strings), so everything saved is
+kept in that form (the NumPy RNG state is stored as a tensor).
+
+torch is imported by the functions that need it: finding checkpoints (:func:`latest_checkpoint`) is
+cheap, so a recipe can locate the one to resume before it imports the training stack.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import pickle
 import random
 import re
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
-from torch import nn
+from ar_torchrl.checks import check_number
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 __all__ = [
     "capture_rng_state",
+    "checkpoint_step",
     "latest_checkpoint",
     "load_checkpoint",
+    "remove_partial_checkpoints",
     "restore_rng_state",
     "save_checkpoint",
 ]
 
 logger = logging.getLogger(__name__)
 _NAME = re.compile(r"^step_(\d+)\.pt$")
+_PARTIAL = re.compile(r"^\.step_\d+\.pt-.*\.tmp$")
 
 
 def capture_rng_state() -> dict[str, Any]:
-    """Python, NumPy, torch CPU (and CUDA when available) RNG states.
+    """Python, NumPy, torch CPU (and CUDA when available) RNG states, as tensors and plain data.
 
     Example:
+        >>> import torch
         >>> state = capture_rng_state(); a = torch.rand(1)
         >>> restore_rng_state(state); bool(torch.rand(1) == a)
         True
     """
+    import numpy as np
+    import torch
+
+    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": {
+            "kind": str(kind),
+            "keys": torch.from_numpy(keys.astype(np.int64)),  # uint32 as int64: exact
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -52,8 +77,13 @@ def capture_rng_state() -> dict[str, Any]:
 
 def restore_rng_state(state: dict[str, Any]) -> None:
     """Restore what :func:`capture_rng_state` captured (see its example)."""
+    import numpy as np
+    import torch
+
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    n = state["numpy"]
+    keys = n["keys"].numpy().astype(np.uint32)
+    np.random.set_state((n["kind"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -75,19 +105,25 @@ def save_checkpoint(
         step: the number of completed training iterations.
         model: the policy; its ``state_dict`` includes ``value_head.*`` when a head is attached.
         optimizer: saved when given.
-        extra: anything picklable the run needs to continue (data position, collector state,
-            policy version, metric history, ...).
-        keep_last: delete older ``step_*.pt`` files beyond the newest ``keep_last``.
+        extra: what the run needs to continue (data position, collector state, policy version,
+            ...), as tensors and plain containers (what ``weights_only=True`` loading accepts).
+        keep_last: delete older ``step_*.pt`` files beyond the newest ``keep_last`` (``>= 1``;
+            ``None`` keeps all).
 
     Example:
         >>> import tempfile
+        >>> from torch import nn
         >>> d = tempfile.mkdtemp(); net = nn.Linear(2, 1)
         >>> p = save_checkpoint(d, step=3, model=net, extra={"data_position": 48})
         >>> p.name, load_checkpoint(p, model=net)["extra"]["data_position"]
         ('step_3.pt', 48)
     """
+    import torch
+
+    check_number("save_checkpoint", "keep_last", keep_last, ge=1, integer=True, allow_none=True)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    remove_partial_checkpoints(directory)
     payload = {
         "step": int(step),
         "model": model.state_dict(),
@@ -118,11 +154,47 @@ def _checkpoints(directory: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def checkpoint_step(path: str | os.PathLike) -> int:
+    """The step of a checkpoint file named ``step_<step>.pt``.
+
+    Example:
+        >>> checkpoint_step("runs/a/checkpoints/step_40.pt")
+        40
+    """
+    match = _NAME.match(Path(path).name)
+    if match is None:
+        raise ValueError(f"{str(path)!r} is not a checkpoint file name (step_<N>.pt)")
+    return int(match.group(1))
+
+
+def remove_partial_checkpoints(directory: str | os.PathLike) -> list[Path]:
+    """Delete the temporary files of saves that were killed mid-write; return what was deleted.
+
+    Only one process may write checkpoints into ``directory`` (a temporary file of a save still in
+    progress elsewhere would be deleted too).
+
+    Example:
+        >>> import tempfile
+        >>> d = Path(tempfile.mkdtemp()); _ = (d / ".step_3.pt-x1y2.tmp").write_bytes(b"half")
+        >>> [p.name for p in remove_partial_checkpoints(d)], list(d.iterdir())
+        (['.step_3.pt-x1y2.tmp'], [])
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    removed = sorted(p for p in directory.iterdir() if _PARTIAL.match(p.name))
+    for path in removed:
+        logger.warning("removing %s: a checkpoint save that did not finish", path)
+        path.unlink(missing_ok=True)
+    return removed
+
+
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     """The ``step_*.pt`` with the highest step in ``directory`` (``None`` if there is none).
 
     Example:
         >>> import tempfile
+        >>> from torch import nn
         >>> d = tempfile.mkdtemp(); net = nn.Linear(2, 1)
         >>> _ = save_checkpoint(d, step=2, model=net); _ = save_checkpoint(d, step=10, model=net)
         >>> latest_checkpoint(d).name
@@ -144,21 +216,34 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Load a checkpoint into ``model`` (strict) and ``optimizer``; restore RNG states.
 
+    The file is read with ``torch.load(weights_only=True)``: nothing in it is executed.
+
     Returns:
         ``{"step": int, "extra": dict}``.
 
     Example:
         >>> import tempfile
+        >>> from torch import nn
         >>> net = nn.Linear(2, 1); p = save_checkpoint(tempfile.mkdtemp(), step=1, model=net)
         >>> load_checkpoint(p, model=nn.Linear(3, 1))
         Traceback (most recent call last):
         ...
         ValueError: checkpoint ... does not match the model ...
     """
+    import torch
+
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"load_checkpoint: no checkpoint file at {str(path)!r}")
-    payload = torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise ValueError(
+            f"checkpoint {str(path)!r} holds objects other than tensors and plain containers, so "
+            "it was not written by ar_torchrl.checkpoint.save_checkpoint (or it was tampered "
+            "with); it is not loaded, as unpickling it could run code. "
+            f"{str(err).splitlines()[0]}"
+        ) from None
     try:
         model.load_state_dict(payload["model"])
     except RuntimeError as err:

@@ -141,7 +141,9 @@ def check_choice(owner: str, name: str, value: Any, choices: Iterable[Any]) -> A
     return value
 
 
-def check_clip_epsilon(owner: str, value: Any) -> float | tuple[float, float]:
+def check_clip_epsilon(
+    owner: str, value: Any, *, name: str = "clip_epsilon"
+) -> float | tuple[float, float]:
     """PPO ratio clip: ``eps`` in ``(0, 1)`` or ``(eps_low, eps_high)``, ``0 < eps_low < 1 < ...``.
 
     ``eps_low`` must be in ``(0, 1)`` (the ratio's lower bound ``1 - eps_low`` stays positive);
@@ -159,7 +161,7 @@ def check_clip_epsilon(owner: str, value: Any) -> float | tuple[float, float]:
         ValueError: TokenPPOLoss: clip_epsilon must be a float in (0, 1) or (low, high) with 0 < low < 1 and high > 0, got (1.2, 0.28)
     """
     msg = (
-        f"{owner}: clip_epsilon must be a float in (0, 1) or (low, high) with 0 < low < 1 and "
+        f"{owner}: {name} must be a float in (0, 1) or (low, high) with 0 < low < 1 and "
         f"high > 0, got {value!r}"
     )
     if isinstance(value, Sequence) and not isinstance(value, str):
@@ -177,7 +179,7 @@ def check_clip_epsilon(owner: str, value: Any) -> float | tuple[float, float]:
     return float(value)
 
 
-def check_grad_clip(owner: str, value: Any) -> float | None:
+def check_grad_clip(owner: str, value: Any, *, name: str = "grad_clip") -> float | None:
     """Max global gradient norm: ``None`` (no clipping) or a finite number ``> 0``.
 
     ``0`` would silently freeze training and a negative value flips the gradient's sign in
@@ -194,7 +196,7 @@ def check_grad_clip(owner: str, value: Any) -> float | None:
     if value is None:
         return None
     try:
-        return float(check_number(owner, "grad_clip", value, gt=0))
+        return float(check_number(owner, name, value, gt=0))
     except ValueError as err:
         raise ValueError(f"{err} (None disables clipping)") from None
 

@@ -1,7 +1,7 @@
 """Pure tensor math for token-level PPO/GRPO on language models.
 
 Every function here works on plain tensors (no TensorDict), documents its shapes, and treats a
-boolean ``mask`` with ``True`` = "this token is trained on" (generated tokens only, DESIGN.md
+boolean ``mask`` with ``True`` = "this token is trained on" (generated tokens only, docs/design.md
 section 1). Masked positions never influence a result, a reduction or a gradient: inputs there are
 replaced with zeros through :func:`torch.where` before any arithmetic, so even ``inf``/``nan``
 garbage at masked positions is harmless.

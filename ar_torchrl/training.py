@@ -2,7 +2,7 @@
 
 The micro-batches are those of the :class:`~ar_torchrl.data.MicroBatchPlan` that computed the
 anchors, so at unchanged weights the first forward reproduces ``sample_log_prob`` and
-``state_value`` exactly (DESIGN.md section 4). Each epoch shuffles the micro-batches and groups them
+``state_value`` exactly (docs/design.md section 4). Each epoch shuffles the micro-batches and groups them
 into ``num_minibatches`` mini-batches; a mini-batch accumulates the gradients of its micro-batches,
 each loss divided by the mini-batch's *global* normaliser, so the accumulated gradient equals the
 gradient of one big batch. A mini-batch whose loss or gradient norm is not finite is skipped (no

@@ -1,6 +1,6 @@
 """Supervised warm start on generated problems in the DAPO prompt format, cached on disk.
 
-A tiny random model cannot discover the ``Answer: $Answer`` format by RL alone (DESIGN.md section 5):
+A tiny random model cannot discover the ``Answer: $Answer`` format by RL alone (docs/design.md section 5):
 a few hundred supervised steps on responses ``"Answer: X"`` that are correct only part of the time
 teach the format but leave the arithmetic to PPO. The result is saved as an HF directory (so a
 rollout server can load it too) under ``cache_dir/warmstart-<hash>``, where the hash covers the

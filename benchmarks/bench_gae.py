@@ -7,7 +7,7 @@ cpu``) or on a GPU (``--device cuda``: one host thread, every call synchronised)
 path is from a memory-bandwidth bound measured in the same run on the same device.
 
 Data (seeded): each row is a left-padded prompt (length uniform in ``[P/8, P]``, P=512) followed by a
-right-padded response of length uniform in ``[1, L - P]``, the DESIGN.md token-trajectory layout.
+right-padded response of length uniform in ``[1, L - P]``, the docs/design.md token-trajectory layout.
 ``loss_mask`` is True on response tokens; ``value`` is uniform in ``[-1, 1]`` on real tokens, 0 on
 padding; the reward is +-1 on the last response token, 0 elsewhere.
 
@@ -27,7 +27,7 @@ column P), shape ``[B, L - P, 1]``; ``next_state_value`` is the value shifted by
 ``done = terminated = True`` on the last response token only (the right padding after it becomes a
 separate trajectory that TorchRL also computes, since TorchRL has no mask). Running TorchRL on the
 whole row instead costs more steps; marking every padding token ``done`` makes the vectorized path
-O(B * L^2) (DESIGN.md section 8), so neither is used. On trained tokens all paths compute the same
+O(B * L^2) (docs/design.md section 8), so neither is used. On trained tokens all paths compute the same
 numbers: the script asserts |difference| <= 1e-4 for advantage and value_target before timing.
 
 Bandwidth bound: the bytes token_gae must move at least once (reward, value float32 + mask bool

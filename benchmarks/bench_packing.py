@@ -14,7 +14,7 @@ planned two ways with :func:`~ar_torchrl.data.plan_micro_batches` (``packing=Fal
 
 Data (seeded): response lengths log-normal (median ``--median``, sigma ``--sigma``) clipped to
 ``[--min-response, --max-response]`` (the issue: 16..4096), prompts uniform in
-``[--prompt / 2, --prompt]``; left-padded prompts, right-padded responses (DESIGN.md section 1).
+``[--prompt / 2, --prompt]``; left-padded prompts, right-padded responses (docs/design.md section 1).
 ``--dist uniform`` draws responses uniformly in ``[--max-response / 2, --max-response]`` instead
 (little padding: where ``packing="auto"`` should keep the padded plan).
 

@@ -9,12 +9,13 @@ Run:  python examples/compose_torchrl.py --iterations 30
 
 Difference from examples/dapo_ppo.py: mini-batches are random rows drawn from the buffer, so the
 training forward does not reuse the anchor pass's micro-batch geometry; the first ratio is 1 up to
-float rounding instead of exactly 1 (see DESIGN.md section 4).
+float rounding instead of exactly 1 (see docs/design.md section 4).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from pathlib import Path
 
@@ -32,9 +33,21 @@ from ar_torchrl.warmstart import cached_warm_start
 from ar_torchrl.weight_sync import named_policy_tensors
 
 
+def quiet_storage_init() -> None:
+    """Drop TorchRL's "Initialized LazyTensorStorage ..." INFO record (one per batch here).
+
+    Each batch has its own width L, so the buffer is rebuilt per batch and TorchRL logs that line
+    every iteration; only that record is filtered, every other message (warnings included) stays.
+    """
+    logging.getLogger("torchrl").addFilter(
+        lambda record: not record.getMessage().startswith("Initialized LazyTensorStorage")
+    )
+
+
 def main(iterations: int, epochs: int = 2, minibatch_rows: int = 32, seed: int = 0) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(seed)
+    quiet_storage_init()
     cache = Path(os.environ.get("AR_TORCHRL_CACHE", Path.home() / ".cache" / "ar_torchrl"))
 
     # Policy: the tiny Qwen3, warm-started on the answer format (cached), plus a value head.

@@ -8,7 +8,7 @@ import torch
 
 
 def gae_loop(reward, value, mask, gamma, lmbda, critic_lmbda=None, bootstrap=None):
-    """Row by row, token by token, exactly as DESIGN.md section 3 words it (float64)."""
+    """Row by row, token by token, exactly as docs/design.md section 3 words it (float64)."""
     B, L = reward.shape
     adv = torch.zeros(B, L, dtype=torch.float64)
     tgt = torch.zeros(B, L, dtype=torch.float64)

@@ -1,4 +1,4 @@
-"""completions_to_trajectory: the [B, L] layout of DESIGN.md section 1, exactly."""
+"""completions_to_trajectory: the [B, L] layout of docs/design.md section 1, exactly."""
 
 from __future__ import annotations
 

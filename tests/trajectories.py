@@ -1,4 +1,4 @@
-"""Synthetic token trajectories in the DESIGN.md section 1 layout (tests only)."""
+"""Synthetic token trajectories in the docs/design.md section 1 layout (tests only)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ The sampling loop is our own (not ``model.generate``) so that every detail the P
 explicit:
 
 - prompts are left-padded; position ids are ``cumsum(attention_mask) - 1``, so padding never shifts
-  positions (DESIGN.md section 1);
+  positions (docs/design.md section 1);
 - completions are tracked by *length*, not by pad id: a sampled token equal to the pad id (or a
   tokenizer with ``pad == eos``) is never mistaken for padding;
 - the EOS/stop token that ends a completion is kept in it, with its log-prob;

@@ -1,4 +1,4 @@
-"""Collate backend completions into the ``[B, L]`` token trajectory of DESIGN.md section 1."""
+"""Collate backend completions into the ``[B, L]`` token trajectory of docs/design.md section 1."""
 
 from __future__ import annotations
 

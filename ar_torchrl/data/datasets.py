@@ -1,6 +1,6 @@
 """Prompt datasets in the DAPO-Math-17k schema: a validating loader and an offline arithmetic generator.
 
-A row is a plain dict (DESIGN.md section 5)::
+A row is a plain dict (docs/design.md section 5)::
 
     {"data_source": str, "prompt": [{"role": "user", "content": str}, ...], "ability": str,
      "reward_model": {"ground_truth": str, "style": str}, "extra_info": {"index": int}}
@@ -40,7 +40,7 @@ DAPO_TEMPLATE = (
     "form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{problem}\n\n"
     'Remember to put your answer on its own line after "Answer:".'
 )
-#: A short DAPO-style prompt for tiny character-level models (DESIGN.md section 5).
+#: A short DAPO-style prompt for tiny character-level models (docs/design.md section 5).
 SHORT_TEMPLATE = "Solve step by step. End with a line Answer: $Answer\n\n{problem}"
 TEMPLATES = {"dapo": DAPO_TEMPLATE, "short": SHORT_TEMPLATE}
 

@@ -1,4 +1,4 @@
-"""Micro-batch geometry shared by the anchor pass and the training forward (DESIGN.md section 4).
+"""Micro-batch geometry shared by the anchor pass and the training forward (docs/design.md section 4).
 
 A :class:`MicroBatchPlan` fixes which rows go together and the column span each micro-batch is
 cropped to. Running the anchor pass (:func:`~ar_torchrl.objectives.recompute_anchors`) and the

@@ -1,4 +1,4 @@
-"""Data-parallel training with FSDP2 under ``torchrun`` (DESIGN.md section 7).
+"""Data-parallel training with FSDP2 under ``torchrun`` (docs/design.md section 7).
 
 One controller: rank 0 owns the collector; the batch reaches every rank
 (:func:`broadcast_batch`); every rank trains on its token-balanced share of the micro-batch plan

@@ -11,7 +11,7 @@ Design (two time scales):
   overlong penalty) and ends the episode. Specs are fixed-width, so ``check_env_specs`` holds and any
   TorchRL policy writing these action keys can drive the env.
 - **``rollout()``** (the default policy is :meth:`LLMEnv.generate`, which calls the backend) returns
-  the ``[N, L]`` *token-time* trajectory of DESIGN.md section 1, built by
+  the ``[N, L]`` *token-time* trajectory of docs/design.md section 1, built by
   :func:`~ar_torchrl.data.collate.completions_to_trajectory` with ``L`` the batch's own width (no
   fixed-width padding reaches the trainer). ``rollout(token_trajectory=False)`` is TorchRL's plain
   sequence-level rollout.

@@ -1,6 +1,6 @@
 """``LMActorCritic``: one backbone forward -> per-token log-probs of ``"tokens"`` and ``state_value``.
 
-Alignment (DESIGN.md section 1): ``log_prob[t] = log pi(tokens[t] | tokens[<t])`` from the logits at
+Alignment (docs/design.md section 1): ``log_prob[t] = log pi(tokens[t] | tokens[<t])`` from the logits at
 ``t - 1``, and ``state_value[t] = V(h[t - 1])`` (the state before token ``t``); position 0 gets 0 for
 both. Position ids are ``cumsum(attention_mask) - 1`` so left padding never shifts positions.
 

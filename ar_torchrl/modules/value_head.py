@@ -1,7 +1,7 @@
 """The value head: a zero-initialised float32 ``nn.Linear(hidden, 1)`` living inside the HF model.
 
 It is registered as the submodule ``value_head`` of the causal LM, so ``model.state_dict()`` keys are
-exactly the HF checkpoint keys plus ``value_head.weight`` / ``value_head.bias`` (DESIGN.md section 3).
+exactly the HF checkpoint keys plus ``value_head.weight`` / ``value_head.bias`` (docs/design.md section 3).
 ``model.save_pretrained`` writes a clean HF checkpoint (the head is listed in the instance's
 ``_keys_to_ignore_on_save``); :func:`save_value_head` writes the head to its own file beside it.
 """

@@ -1,6 +1,6 @@
 """``TokenPPOLoss``: TorchRL's ``ClipPPOLoss`` for token trajectories, masked by ``loss_mask``.
 
-Departures from ``torchrl.objectives.ClipPPOLoss`` (DESIGN.md section 8 lists why):
+Departures from ``torchrl.objectives.ClipPPOLoss`` (docs/design.md section 8 lists why):
 
 - one backbone forward of an :class:`~ar_torchrl.modules.LMActorCritic` gives new log-probs *and*
   values (the actor and critic are one module);

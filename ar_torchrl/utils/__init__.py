@@ -1,8 +1,12 @@
-"""Run plumbing for the recipe: per-stage timing, TorchRL logger factory, metric files, PNG plots."""
+"""Run plumbing for the recipe: per-stage timing, TorchRL logger factory, metric files, PNG plots.
+
+Importing this package is cheap (TorchRL and matplotlib are imported when first used).
+"""
 
 from __future__ import annotations
 
-from ar_torchrl.utils.loggers import append_jsonl, log_metrics, make_logger, read_jsonl
+from ar_torchrl.utils.history import append_jsonl, read_jsonl, truncate_jsonl
+from ar_torchrl.utils.loggers import log_metrics, make_logger, truncate_csv_logs
 from ar_torchrl.utils.plotting import plot_training_curves
 from ar_torchrl.utils.timer import StageTimer
 
@@ -13,4 +17,6 @@ __all__ = [
     "make_logger",
     "plot_training_curves",
     "read_jsonl",
+    "truncate_csv_logs",
+    "truncate_jsonl",
 ]

@@ -1,20 +1,26 @@
-"""TorchRL logger factory and a JSON-lines metric history (what the plot and resume read back)."""
+"""TorchRL logger factory, and trimming of TorchRL's CSV logs when a run resumes.
+
+TorchRL is imported by :func:`make_logger` (importing this module stays cheap).
+"""
 
 from __future__ import annotations
 
 import importlib.util
-import json
-import math
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, get_args
 
-from torchrl.record.loggers import CSVLogger, Logger
+if TYPE_CHECKING:
+    from torchrl.record.loggers import Logger
 
-__all__ = ["LoggerKind", "append_jsonl", "log_metrics", "make_logger", "read_jsonl"]
+__all__ = ["LOGGER_KINDS", "LoggerKind", "log_metrics", "make_logger", "truncate_csv_logs"]
+
+logger = logging.getLogger(__name__)
 
 LoggerKind = Literal["csv", "tensorboard", "wandb", "none"]
+LOGGER_KINDS: tuple[str, ...] = get_args(LoggerKind)
 _EXTRA = {"tensorboard": "tensorboard", "wandb": "wandb"}
 
 
@@ -42,11 +48,11 @@ def make_logger(
     """
     if kind == "none":
         return None
-    if kind not in ("csv", "tensorboard", "wandb"):
-        raise ValueError(
-            f"logger.kind={kind!r} is not one of ['csv', 'tensorboard', 'wandb', 'none']"
-        )
+    if kind not in LOGGER_KINDS:
+        raise ValueError(f"logger.kind={kind!r} is not one of {list(LOGGER_KINDS)}")
     if kind == "csv":
+        from torchrl.record.loggers import CSVLogger
+
         return CSVLogger(exp_name=exp_name, log_dir=str(log_dir))
     if importlib.util.find_spec(_EXTRA[kind]) is None:
         raise ModuleNotFoundError(
@@ -70,22 +76,48 @@ def log_metrics(logger: Logger | None, metrics: Mapping[str, float], step: int) 
         logger.log_scalar(name, float(value), step=step)
 
 
-def append_jsonl(path: str | os.PathLike, record: Mapping[str, float | int]) -> None:
-    """Append one JSON record (NaN/inf written as ``null``) and flush.
+def truncate_csv_logs(log_dir: str | os.PathLike, max_step: int) -> int:
+    """Drop the rows after ``max_step`` from every ``scalars/*.csv`` of TorchRL's ``CSVLogger``.
+
+    A resumed run recomputes the iterations after its checkpoint; without this their old rows
+    would stay in the CSV files next to the new ones. Files are rewritten atomically; a torn last
+    row (a process killed mid-write) is dropped too.
+
+    Args:
+        log_dir: the directory given to :func:`make_logger` (its ``<exp_name>/scalars`` are trimmed).
+        max_step: the last step to keep.
+
+    Returns:
+        how many rows were dropped over all files.
 
     Example:
         >>> import tempfile
-        >>> p = Path(tempfile.mkdtemp()) / "m.jsonl"
-        >>> append_jsonl(p, {"step": 1, "x": float("nan")}); read_jsonl(p)
-        [{'step': 1, 'x': None}]
+        >>> d = tempfile.mkdtemp()
+        >>> log = make_logger("csv", log_dir=d, exp_name="run")
+        >>> for step in (1, 2, 3): log_metrics(log, {"rollout/reward": step / 10}, step)
+        >>> truncate_csv_logs(d, 2)
+        1
+        >>> (Path(d) / "run" / "scalars" / "rollout" / "reward.csv").read_text().split()
+        ['1,0.1', '2,0.2']
     """
-    clean = {
-        k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()
-    }
-    with open(path, "a") as f:
-        f.write(json.dumps(clean) + "\n")
+    dropped = 0
+    for path in sorted(Path(log_dir).glob("*/scalars/**/*.csv")):
+        *rows, torn = path.read_text().split("\n")  # torn: text after the last newline
+        kept = [r for r in rows if _csv_step(r) is not None and _csv_step(r) <= max_step]
+        dropped += len(rows) - len(kept) + bool(torn)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(r + "\n" for r in kept))
+        os.replace(tmp, path)
+    if dropped:
+        logger.info("%s: dropped %d CSV rows after step %d", log_dir, dropped, max_step)
+    return dropped
 
 
-def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    """Read the records :func:`append_jsonl` wrote (see its example)."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+def _csv_step(row: str) -> int | None:
+    """The step of a ``step,value`` row (``None`` for an empty or torn row)."""
+    step, sep, value = row.partition(",")
+    try:
+        float(value)
+        return int(step) if sep else None
+    except ValueError:
+        return None

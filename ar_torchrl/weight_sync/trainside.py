@@ -1,6 +1,6 @@
 """Trainside weight sync: load the trainer's policy tensors into an in-process rollout model.
 
-Two modes (DESIGN.md section 3, "Weight sync"):
+Two modes (docs/design.md section 3, "Weight sync"):
 
 - ``"copy"``: the rollout model is its own module; every tensor of
   :func:`~ar_torchrl.weight_sync.named_policy_tensors` is validated (names, shapes) and then copied
