@@ -1,16 +1,25 @@
-"""Checkpoints: exact round trip (model, value head, optimizer, RNG), atomic writes, clear errors."""
+"""Checkpoints: exact round trip (model, value head, optimizer, RNG), atomic writes, clear errors,
+loading that never runs code from the file."""
 
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-import ar_torchrl.checkpoint as ck
 from ar_torchrl.assets import build_tiny_qwen3
-from ar_torchrl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from ar_torchrl.checkpoint import (
+    checkpoint_step,
+    latest_checkpoint,
+    load_checkpoint,
+    remove_partial_checkpoints,
+    save_checkpoint,
+)
 from ar_torchrl.modules import attach_value_head
 
 torch.set_num_threads(1)
@@ -58,7 +67,7 @@ def test_write_is_atomic_and_old_checkpoint_survives_a_crash(tmp_path, monkeypat
         f.write(b"half a checkpoint")
         raise OSError("disk full")
 
-    monkeypatch.setattr(ck.torch, "save", crash)
+    monkeypatch.setattr(torch, "save", crash)
     with pytest.raises(OSError, match="disk full"):
         save_checkpoint(tmp_path, step=2, model=model, optimizer=opt)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1.pt"]  # no partial file, no temp
@@ -83,3 +92,63 @@ def test_errors_name_the_problem(tmp_path):
         load_checkpoint(path, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1))
     with pytest.raises(FileNotFoundError, match="no checkpoint file at"):
         load_checkpoint(tmp_path / "step_9.pt", model=model)
+
+
+class _RunsCode:
+    """Unpickling this calls ``Path.touch`` on a marker file: what a malicious checkpoint could do."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_loading_never_runs_code_from_the_file(tmp_path):
+    marker = tmp_path / "code_ran"
+    path = tmp_path / "step_1.pt"
+    torch.save({"step": 1, "model": {}, "extra": _RunsCode(marker)}, path)
+    with pytest.raises(ValueError, match=r"holds objects other than tensors .* not loaded"):
+        load_checkpoint(path, model=torch.nn.Linear(2, 1))
+    assert not marker.exists()
+
+
+def test_checkpoint_is_plain_data(tmp_path):
+    """What save_checkpoint writes loads with weights_only=True (numpy RNG state included)."""
+    model, opt = trained_model_and_optimizer()
+    path = save_checkpoint(tmp_path, step=3, model=model, optimizer=opt,
+                           extra={"shuffle": torch.Generator().get_state(), "cursor": [1, 2]})  # fmt: skip
+    payload = torch.load(path, weights_only=True)
+    assert set(payload) == {"step", "model", "optimizer", "rng", "extra"}
+    assert payload["rng"]["numpy"]["keys"].dtype == torch.int64
+
+
+def test_unfinished_saves_are_removed(tmp_path, caplog):
+    model = torch.nn.Linear(2, 1)
+    save_checkpoint(tmp_path, step=1, model=model)
+    left = tmp_path / ".step_2.pt-k3j2x.tmp"  # a save killed mid-write (SIGKILL, power loss)
+    left.write_bytes(b"half a checkpoint")
+    assert latest_checkpoint(tmp_path).name == "step_1.pt"  # never mistaken for a checkpoint
+    save_checkpoint(tmp_path, step=2, model=model)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1.pt", "step_2.pt"]
+    assert ".step_2.pt-k3j2x.tmp" in caplog.text and "did not finish" in caplog.text
+    left.write_bytes(b"again")
+    assert remove_partial_checkpoints(tmp_path) == [left] and not left.exists()
+    assert remove_partial_checkpoints(tmp_path / "missing") == []
+
+
+def test_keep_last_must_keep_one(tmp_path):
+    """keep_last=-1 used to delete each checkpoint right after writing it."""
+    for bad in (-1, 0):
+        with pytest.raises(ValueError, match=f"save_checkpoint: keep_last must be >= 1, got {bad}"):
+            save_checkpoint(tmp_path, step=1, model=torch.nn.Linear(2, 1), keep_last=bad)
+    assert not list(tmp_path.glob("step_*.pt"))
+    assert checkpoint_step(tmp_path / "step_12.pt") == 12
+    with pytest.raises(ValueError, match="is not a checkpoint file name"):
+        checkpoint_step("model.safetensors")
+
+
+def test_module_imports_no_torch():
+    code = "import sys, ar_torchrl.checkpoint; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

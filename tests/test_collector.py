@@ -14,7 +14,7 @@ from ar_torchrl.collectors import WeightSyncCollector, batch_policy_version
 from ar_torchrl.data import arithmetic_dataset
 from ar_torchrl.envs import LLMEnv
 from ar_torchrl.modules import attach_value_head
-from ar_torchrl.weight_sync import VALUE_HEAD_PREFIX, WeightSyncError
+from ar_torchrl.weight_sync import VALUE_HEAD_PREFIX, WeightSyncError, named_policy_tensors
 
 torch.set_num_threads(1)
 
@@ -158,6 +158,44 @@ def test_state_dict_resumes_before_the_prefetched_batch(tok):
     resumed = list(fresh)
     assert len(resumed) == 2 and fresh.batches_yielded == 3
     assert torch.equal(resumed[0]["tokens"], expected["tokens"])
+
+
+def _train_step(collector, model):
+    """Stands in for a PPO update: new weights, then the sync."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05)
+    collector.update_policy_weights_()
+
+
+def test_async_state_with_the_pending_batch_resumes_exactly(tmp_path, tok):
+    """include_pending: the batch in flight (sampled by the weights before the update) is saved,
+    so a resumed async run hands out the same batch with the same lag (1), not a regenerated one."""
+    collector, model, _ = make(tok, mode="async", total_batches=3, seed=4)
+    it = iter(collector)
+    next(it)
+    _train_step(collector, model)
+    torch.save({"collector": collector.state_dict(include_pending=True),
+                "model": model.state_dict()}, tmp_path / "ckpt.pt")  # fmt: skip
+    straight = [next(it), collector.last_policy_lag]
+    _train_step(collector, model)
+    straight += [next(it), collector.last_policy_lag]
+    collector.shutdown()
+
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)  # plain tensors and containers
+    fresh, fresh_model, _ = make(tok, mode="async", total_batches=2, seed=99)
+    fresh_model.load_state_dict(state["model"])
+    fresh.load_state_dict(state["collector"])
+    fresh.env.backend.sync_weights(named_policy_tensors(fresh_model), version=fresh.policy_version)
+    it = iter(fresh)
+    resumed = [next(it), fresh.last_policy_lag]
+    _train_step(fresh, fresh_model)
+    resumed += [next(it), fresh.last_policy_lag]
+    fresh.shutdown()
+    assert straight[1::2] == resumed[1::2] == [1, 1]
+    for a, b in zip(straight[::2], resumed[::2]):
+        assert batch_policy_version(a) == batch_policy_version(b)
+        assert (a == b).all(), "the resumed batch differs"
 
 
 def test_shutdown_rewinds_an_unconsumed_prefetch(tok):

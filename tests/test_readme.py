@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import torch
@@ -29,3 +30,32 @@ def test_readme_composition_example_runs():
 def test_readme_test_command_is_what_ci_runs():
     ci = (README.parent / ".ci" / "run").read_text()
     assert "bash scripts/test.sh" in README.read_text() and "bash scripts/test.sh" in ci
+
+
+def test_nothing_refers_outside_the_repository():
+    """The repo carries its own design document; no file points at one a user does not have."""
+    root = README.parent
+    files = subprocess.run(
+        ["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True
+    )
+    bad = []
+    for name in files.stdout.split():
+        path = root / name
+        if not path.is_file() or path.suffix in {".json", ".png"}:
+            continue
+        text = path.read_text(errors="replace")
+        for pattern in ("../" + "shared", "/work/" + "shared", "DESIGN" + ".md"):  # not this file
+            bad += [f"{name}: {pattern}" for _ in range(text.count(pattern))]
+    assert not bad, "\n".join(bad)
+
+
+def test_cited_design_sections_exist():
+    root = README.parent
+    design = (root / "docs" / "design.md").read_text()
+    sections = set(re.findall(r"^#{2,3} (\d+b?)\. ", design, flags=re.M))
+    files = subprocess.run(["git", "ls-files", "*.py", "*.md", "*.yaml"], cwd=root,
+                           capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+    cited = {(name, n) for name in files
+             for n in re.findall(r"docs/design\.md`?\)? section (\d+b?)", (root / name).read_text())}  # fmt: skip
+    assert len(cited) >= 15
+    assert not {c for c in cited if c[1] not in sections}, sorted(sections)
