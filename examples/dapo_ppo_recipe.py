@@ -76,11 +76,14 @@ def build_model(cfg: Config):
     if isinstance(m, TinyModelConfig):
         model, tok = build_tiny_model(hidden_size=m.hidden_size, num_layers=m.num_layers,
                                       num_heads=m.num_heads, seed=m.init_seed)  # fmt: skip
+        source = "model=tiny"
     elif isinstance(m, SmolLM2ModelConfig):
         model, tok = load_smollm2_135m(cfg.cache_dir)
+        source = "model=smollm2_135m"
     else:
         model, tok = load_hf_model(m.path, dtype=m.dtype, attn_implementation=m.attn_implementation)
-    check_tokenizer(tok, where=f"the tokenizer of model={type(m).__name__}")
+        source = f"model.path={m.path}"
+    check_tokenizer(tok, where=f"the tokenizer of {source}")
     ws = m.warm_start
     if ws.enabled:
         rows = arithmetic_dataset(ws.num_rows, seed=ws.data_seed, template=ws.template)

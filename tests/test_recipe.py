@@ -1,4 +1,5 @@
-"""End to end: examples/dapo_ppo.py through a subprocess (the README's command with short overrides).
+"""examples/dapo_ppo.py end to end through a subprocess (the README's command with short overrides),
+and its run-directory logic (resuming, history, stopping) in process.
 
 The warm start is cached once per test session in a temporary cache directory, exactly as a user's
 first run caches it under ``~/.cache/ar_torchrl``.
@@ -6,30 +7,45 @@ first run caches it under ``~/.cache/ar_torchrl``.
 
 from __future__ import annotations
 
-import importlib.util
+import contextlib
 import json
 import math
 import os
+import shlex
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from ar_torchrl.assets import save_tiny_model
 from ar_torchrl.data.datasets import make_row
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "dapo_ppo.py"
+sys.path.insert(0, str(ROOT / "examples"))
 torch.set_num_threads(1)
+
+import dapo_ppo  # noqa: E402  (the entry point: light, no torch)
+import dapo_ppo_config as C  # noqa: E402
 
 #: The CI version of the CPU default: same config, 100 iterations instead of 300 (see README).
 SHORT = ["train.iterations=100", "train.eval_every=100", "train.checkpoint_every=0"]
 #: Measured (seeds 0-4, 100 iterations): the mean reward of iterations 81-100 minus that of 1-20 was
 #: +0.30, +0.42, +0.39, +0.34, +0.40; the test asserts half the smallest of them.
 MIN_RISE = 0.15
+#: Resume tests: 4 iterations, checkpoints and evaluations every 2.
+COMMON = [
+    "train.iterations=4",
+    "train.checkpoint_every=2",
+    "train.eval_every=2",
+    "train.plot=false",
+]
 
 
 @pytest.fixture(scope="session")
@@ -37,22 +53,65 @@ def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("ar_torchrl_cache")
 
 
+def recipe_env(cache: Path) -> dict:
+    return {**os.environ, "AR_TORCHRL_CACHE": str(cache), "OMP_NUM_THREADS": "1",
+            "HYDRA_FULL_ERROR": "1", "TQDM_DISABLE": "1"}  # fmt: skip
+
+
+def read_history(run_dir: Path) -> list[dict]:
+    metrics = run_dir / "metrics.jsonl"
+    return [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
+
+
 def run_recipe(run_dir: Path, cache: Path, *overrides: str, check: bool = True):
-    env = {**os.environ, "AR_TORCHRL_CACHE": str(cache), "OMP_NUM_THREADS": "1",
-           "HYDRA_FULL_ERROR": "1", "TQDM_DISABLE": "1"}  # fmt: skip
     cmd = [sys.executable, str(SCRIPT), f"hydra.run.dir={run_dir}", *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, cwd=ROOT, env=recipe_env(cache), capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
     if check and proc.returncode != 0:
         raise AssertionError(f"recipe failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    metrics = run_dir / "metrics.jsonl"
-    history = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
-    return proc, history
+    return proc, read_history(run_dir)
+
+
+def stop_after_first_step(run_dir: Path, cache: Path, signum: int, *overrides: str):
+    """Start the recipe, send ``signum`` once step 1 is in metrics.jsonl, wait for it to exit."""
+    cmd = [sys.executable, str(SCRIPT), f"hydra.run.dir={run_dir}", *overrides]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=recipe_env(cache), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 600
+        while not any(h["step"] == 1 for h in read_history(run_dir)):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][
+                -3000:
+            ]
+            time.sleep(0.05)
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return proc.returncode, out, err
+
+
+def same_runs(a: list[dict], b: list[dict]) -> None:
+    assert [h["step"] for h in a] == [h["step"] for h in b]
+    for x, y in zip(a, b):
+        keys = {k for k in x if not k.startswith("time/")}
+        assert keys == {k for k in y if not k.startswith("time/")}
+        assert {k: x[k] for k in keys} == {k: y[k] for k in keys}, f"step {x['step']} differs"
 
 
 def mean(xs):
     return sum(xs) / len(xs)
 
 
+@pytest.fixture(scope="session")
+def straight(tmp_path_factory, cache_dir) -> list[dict]:
+    """The uninterrupted sync run the resume tests compare against."""
+    return run_recipe(tmp_path_factory.mktemp("straight"), cache_dir, *COMMON)[1]
+
+
+# ----------------------------------------------------------------------------- end to end
 @pytest.mark.slow
 def test_cpu_default_short_run_learns(tmp_path, cache_dir):
     proc, history = run_recipe(tmp_path, cache_dir, *SHORT)
@@ -63,6 +122,13 @@ def test_cpu_default_short_run_learns(tmp_path, cache_dir):
     first, last = mean(rewards[:20]), mean(rewards[-20:])
     assert last - first > MIN_RISE, f"reward did not rise: first {first:.3f} last {last:.3f}"
     assert f"rise={last - first:+.4f}" in proc.stdout
+    final = history[-1]  # the end of a run says where it is, how it ended and how to go on
+    assert f"run directory: {tmp_path}" in proc.stdout
+    assert (
+        f"final evaluation (step 100): eval/reward_mean={final['eval/reward_mean']:+.4f}"
+        in proc.stdout
+    )
+    assert f"train.resume_from={tmp_path} train.iterations=200" in proc.stdout
     for h in history:  # every stage timed, every loss finite, nothing skipped
         assert {
             "time/generate",
@@ -74,7 +140,7 @@ def test_cpu_default_short_run_learns(tmp_path, cache_dir):
         assert math.isfinite(h["train/loss_objective"]) and math.isfinite(h["train/loss_critic"])
         assert h["train/skipped_steps"] == 0 and h["train/optimizer_steps"] == 2
         assert h["rollout/logprob_drift"] < 1e-4  # trainside rollouts == trainer log-probs
-    assert -1.0 <= history[-1]["eval/reward_mean"] <= 1.0
+    assert -1.0 <= final["eval/reward_mean"] <= 1.0
     assert (tmp_path / "curves.png").stat().st_size > 10_000
     scalars = tmp_path / "logs" / "dapo_ppo" / "scalars"
     assert len((scalars / "rollout" / "reward_mean.csv").read_text().splitlines()) == 100
@@ -95,33 +161,236 @@ def test_grpo_end_to_end(tmp_path, cache_dir):
 
 
 @pytest.mark.slow
-def test_async_end_to_end_with_critic_warmup(tmp_path, cache_dir):
-    _, history = run_recipe(tmp_path, cache_dir, "train.mode=async", "train.iterations=4",
-                            "algo.critic_warmup_iters=2")  # fmt: skip
+def test_async_end_to_end_with_critic_warmup_resumes_exactly(tmp_path, cache_dir):
+    async_ = ["train.mode=async", "algo.critic_warmup_iters=2", *COMMON]
+    _, history = run_recipe(tmp_path / "straight", cache_dir, *async_)
     assert [h["step"] for h in history] == [0, 1, 2, 3, 4]
-    history = history[1:]
+    steps = history[1:]
     # batch k+1 is generated in the background while step k trains: it lags one version
-    assert [h["rollout/policy_lag"] for h in history] == [0.0, 1.0, 1.0, 1.0]
-    assert all(math.isfinite(h["train/loss_objective"]) for h in history)
+    assert [h["rollout/policy_lag"] for h in steps] == [0.0, 1.0, 1.0, 1.0]
+    assert all(math.isfinite(h["train/loss_objective"]) for h in steps)
     # critic-only warm-up: the policy stays the reference policy (KL exactly 0), then moves
-    assert [h["train/kl_ref"] == 0.0 for h in history] == [True, True, False, False]
-    assert all(h["train/optimizer_steps"] == 2 for h in history)
+    assert [h["train/kl_ref"] == 0.0 for h in steps] == [True, True, False, False]
+    assert all(h["train/optimizer_steps"] == 2 for h in steps)
+    # The step-2 checkpoint holds the batch that was being generated: resuming from it is exact
+    # (main regenerated that batch with the newer weights: lag 0, other samples).
+    checkpoint = tmp_path / "straight" / "checkpoints" / "step_2.pt"
+    _, resumed = run_recipe(tmp_path / "resumed", cache_dir, *async_, f"train.resume_from={checkpoint}")  # fmt: skip
+    same_runs(history, resumed)
 
 
 @pytest.mark.slow
-def test_resume_continues_exactly(tmp_path, cache_dir):
-    common = ["train.checkpoint_every=2", "train.eval_every=2", "train.plot=false"]
-    _, straight = run_recipe(tmp_path / "straight", cache_dir, "train.iterations=4", *common)
-    resumed_dir = tmp_path / "resumed"
-    run_recipe(resumed_dir, cache_dir, "train.iterations=2", *common)
-    proc, resumed = run_recipe(resumed_dir, cache_dir, "train.iterations=4", *common)
+def test_resume_continues_exactly(tmp_path, cache_dir, straight):
+    """Re-running into the same run directory continues from its newest checkpoint."""
+    run_recipe(tmp_path, cache_dir, *COMMON, "train.iterations=2")
+    proc, resumed = run_recipe(tmp_path, cache_dir, *COMMON)
     output = proc.stdout + proc.stderr  # hydra logs to stdout
     assert "resumed from" in output and "(step 2)" in output
-    assert [h["step"] for h in resumed] == [0, 1, 2, 3, 4]
-    for a, b in zip(straight, resumed):
-        keys = {k for k in a if not k.startswith("time/")}
-        assert keys == {k for k in b if not k.startswith("time/")}
-        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, f"step {a['step']} differs"
+    same_runs(straight, resumed)
+    csv = tmp_path / "logs" / "dapo_ppo" / "scalars" / "rollout" / "reward_mean.csv"
+    assert [int(r.split(",")[0]) for r in csv.read_text().splitlines()] == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_sigterm_stops_cleanly_and_auto_resume_continues_exactly(tmp_path, cache_dir, straight):
+    first = tmp_path / "runs" / "first"
+    runs = f"runs_dir={tmp_path / 'runs'}"
+    rc, out, err = stop_after_first_step(first, cache_dir, signal.SIGTERM, *COMMON, runs)
+    assert rc == 128 + signal.SIGTERM and "Traceback" not in err, err[-3000:]
+    steps = [h["step"] for h in read_history(first)]
+    stopped = steps[-1]
+    assert steps == list(range(stopped + 1)) and 1 <= stopped < 4  # finished its iteration
+    assert f"stopped by SIGTERM after iteration {stopped}" in out
+    assert sorted(p.name for p in (first / "checkpoints").iterdir())[-1] == f"step_{stopped}.pt"
+    _, resumed = run_recipe(tmp_path / "runs" / "second", cache_dir, *COMMON, runs, "train.resume_from=auto")  # fmt: skip
+    same_runs(straight, resumed)
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_with_the_resume_command_not_a_traceback(tmp_path, cache_dir):
+    rc, out, err = stop_after_first_step(tmp_path, cache_dir, signal.SIGINT, *COMMON)
+    assert rc == 128 + signal.SIGINT and "Traceback" not in err + out, err[-3000:]
+    assert "SIGINT: stopping after this iteration" in err
+    resume = next(line for line in out.splitlines() if line.startswith("resume: "))
+    assert shlex.split(resume)[-1] == f"train.resume_from={tmp_path}"
+    assert (tmp_path / "checkpoints" / f"step_{read_history(tmp_path)[-1]['step']}.pt").exists()
+
+
+def imported_modules(stderr: str) -> set[str]:
+    return {
+        ln.split("|")[-1].strip() for ln in stderr.splitlines() if ln.startswith("import time:")
+    }
+
+
+@pytest.mark.parametrize(
+    ("args", "rc", "message"),
+    [
+        (["--help"], 0, "Override any key"),
+        (["algo.grad_clip=-1"], 1, "dapo_ppo: config: algo.grad_clip must be > 0, got -1.0"),
+        (["algo.advantage_mode=ppo"], 1, "algo.advantage_mode='ppo' is not one of ['gae', 'grpo']"),
+        (["algo.lr_typo=1"], 1, "Could not override 'algo.lr_typo'"),
+        (["train.iterations=true"], 1, "full_key: train.iterations"),
+    ],
+)
+def test_help_and_bad_config_answer_before_the_training_stack_is_imported(tmp_path, args, rc, message):  # fmt: skip
+    """main imported torch, transformers and TorchRL (10-38 s on a loaded machine) before anything."""
+    cmd = [sys.executable, "-X", "importtime", str(SCRIPT), f"hydra.run.dir={tmp_path}", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == rc and message in proc.stdout + proc.stderr, proc.stderr[-2000:]
+    assert not {"torch", "transformers", "torchrl"} & imported_modules(proc.stderr)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+# ----------------------------------------------------------------------------- run directories
+def load(overrides=()):
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        return compose(config_name="dapo_ppo", overrides=list(overrides))
+
+
+def fake_run(run_dir: Path, steps: int, checkpoint_steps=(), raw=None) -> None:
+    """A run directory as the recipe leaves it (checkpoint files are only looked up by name)."""
+    (run_dir / "checkpoints").mkdir(parents=True)
+    scalars = run_dir / "logs" / "dapo_ppo" / "scalars" / "rollout"
+    scalars.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(steps + 1)))  # fmt: skip
+    (scalars / "reward_mean.csv").write_text("".join(f"{s},0.5\n" for s in range(1, steps + 1)))
+    for s in checkpoint_steps:
+        (run_dir / "checkpoints" / f"step_{s}.pt").write_bytes(b"")
+    if raw is not None:
+        (run_dir / ".hydra").mkdir()
+        (run_dir / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(raw))
+
+
+def test_rerun_before_the_first_checkpoint_starts_a_clean_history(tmp_path):
+    """main appended to the killed run's history: steps 1 2 1 2 3 ..."""
+    fake_run(tmp_path, 2)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "rollout/rew')  # killed while writing
+    (tmp_path / "checkpoints" / ".step_3.pt-x8k2.tmp").write_bytes(b"half")
+    dapo_ppo.prepare_run_dir(tmp_path, None)
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+    assert (tmp_path / "logs" / "dapo_ppo" / "scalars" / "rollout" / "reward_mean.csv").read_text() == ""  # fmt: skip
+    assert list((tmp_path / "checkpoints").iterdir()) == []
+
+
+def test_resume_from_another_run_copies_its_history_up_to_the_checkpoint(tmp_path):
+    old, new = tmp_path / "old", tmp_path / "new"
+    fake_run(old, 5, checkpoint_steps=(2, 4))
+    new.mkdir()
+    dapo_ppo.prepare_run_dir(new, old / "checkpoints" / "step_2.pt")
+    assert [h["step"] for h in read_history(new)] == [0, 1, 2]
+    assert (new / "logs" / "dapo_ppo" / "scalars" / "rollout" / "reward_mean.csv").read_text() == "1,0.5\n2,0.5\n"  # fmt: skip
+    assert [h["step"] for h in read_history(old)] == [0, 1, 2, 3, 4, 5]  # the old run is untouched
+
+
+def test_find_checkpoint(tmp_path):
+    runs, here = tmp_path / "runs", tmp_path / "runs" / "now"
+    raw = load([f"runs_dir={runs}", "train.resume_from=auto"])
+    cfg = C.validate_config(raw)
+    with pytest.raises(FileNotFoundError, match="train.resume_from=auto: no run directory under runs_dir="):  # fmt: skip
+        dapo_ppo.find_checkpoint(cfg, raw, here)
+    fake_run(runs / "a", 4, (2, 4), raw=load([f"runs_dir={runs}", "train.iterations=4"]))
+    time.sleep(0.01)  # b's checkpoint is newer, but b is another configuration (seed)
+    fake_run(runs / "b", 6, (6,), raw=load([f"runs_dir={runs}", "seed=1"]))
+    assert dapo_ppo.find_checkpoint(cfg, raw, here) == runs / "a" / "checkpoints" / "step_4.pt"
+    explicit = load([f"train.resume_from={runs / 'b'}"])
+    assert dapo_ppo.find_checkpoint(C.validate_config(explicit), explicit, here).name == "step_6.pt"
+    done = load([f"train.resume_from={runs / 'b'}", "train.iterations=6"])
+    with pytest.raises(ValueError, match="is at step 6, train.iterations=6: nothing left to do"):
+        dapo_ppo.find_checkpoint(C.validate_config(done), done, here)
+    missing = load([f"train.resume_from={tmp_path / 'nope'}"])
+    with pytest.raises(FileNotFoundError, match="neither a checkpoint file nor a run directory"):
+        dapo_ppo.find_checkpoint(C.validate_config(missing), missing, here)
+    plain = load()  # no resume_from: the run directory's own checkpoints (hydra.run.dir=<it>)
+    assert dapo_ppo.find_checkpoint(C.validate_config(plain), plain, runs / "a").name == "step_4.pt"
+    assert dapo_ppo.find_checkpoint(C.validate_config(plain), plain, here) is None
+
+
+def test_failed_sglang_launch_leaves_no_model_copy(tmp_path):
+    """main saved the policy into <run_dir>/sglang_model and left it there when the launch failed."""
+    import dapo_ppo_recipe as recipe
+
+    from ar_torchrl.models import build_tiny_model
+    from ar_torchrl.modules import attach_value_head
+
+    cfg = C.validate_config(load(["backend=sglang", "backend.python=/nonexistent/python"]))
+    model, tok = build_tiny_model()
+    model = attach_value_head(model)
+    with pytest.raises(FileNotFoundError, match="SGLang server python /nonexistent/python"):
+        with contextlib.ExitStack() as stack:
+            recipe.build_backend(cfg, model, tok, tmp_path, stack)
+    assert not (tmp_path / "sglang_model").exists()
+
+
+# ----------------------------------------------------------------------------- bad input
+def test_missing_dataset_file():
+    import dapo_ppo_recipe as recipe
+
+    cfg = C.validate_config(load(["data=dapo_math", "data.path=/nonexistent/dapo.parquet"]))
+    with pytest.raises(FileNotFoundError, match="no file at /nonexistent/dapo.parquet"):
+        recipe.build_datasets(cfg)
+
+
+def test_malformed_dataset_rows_fail_or_are_skipped_and_counted(tmp_path):
+    import dapo_ppo_recipe as recipe
+
+    rows = [make_row(f"What is {i} + 1?", str(i + 1), index=i) for i in range(20)]
+    rows[3] = {"prompt": [{"role": "user", "content": "1+1?"}]}  # no reward_model
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = ["data=dapo_math", f"data.path={path}", "data.holdout=4", "train.eval_prompts=4"]
+    with pytest.raises(ValueError, match=r"bad.jsonl: line 4: field 'reward_model.ground_truth' is missing"):  # fmt: skip
+        recipe.build_datasets(C.validate_config(load(data)))
+    train, held_out = recipe.build_datasets(C.validate_config(load([*data, "data.skip_invalid=true"])))  # fmt: skip
+    assert len(train) + len(held_out) == 19  # the bad row is skipped and counted, nothing else lost
+
+
+def test_tokenizer_without_chat_template(tmp_path):
+    import dapo_ppo_recipe as recipe
+
+    model_dir = save_tiny_model(tmp_path / "m")
+    (model_dir / "chat_template.jinja").unlink()
+    cfg = C.validate_config(load(["model=qwen3_4b_base", f"model.path={model_dir}", "model.dtype=float32",
+                                  "model.attn_implementation=null"]))  # fmt: skip
+    with pytest.raises(
+        ValueError, match=f"tokenizer of model.path={model_dir} has no chat template"
+    ):
+        recipe.build_model(cfg)
+
+
+@pytest.mark.slow
+def test_compose_torchrl_script_runs(cache_dir):
+    env = {**os.environ, "AR_TORCHRL_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(ROOT / "examples" / "compose_torchrl.py"), "--iterations", "2"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (
+        "Initialized LazyTensorStorage" not in proc.stdout + proc.stderr
+    )  # was once per iteration
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("iter")]
+    assert len(lines) == 2
+    for line in lines:  # "iter   0  reward -0.688  loss +0.4495  ratio 0.9952"
+        fields = line.split()
+        assert -1.0 <= float(fields[3]) <= 1.0 and math.isfinite(float(fields[5]))
+        assert 0.5 < float(fields[7]) < 2.0
+
+
+@pytest.mark.slow
+def test_readme_one_key_grpo_swap_runs(tmp_path, cache_dir):
+    """The README's one-key swap (`algo.advantage_mode=grpo` on the PPO config), exactly as written."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    lines = [
+        ln for ln in re.findall(r"```bash\n(.*?)```", readme, flags=re.S)[1].splitlines() if ln
+    ]
+    assert lines == [".venv/bin/python examples/dapo_ppo.py algo.advantage_mode=grpo"]
+    args = shlex.split(lines[0])[2:]
+    _, history = run_recipe(tmp_path, cache_dir, *args, "train.iterations=3", "train.eval_every=3")
+    assert [h["step"] for h in history] == [0, 1, 2, 3]
+    for h in history[1:]:  # GRPO advantages; the value head keeps training on Monte-Carlo returns
+        assert math.isfinite(h["train/loss_objective"]) and math.isfinite(h["train/loss_critic"])
+        assert h["train/skipped_steps"] == 0 and "rollout/zero_spread_groups" in h
 
 
 @pytest.mark.slow
@@ -140,87 +409,6 @@ def test_sglang_backend_end_to_end(tmp_path, cache_dir):
         assert math.isfinite(h["train/loss_objective"]) and h["time/sync"] > 0
     assert -1.0 <= history[-1]["eval/reward_mean"] <= 1.0
     assert (tmp_path / "sglang_server.log").exists()
-
-
-# ----------------------------------------------------------------------------- bad input
-def recipe_module():
-    spec = importlib.util.spec_from_file_location("dapo_ppo", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def load(overrides):
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        return compose(config_name="dapo_ppo", overrides=overrides)
-
-
-def test_bad_config_value_from_the_command_line(tmp_path, cache_dir):
-    proc, history = run_recipe(tmp_path, cache_dir, "algo.advantage_mode=ppo", check=False)
-    assert proc.returncode != 0 and not history
-    assert "config: algo.advantage_mode='ppo' is not one of ['gae', 'grpo']" in proc.stderr
-    proc, _ = run_recipe(tmp_path, cache_dir, "algo.lr_typo=1", check=False)
-    assert proc.returncode != 0 and "Could not override 'algo.lr_typo'" in proc.stderr
-
-
-def test_missing_dataset_file():
-    cfg = load(["data=dapo_math", "data.path=/nonexistent/dapo.parquet"])
-    with pytest.raises(FileNotFoundError, match="no file at /nonexistent/dapo.parquet"):
-        recipe_module().build_datasets(cfg.data)
-
-
-def test_malformed_dataset_rows_fail_or_are_skipped_and_counted(tmp_path):
-    rows = [make_row(f"What is {i} + 1?", str(i + 1), index=i) for i in range(20)]
-    rows[3] = {"prompt": [{"role": "user", "content": "1+1?"}]}  # no reward_model
-    path = tmp_path / "bad.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    recipe = recipe_module()
-    with pytest.raises(
-        ValueError, match=r"bad.jsonl: line 4: field 'reward_model.ground_truth' is missing"
-    ):
-        recipe.build_datasets(load(["data=dapo_math", f"data.path={path}", "data.holdout=4"]).data)
-    cfg = load(["data=dapo_math", f"data.path={path}", "data.holdout=4", "data.skip_invalid=true"])
-    train, held_out = recipe.build_datasets(cfg.data)
-    assert len(train) + len(held_out) == 19  # the bad row is skipped and counted, nothing else lost
-
-
-def test_tokenizer_without_chat_template(tmp_path):
-    model_dir = save_tiny_model(tmp_path / "m")
-    (model_dir / "chat_template.jinja").unlink()
-    cfg = load(["model=qwen3_4b_base", f"model.path={model_dir}", "model.dtype=float32",
-                "model.attn_implementation=null"])  # fmt: skip
-    with pytest.raises(ValueError, match="tokenizer of model=pretrained has no chat template"):
-        recipe_module().build_model(cfg)
-
-
-@pytest.mark.slow
-def test_compose_torchrl_script_runs(cache_dir):
-    env = {**os.environ, "AR_TORCHRL_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, str(ROOT / "examples" / "compose_torchrl.py"), "--iterations", "2"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("iter")]
-    assert len(lines) == 2
-    for line in lines:  # "iter   0  reward -0.688  loss +0.4495  ratio 0.9952"
-        fields = line.split()
-        assert -1.0 <= float(fields[3]) <= 1.0 and math.isfinite(float(fields[5]))
-        assert 0.5 < float(fields[7]) < 2.0
-
-
-@pytest.mark.slow
-def test_readme_one_key_grpo_swap_runs(tmp_path, cache_dir):
-    """The README's one-key swap (`algo.advantage_mode=grpo` on the PPO config), exactly as written."""
-    import re
-    import shlex
-
-    readme = (ROOT / "README.md").read_text()
-    lines = [
-        ln for ln in re.findall(r"```bash\n(.*?)```", readme, flags=re.S)[1].splitlines() if ln
-    ]
-    assert lines == [".venv/bin/python examples/dapo_ppo.py algo.advantage_mode=grpo"]
-    args = shlex.split(lines[0])[2:]
-    _, history = run_recipe(tmp_path, cache_dir, *args, "train.iterations=3", "train.eval_every=3")
-    assert [h["step"] for h in history] == [0, 1, 2, 3]
-    for h in history[1:]:  # GRPO advantages; the value head keeps training on Monte-Carlo returns
-        assert math.isfinite(h["train/loss_objective"]) and math.isfinite(h["train/loss_critic"])
-        assert h["train/skipped_steps"] == 0 and "rollout/zero_spread_groups" in h
+    assert not (
+        tmp_path / "sglang_model"
+    ).exists()  # the server's start weights are not left behind

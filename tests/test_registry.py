@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from trajectories import make_trajectory
 
 from ar_torchrl.objectives import (
     GRPOAdvantage,
@@ -18,7 +19,6 @@ from ar_torchrl.objectives import (
     register_advantage,
 )
 from ar_torchrl.objectives import registry as R
-from trajectories import make_trajectory
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,9 +83,8 @@ def test_register_a_new_estimator(scratch_registry):
 
 def test_recipe_accepts_exactly_the_registered_names(scratch_registry):
     sys.path.insert(0, str(ROOT / "examples"))
-    from hydra import compose, initialize_config_dir
-
     import dapo_ppo_config as C
+    from hydra import compose, initialize_config_dir
 
     def typed(mode):
         with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
