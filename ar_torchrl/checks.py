@@ -5,7 +5,8 @@ before it imports the training stack. Library classes call the same functions, s
 the library can never disagree on what a valid value is.
 
 Every check raises ``ValueError`` (``TypeError`` for a wrong type) with the owner, the argument
-name, the value received and what is accepted.
+name, the value received and what is accepted. An ``owner`` ending with ``.`` is a config key
+prefix: ``check_optimizer_args("config: algo.", lr=-1e-3)`` says ``config: algo.lr must be > 0``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ AggregationMode = Literal[
     "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
 ]
 AGGREGATION_MODES: tuple[str, ...] = get_args(AggregationMode)
+
+
+def _key(owner: str, name: str) -> str:
+    """How a message names an argument: ``"owner: name"``, or, for an ``owner`` ending with ``.``
+    (a config key prefix such as ``"config: algo."``), the full key ``"config: algo.lr"``."""
+    return f"{owner}{name}" if owner.endswith(".") else f"{owner}: {name}"
 
 
 def _describe(gt, ge, lt, le) -> str:
@@ -89,13 +96,15 @@ def check_number(
     if value is None:
         if allow_none:
             return value
-        raise TypeError(f"{owner}: {name} must be a number, got None")
+        raise TypeError(f"{_key(owner, name)} must be a number, got None")
     kind = "an integer" if integer else "a number"
     ok_type = isinstance(value, numbers.Integral if integer else numbers.Real)
     if isinstance(value, bool) or not ok_type:
-        raise TypeError(f"{owner}: {name} must be {kind}, got {value!r} ({type(value).__name__})")
+        raise TypeError(
+            f"{_key(owner, name)} must be {kind}, got {value!r} ({type(value).__name__})"
+        )
     if not math.isfinite(value):
-        raise ValueError(f"{owner}: {name} must be finite, got {value!r}")
+        raise ValueError(f"{_key(owner, name)} must be finite, got {value!r}")
     bad = (
         (gt is not None and not value > gt)
         or (ge is not None and not value >= ge)
@@ -105,7 +114,7 @@ def check_number(
     if bad:
         extra = f" ({hint})" if hint else ""
         raise ValueError(
-            f"{owner}: {name} must be {_describe(gt, ge, lt, le)}, got {value!r}{extra}"
+            f"{_key(owner, name)} must be {_describe(gt, ge, lt, le)}, got {value!r}{extra}"
         )
     return value
 
@@ -121,7 +130,7 @@ def check_bool(owner: str, name: str, value: Any) -> bool:
     """
     if not isinstance(value, bool):
         raise TypeError(
-            f"{owner}: {name} must be true or false, got {value!r} ({type(value).__name__})"
+            f"{_key(owner, name)} must be true or false, got {value!r} ({type(value).__name__})"
         )
     return value
 
@@ -137,7 +146,7 @@ def check_choice(owner: str, name: str, value: Any, choices: Iterable[Any]) -> A
     """
     choices = list(choices)
     if value not in choices:
-        raise ValueError(f"{owner}: {name}={value!r} is not one of {choices}")
+        raise ValueError(f"{_key(owner, name)}={value!r} is not one of {choices}")
     return value
 
 
@@ -161,7 +170,7 @@ def check_clip_epsilon(
         ValueError: TokenPPOLoss: clip_epsilon must be a float in (0, 1) or (low, high) with 0 < low < 1 and high > 0, got (1.2, 0.28)
     """
     msg = (
-        f"{owner}: {name} must be a float in (0, 1) or (low, high) with 0 < low < 1 and "
+        f"{_key(owner, name)} must be a float in (0, 1) or (low, high) with 0 < low < 1 and "
         f"high > 0, got {value!r}"
     )
     if isinstance(value, Sequence) and not isinstance(value, str):
@@ -297,7 +306,8 @@ def check_ppo_loss_args(
     )
     if loss_agg_mode == "seq_mean_token_sum_norm" and norm_length is None:
         raise ValueError(
-            f"{owner}: loss_agg_mode='seq_mean_token_sum_norm' needs norm_length (e.g. max_new_tokens)"
+            f"{_key(owner, 'loss_agg_mode')}='seq_mean_token_sum_norm' needs norm_length "
+            "(e.g. max_new_tokens)"
         )
     off = "None disables it"
     return {

@@ -22,7 +22,15 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ar_torchrl.checks import AGGREGATION_MODES, check_choice, check_clip_epsilon, check_grad_clip
+from ar_torchrl.checks import (
+    check_choice,
+    check_gae_args,
+    check_grpo_args,
+    check_optimizer_args,
+    check_ppo_loss_args,
+    check_ppo_update_args,
+    check_warm_start_args,
+)
 from ar_torchrl.checks import check_number as _check_number
 from ar_torchrl.objectives.registry import advantage_names, needs_critic
 from ar_torchrl.utils.loggers import LOGGER_KINDS
@@ -55,14 +63,12 @@ class WarmStartConfig:
     template: str = "short"
 
     def check(self) -> None:
-        p = "model.warm_start"
-        check_count(f"{p}.steps", self.steps)
-        check_count(f"{p}.batch_size", self.batch_size)
-        check_number(f"{p}.lr", self.lr, gt=0)
-        check_number(f"{p}.final_lr_ratio", self.final_lr_ratio, gt=0, le=1)
-        check_number(f"{p}.correct_fraction", self.correct_fraction, ge=0, le=1)
-        check_count(f"{p}.num_rows", self.num_rows)
-        check_choice("config", f"{p}.template", self.template, ("short", "dapo"))
+        check_warm_start_args("config: model.warm_start.", steps=self.steps,
+                              batch_size=self.batch_size, lr=self.lr,
+                              final_lr_ratio=self.final_lr_ratio,
+                              correct_fraction=self.correct_fraction)  # fmt: skip
+        check_count("model.warm_start.num_rows", self.num_rows)
+        check_choice("config", "model.warm_start.template", self.template, ("short", "dapo"))
 
 
 @dataclass
@@ -190,7 +196,7 @@ class GAEConfig:
     normalize_advantage: bool = True
 
     def check(self) -> None:
-        check_number("algo.gae.lmbda", self.lmbda, ge=0, le=1)
+        check_gae_args("config: algo.gae.", **asdict(self))
 
 
 @dataclass
@@ -201,7 +207,7 @@ class GRPOConfig:
     drop_zero_spread: bool = False
 
     def check(self) -> None:
-        pass
+        check_grpo_args("config: algo.grpo.", **asdict(self))
 
 
 @dataclass
@@ -231,8 +237,10 @@ class AlgoConfig:
         section = getattr(self, self.advantage_mode, None)
         return {"gamma": self.gamma, **(asdict(section) if section is not None else {})}
 
-    def check(self) -> None:
-        check_choice("config", "algo.advantage_mode", self.advantage_mode, advantage_names())
+    def check(self, *, norm_length: int) -> None:
+        """Ranges of the library's own checks; ``norm_length`` is the recipe's max_new_tokens."""
+        key = "config: algo."
+        check_choice(key, "advantage_mode", self.advantage_mode, advantage_names())
         if needs_critic(self.advantage_mode) and not self.critic_coeff > 0:
             raise ValueError(
                 f"config: algo.advantage_mode={self.advantage_mode} needs the value head: set "
@@ -240,18 +248,15 @@ class AlgoConfig:
             )
         check_number("algo.gamma", self.gamma, ge=0, le=1)
         self.gae.check(), self.grpo.check()
-        check_clip_epsilon("config", list(self.clip_epsilon), name="algo.clip_epsilon")
-        check_number("algo.clip_value", self.clip_value, gt=0, allow_none=True)
-        check_number("algo.entropy_coeff", self.entropy_coeff, ge=0)
-        check_number("algo.critic_coeff", self.critic_coeff, ge=0)
-        check_number("algo.kl_coeff", self.kl_coeff, ge=0)
-        check_choice("config", "algo.loss_agg_mode", self.loss_agg_mode, AGGREGATION_MODES)
-        check_count("algo.ppo_epochs", self.ppo_epochs)
-        check_count("algo.num_minibatches", self.num_minibatches)
-        check_number("algo.lr", self.lr, gt=0)
-        check_number("algo.value_lr", self.value_lr, gt=0, allow_none=True)
-        check_number("algo.weight_decay", self.weight_decay, ge=0)
-        check_grad_clip("config", self.grad_clip, name="algo.grad_clip")
+        check_ppo_loss_args(key, clip_epsilon=list(self.clip_epsilon), clip_value=self.clip_value,
+                            entropy_coeff=self.entropy_coeff, critic_coeff=self.critic_coeff,
+                            kl_coeff=self.kl_coeff, loss_agg_mode=self.loss_agg_mode,
+                            norm_length=norm_length)  # fmt: skip
+        check_count("algo.ppo_epochs", self.ppo_epochs)  # ppo_update's `epochs`
+        check_ppo_update_args(key, num_minibatches=self.num_minibatches, grad_clip=self.grad_clip)
+        check_optimizer_args(
+            key, lr=self.lr, value_lr=self.value_lr, weight_decay=self.weight_decay
+        )
         check_count("algo.critic_warmup_iters", self.critic_warmup_iters, ge=0)
 
 
@@ -344,9 +349,9 @@ class Config:
     runs_dir: str = "outputs"
 
     def check(self) -> None:
-        for section in (self.model, self.backend, self.algo, self.data, self.logger):
+        for section in (self.model, self.backend, self.data, self.logger, self.rollout, self.train):
             section.check()
-        self.rollout.check(), self.train.check()
+        self.algo.check(norm_length=self.rollout.max_new_tokens)
         check_count("seed", self.seed, ge=0)
         check_count("num_threads", self.num_threads)
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):

@@ -156,7 +156,8 @@ def build_optimizer(cfg: Config, model) -> torch.optim.Optimizer:
     policy = [p for p in model.parameters() if id(p) not in head_ids]
     groups = [{"params": policy, "lr": a.lr, "name": "policy"}]
     if a.critic_coeff > 0:
-        groups.append({"params": head, "lr": a.value_lr or a.lr, "name": "value_head"})
+        value_lr = a.lr if a.value_lr is None else a.value_lr  # 0: a frozen head
+        groups.append({"params": head, "lr": value_lr, "name": "value_head"})
     return torch.optim.AdamW(groups, weight_decay=a.weight_decay)
 
 
@@ -193,8 +194,8 @@ def setup(cfg: Config, run_dir: Path, checkpoint: Path | None, stack: contextlib
     temperature = cfg.rollout.temperature or 1.0
     ref_actor = None
     if cfg.algo.kl_coeff > 0:
-        ref = attach_value_head(copy.deepcopy(model)).to(cfg.device).eval().requires_grad_(False)
-        ref_actor = LMActorCritic(ref, temperature=temperature)
+        ref = copy.deepcopy(model).to(cfg.device).eval().requires_grad_(False)
+        ref_actor = LMActorCritic(ref, temperature=temperature, critic=False)  # log-probs only
     model = attach_value_head(model).to(cfg.device)
     actor_critic = LMActorCritic(model, temperature=temperature)
     # 3. Rollouts: backend -> LLMEnv -> WeightSyncCollector (async: next batch in the background).

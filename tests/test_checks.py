@@ -112,3 +112,15 @@ def test_library_and_checks_give_the_same_message():
         with pytest.raises(ValueError) as b:
             shared()
         assert str(a.value) == str(b.value)
+
+
+def test_an_owner_ending_with_a_dot_names_a_config_key():
+    """The recipe's schemas call the library's checks with their config key prefix."""
+    from ar_torchrl.checks import check_optimizer_args, check_ppo_loss_args
+
+    with pytest.raises(ValueError, match=r"^config: algo.lr must be > 0, got -0.001$"):
+        check_optimizer_args("config: algo.", lr=-1e-3)
+    with pytest.raises(ValueError, match=r"^config: algo.clip_epsilon must be a float"):
+        check_ppo_loss_args("config: algo.", clip_epsilon=(0.2, 0.0))
+    with pytest.raises(ValueError, match=r"^TokenPPOLoss: clip_epsilon must be a float"):
+        check_ppo_loss_args(clip_epsilon=(0.2, 0.0))

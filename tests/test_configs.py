@@ -162,6 +162,21 @@ RANGE_ERRORS = [
     ),
     (["algo.loss_agg_mode=mean"], r"algo.loss_agg_mode='mean' is not one of \['token_mean'"),
     (["data=dapo_math", "data.path=${oc.env:NO_SUCH_VAR_AR}"], r"NO_SUCH_VAR_AR"),
+    # ranges that come from the library's own per-entry-point checks (ar_torchrl.checks)
+    (
+        ["algo.clip_value=-0.2"],
+        r"config: algo.clip_value must be > 0, got -0.2 \(None disables value clipping\)",
+    ),
+    (["algo.value_lr=-1e-3"], r"config: algo.value_lr must be >= 0, got -0.001"),
+    (
+        ["algo.grpo.scale=true", "algo.num_minibatches=0"],
+        r"config: algo.num_minibatches must be >= 1",
+    ),
+    (["model.warm_start.lr=0"], r"config: model.warm_start.lr must be > 0, got 0.0"),
+    (
+        ["model.warm_start.correct_fraction=1.5"],
+        r"config: model.warm_start.correct_fraction must be >= 0 and <= 1",
+    ),
 ]
 
 
