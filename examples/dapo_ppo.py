@@ -63,22 +63,20 @@ def main(raw: DictConfig) -> None:
     prepare_run_dir(run_dir, checkpoint)
     stop = StopOnSignal()
     try:
-        with (
-            stop,
-            contextlib.ExitStack() as stack,
-        ):  # stops a launched SGLang server, closes clients
+        # The stack stops a launched SGLang server and closes clients, also on errors.
+        with stop, contextlib.ExitStack() as stack:
             import dapo_ppo_recipe as recipe  # torch, transformers, TorchRL: the slow imports
 
             run = recipe.setup(cfg, run_dir, checkpoint, stack)
             stop.graceful = True  # from here on, the first signal ends the run after its iteration
             step = recipe.train(run, stop)
     except KeyboardInterrupt:
-        report(cfg, run_dir, f"interrupted ({signal.Signals(stop.signum or signal.SIGINT).name})")
-        sys.exit(128 + (stop.signum or signal.SIGINT))
+        signum = stop.signum or signal.SIGINT
+        report(cfg, run_dir, f"interrupted ({signal.Signals(signum).name})")
+        sys.exit(128 + signum)
     if stop.requested:
-        report(
-            cfg, run_dir, f"stopped by {signal.Signals(stop.signum).name} after iteration {step}"
-        )
+        name = signal.Signals(stop.signum).name
+        report(cfg, run_dir, f"stopped by {name} after iteration {step}")
         sys.exit(128 + stop.signum)
     report(cfg, run_dir, None)
 

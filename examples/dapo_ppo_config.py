@@ -247,7 +247,8 @@ class AlgoConfig:
                 f"algo.critic_coeff > 0 (got {self.critic_coeff})"
             )
         check_number("algo.gamma", self.gamma, ge=0, le=1)
-        self.gae.check(), self.grpo.check()
+        self.gae.check()
+        self.grpo.check()
         check_ppo_loss_args(key, clip_epsilon=list(self.clip_epsilon), clip_value=self.clip_value,
                             entropy_coeff=self.entropy_coeff, critic_coeff=self.critic_coeff,
                             kl_coeff=self.kl_coeff, loss_agg_mode=self.loss_agg_mode,
