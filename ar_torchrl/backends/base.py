@@ -1,21 +1,44 @@
-"""The one interface every rollout backend implements.
+"""The one interface every rollout backend implements, and the engine state it owns.
 
-A backend turns prompt token ids into sampled completions with the log-probs of the sampled tokens,
-accepts new policy weights, and releases its resources on ``close()``.
+A backend turns prompt token ids into sampled completions with the log-probs of the sampled tokens
+(``log softmax(logits / T)`` of the unfiltered distribution, also under top-p/top-k; greedy:
+``T = 1``), accepts new policy weights through the :class:`~ar_torchrl.weight_sync.WeightSender` it
+holds, and releases its resources on ``close()``.
+
+The backend is the **one owner of the weight version**: ``weight_version`` starts at 0, changes only
+after a successful :meth:`GenerationBackend.sync_weights`, and is stamped on every
+:class:`Completion`. Generation and sync hold the same lock, so a batch never mixes two versions;
+after a sync that failed part-way (``WeightSyncError.partial``) the backend refuses to generate
+until a sync succeeds.
 """
 
 from __future__ import annotations
 
 import abc
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
-__all__ = ["Completion", "FinishReason", "GenerationBackend", "SamplingParams", "validate_prompts"]
+from ar_torchrl.weight_sync.base import WeightSender
+from ar_torchrl.weight_sync.errors import WeightSyncError
+
+__all__ = [
+    "Completion",
+    "ContextLengthError",
+    "FinishReason",
+    "GenerationBackend",
+    "SamplingParams",
+    "validate_prompts",
+]
 
 FinishReason = Literal["stop", "length", "abort"]
+
+
+class ContextLengthError(ValueError):
+    """A prompt plus ``max_new_tokens`` does not fit the model's context (never truncated)."""
 
 
 @dataclass(frozen=True)
@@ -25,7 +48,7 @@ class SamplingParams:
     Attributes:
         max_new_tokens: hard cap on generated tokens per completion.
         temperature: softmax temperature; ``0`` means greedy. Log-probs are those of the
-            temperature-scaled distribution the token was sampled from (greedy: ``T = 1``).
+            temperature-scaled, unfiltered distribution (greedy: ``T = 1``).
         top_p: nucleus sampling threshold in ``(0, 1]``.
         top_k: keep the ``k`` most likely tokens; ``-1`` disables (SGLang's convention).
         stop_token_ids: extra token ids that end a completion (the EOS id always does);
@@ -69,10 +92,11 @@ class Completion:
     Attributes:
         prompt_index: index of the prompt in the ``generate`` call.
         token_ids: generated ids, stop/EOS token included when it ended the completion.
-        log_probs: ``log p(token_ids[i] | prompt, token_ids[:i])`` under the sampling distribution,
-            one per token (the first generated token included).
+        log_probs: ``log softmax(logits / T)[token_ids[i]]`` given the prompt and
+            ``token_ids[:i]``, one per token (the first generated token included).
         finish_reason: ``"stop"`` (EOS/stop token), ``"length"`` (hit ``max_new_tokens``), ``"abort"``.
-        weight_version: the engine's weight version that produced it, when the engine reports one.
+        weight_version: the backend's ``weight_version`` that produced it (stamped by the backend).
+        meta: engine-specific details (e.g. SGLang's own ``finish_reason`` and request id).
 
     Example:
         >>> c = Completion(0, [5, 2], [-0.1, -0.2], "stop")
@@ -84,7 +108,7 @@ class Completion:
     token_ids: list[int]
     log_probs: list[float]
     finish_reason: FinishReason
-    weight_version: str | None = None
+    weight_version: int = 0
     meta: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -125,22 +149,138 @@ def validate_prompts(
 class GenerationBackend(abc.ABC):
     """Interface of a rollout engine (trainside transformers, SGLang, ...).
 
+    Subclasses implement :meth:`_generate`; :meth:`generate` checks the prompts (and the context
+    length, :attr:`context_length`), runs it under the engine lock and stamps ``weight_version``.
     ``generate`` returns a flat, prompt-major list: for ``P`` prompts and ``n`` samples, item
-    ``i * n + j`` is sample ``j`` of prompt ``i``.
+    ``i * n + j`` is sample ``j`` of prompt ``i``. :meth:`sync_weights` is implemented here, once:
+    the sender ships the tensors, then (and only then) the version changes.
+
+    Args:
+        sender: how :meth:`sync_weights` ships tensors (``None``: the backend cannot be synced).
+
+    Example:
+        >>> class Echo(GenerationBackend):
+        ...     def _generate(self, prompts, n, sampling):
+        ...         return [Completion(i, p[-1:], [0.0], "length") for i, p in enumerate(prompts) for _ in range(n)]
+        >>> class Accept:
+        ...     def send(self, named_tensors, version): list(named_tensors)
+        ...     def close(self): pass
+        >>> engine = Echo(Accept())
+        >>> engine.sync_weights([("w", torch.ones(1))], version=3)
+        >>> [(c.token_ids, c.weight_version) for c in engine.generate([[1, 2]], 2, SamplingParams())]
+        [([2], 3), ([2], 3)]
     """
 
-    @abc.abstractmethod
+    def __init__(self, sender: WeightSender | None = None) -> None:
+        self._sender = sender
+        self._weight_version = 0
+        self._broken_sync: str | None = None  # why the engine may hold a partial update
+        self._engine_lock = threading.Lock()
+
+    @property
+    def weight_version(self) -> int:
+        """Version of the weights the engine serves (0: the weights it started with)."""
+        return self._weight_version
+
+    @property
+    def sender(self) -> WeightSender | None:
+        """The sender :meth:`sync_weights` goes through."""
+        return self._sender
+
+    @property
+    def context_length(self) -> int | None:
+        """Most tokens (prompt + completion) the engine accepts; ``None``: unknown (not checked)."""
+        return None
+
+    @property
+    def weight_dtype(self) -> torch.dtype | None:
+        """The dtype the engine keeps its weights in (``None``: send them as they are)."""
+        return None
+
     def generate(
         self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams
     ) -> list[Completion]:
-        """Sample ``n`` completions for each prompt (prompt-major order)."""
+        """Sample ``n`` completions per prompt; prompt-major flat list, each stamped with the version.
+
+        Raises:
+            ValueError: no prompts, an empty prompt, or ``n < 1``.
+            ContextLengthError: a prompt plus ``max_new_tokens`` exceeds :attr:`context_length`.
+            WeightSyncError: the last sync failed part-way; sync again first.
+        """
+        name = type(self).__name__
+        prompts = validate_prompts(prompt_token_ids, n, name)
+        self._check_context(prompts, sampling, name)
+        with self._engine_lock:
+            if self._broken_sync is not None:
+                raise WeightSyncError(
+                    f"{name}: the last weight sync failed part-way ({self._broken_sync}); the engine "
+                    "may hold mixed weights: sync again before generating",
+                    partial=True,
+                )
+            version = self._weight_version
+            out = self._generate(prompts, n, sampling)
+        if len(out) != len(prompts) * n:
+            raise RuntimeError(f"{name}: returned {len(out)} completions for {len(prompts)} x {n}")
+        for c in out:
+            c.weight_version = version
+        return out
 
     @abc.abstractmethod
-    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Load new policy weights (HF names, never ``value_head.*``) and tag them ``version``."""
+    def _generate(
+        self, prompts: list[list[int]], n: int, sampling: SamplingParams
+    ) -> list[Completion]:
+        """Sample ``n`` completions for each (checked) prompt, prompt-major."""
 
-    def close(self) -> None:  # noqa: B027 - optional hook
-        """Release resources (processes, sockets). Idempotent."""
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load new policy weights (HF names; ``value_head.*`` is dropped) as ``version``.
+
+        The tensors are consumed lazily by the sender. ``weight_version`` becomes ``version`` only
+        after the sender succeeded.
+
+        Raises:
+            WeightSyncError: the sender failed; ``weight_version`` is unchanged (and, when the
+                failure was ``partial``, generation is refused until a sync succeeds).
+        """
+        name, version = type(self).__name__, int(version)
+        if self._sender is None:
+            raise WeightSyncError(f"{name} has no weight sender: it cannot load new weights")
+        with self._engine_lock:
+            try:
+                self._sender.send(named_tensors, version)
+            except Exception as err:
+                partial = err.partial if isinstance(err, WeightSyncError) else True
+                if partial:
+                    self._broken_sync = f"{type(err).__name__}: {err}"
+                tail = (
+                    "; it may hold a partial update: sync again before generating"
+                    if partial
+                    else ""
+                )
+                raise WeightSyncError(
+                    f"{name}: weight sync to version {version} failed ({type(err).__name__}: {err}); "
+                    f"the engine keeps weight_version {self._weight_version}{tail}",
+                    partial=partial,
+                ) from err
+            self._weight_version, self._broken_sync = version, None
+
+    def _check_context(self, prompts: list[list[int]], sampling: SamplingParams, name: str) -> None:
+        limit = self.context_length
+        if limit is None:
+            return
+        long = [
+            (i, len(p)) for i, p in enumerate(prompts) if len(p) + sampling.max_new_tokens > limit
+        ]
+        if long:
+            raise ContextLengthError(
+                f"{name}: prompts (index, tokens) {long[:5]} plus max_new_tokens="
+                f"{sampling.max_new_tokens} exceed the model's context of {limit} tokens; shorten "
+                "the prompts or lower max_new_tokens (prompts are never truncated)"
+            )
+
+    def close(self) -> None:
+        """Release resources (the sender's process groups, sockets, ...). Idempotent."""
+        if self._sender is not None:
+            self._sender.close()
 
     def __enter__(self) -> GenerationBackend:
         return self

@@ -8,8 +8,10 @@ explicit:
 - completions are tracked by *length*, not by pad id: a sampled token equal to the pad id (or a
   tokenizer with ``pad == eos``) is never mistaken for padding;
 - the EOS/stop token that ends a completion is kept in it, with its log-prob;
-- the log-prob of every sampled token (the first included) comes from the distribution it was
-  sampled from, see :func:`next_token_log_probs`.
+- the log-prob of every sampled token (the first included) is, by default, the project's
+  convention ``log softmax(logits / T)`` of the unfiltered distribution (what SGLang reports and
+  the trainer recomputes), also under top-k/top-p; ``logprob_mode="processed"`` reports the
+  filtered, renormalised sampling distribution instead (:func:`next_token_log_probs`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -25,21 +27,21 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from ar_torchrl.backends.base import Completion, GenerationBackend, SamplingParams, validate_prompts
-from ar_torchrl.weight_sync.trainside import TrainsideSender
+from ar_torchrl.backends.base import Completion, GenerationBackend, SamplingParams
+from ar_torchrl.weight_sync.registry import make_sender
 
 __all__ = ["LogProbMode", "TransformersBackend", "next_token_log_probs"]
 
 logger = logging.getLogger(__name__)
 
-LogProbMode = Literal["processed", "temperature"]
+LogProbMode = Literal["temperature", "processed"]
 
 
 def next_token_log_probs(
     logits: torch.Tensor,
     sampling: SamplingParams,
 ) -> torch.Tensor:
-    """Log-probs of the distribution the next token is sampled from.
+    """Log-probs of the distribution the next token is sampled from (top-k/top-p applied).
 
     The logits are cast to float32, divided by the temperature (``T = 1`` when greedy), then
     filtered: top-k keeps the tokens whose logit is ``>=`` the k-th largest (ties at the boundary are
@@ -83,17 +85,17 @@ class TransformersBackend(GenerationBackend):
 
     Args:
         model: the trainer's HF causal LM (a value head, if attached, is ignored).
-        mode: ``"copy"`` keeps a private deep copy (``sync_weights`` copies tensors in);
-            ``"share"`` samples from ``model`` itself (``sync_weights`` only checks names and
-            records the version).
+        mode: the sync method: ``"copy"`` keeps a private deep copy (``sync_weights`` copies
+            tensors in); ``"share"`` samples from ``model`` itself (``sync_weights`` only checks
+            names and records the version).
         eos_token_id: id(s) that end a completion; default: ``model.generation_config.eos_token_id``.
         pad_token_id: id written in the (never returned) padding; default: the model config's pad id,
             else 0. Padding is tracked with masks, never by comparing ids.
         max_batch_size: most sequences per forward (``None``: all at once).
-        logprob_mode: ``"processed"`` (default) reports ``log p`` under the exact distribution the
-            token was drawn from (temperature-scaled, top-k/top-p filtered and renormalised);
-            ``"temperature"`` reports ``log_softmax(logits / T)`` before filtering (what SGLang
-            returns and what the trainer recomputes). The two agree when top-k/top-p are off.
+        logprob_mode: ``"temperature"`` (default, the project's convention) reports
+            ``log_softmax(logits / T)`` before top-k/top-p filtering (what SGLang returns and what
+            the trainer recomputes); ``"processed"`` reports ``log p`` under the exact distribution
+            the token was drawn from (filtered and renormalised). They agree when top-k/top-p are off.
         seed: seed of the backend's own generator (used when ``SamplingParams.seed`` is None).
 
     Example:
@@ -112,14 +114,14 @@ class TransformersBackend(GenerationBackend):
         eos_token_id: int | Sequence[int] | None = None,
         pad_token_id: int | None = None,
         max_batch_size: int | None = None,
-        logprob_mode: LogProbMode = "processed",
+        logprob_mode: LogProbMode = "temperature",
         seed: int = 0,
     ) -> None:
         if mode not in ("copy", "share"):
             raise ValueError(f"TransformersBackend: mode must be 'copy' or 'share', got {mode!r}")
-        if logprob_mode not in ("processed", "temperature"):
+        if logprob_mode not in ("temperature", "processed"):
             raise ValueError(
-                f"TransformersBackend: logprob_mode must be 'processed' or 'temperature', "
+                f"TransformersBackend: logprob_mode must be 'temperature' or 'processed', "
                 f"got {logprob_mode!r}"
             )
         if max_batch_size is not None and max_batch_size < 1:
@@ -128,7 +130,7 @@ class TransformersBackend(GenerationBackend):
             )
         self.mode = mode
         self.model = model if mode == "share" else _rollout_copy(model)
-        self.sender = TrainsideSender(self.model, mode=mode)
+        super().__init__(make_sender(mode, self.model, engine="trainside"))
         self.eos_token_ids = _resolve_eos(self.model, eos_token_id)
         pad = (
             pad_token_id
@@ -138,7 +140,6 @@ class TransformersBackend(GenerationBackend):
         self.pad_token_id = int(pad) if pad is not None else 0
         self.max_batch_size = max_batch_size
         self.logprob_mode = logprob_mode
-        self.policy_version = 0
         self._generator = torch.Generator(device=self._device()).manual_seed(seed)
         self._cache_kwarg = (
             "cache"
@@ -147,11 +148,18 @@ class TransformersBackend(GenerationBackend):
         )
 
     # ------------------------------------------------------------------ interface
-    def generate(
-        self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams
+    @property
+    def context_length(self) -> int | None:
+        """``config.max_position_embeddings`` of the model (``None`` when it has none)."""
+        return getattr(self.model.config, "max_position_embeddings", None)
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def _generate(
+        self, prompts: list[list[int]], n: int, sampling: SamplingParams
     ) -> list[Completion]:
-        """Sample ``n`` completions per prompt; prompt-major flat list (item ``i * n + j``)."""
-        prompts = validate_prompts(prompt_token_ids, n, "TransformersBackend")
         flat = [p for p in prompts for _ in range(n)]
         index = [i for i in range(len(prompts)) for _ in range(n)]
         generator = self._generator_for(sampling)
@@ -164,15 +172,6 @@ class TransformersBackend(GenerationBackend):
             )
         return out
 
-    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Load ``named_tensors`` (via :class:`TrainsideSender`) and tag the weights ``version``.
-
-        Raises:
-            WeightSyncError: the tensors were rejected; weights and version are unchanged.
-        """
-        self.sender.send(named_tensors)
-        self.policy_version = int(version)
-
     def _generator_for(self, sampling: SamplingParams) -> torch.Generator:
         """Per-call seeded generator, or the backend's stream; on the model's device."""
         device = self._device()
@@ -184,12 +183,11 @@ class TransformersBackend(GenerationBackend):
         return self._generator
 
     def state_dict(self) -> dict:
-        """RNG state and weight version (for checkpoint/resume; the weights come from the trainer)."""
-        return {"generator": self._generator.get_state(), "policy_version": self.policy_version}
+        """The sampler's RNG state (for resume; weights and version come back through a sync)."""
+        return {"generator": self._generator.get_state()}
 
     def load_state_dict(self, state: dict) -> None:
         self._generator.set_state(state["generator"])
-        self.policy_version = int(state["policy_version"])
 
     # ------------------------------------------------------------------ internals
     def _device(self) -> torch.device:
@@ -221,9 +219,8 @@ class TransformersBackend(GenerationBackend):
         if sampling.greedy:
             tokens = log_probs.argmax(dim=-1)
         else:
-            probs = log_probs.exp()
-            tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-            if self.logprob_mode == "temperature":
+            tokens = torch.multinomial(log_probs.exp(), 1, generator=generator).squeeze(-1)
+            if self.logprob_mode == "temperature":  # the unfiltered T-scaled distribution
                 log_probs = torch.log_softmax(logits.float() / sampling.temperature, dim=-1)
         return tokens, log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
@@ -256,7 +253,7 @@ class TransformersBackend(GenerationBackend):
             step_ids = torch.where(running, tok, torch.full_like(tok, self.pad_token_id))
             positions = (mask.long().sum(-1, keepdim=True) - 1).clamp(min=0)
             logits = self._forward(step_ids.unsqueeze(-1), mask, positions, cache)
-        return _to_completions(tokens, log_probs, lengths, stopped, index, self.policy_version)
+        return _to_completions(tokens, log_probs, lengths, stopped, index)
 
 
 def _rollout_copy(model: nn.Module) -> nn.Module:
@@ -282,7 +279,7 @@ def _resolve_eos(model: nn.Module, eos_token_id) -> tuple[int, ...]:
     return tuple(int(e) for e in eos_token_id)
 
 
-def _to_completions(tokens, log_probs, lengths, stopped, index, version) -> list[Completion]:
+def _to_completions(tokens, log_probs, lengths, stopped, index) -> list[Completion]:
     tokens, log_probs, lengths, stopped = (x.cpu() for x in (tokens, log_probs, lengths, stopped))
     return [
         Completion(
@@ -290,7 +287,6 @@ def _to_completions(tokens, log_probs, lengths, stopped, index, version) -> list
             token_ids=tokens[i, : lengths[i]].tolist(),
             log_probs=log_probs[i, : lengths[i]].tolist(),
             finish_reason="stop" if bool(stopped[i]) else "length",
-            weight_version=str(version),
         )
         for i in range(len(index))
     ]

@@ -8,13 +8,19 @@ Usage (the PPO loop)::
         collector.update_policy_weights_()   # push named_policy_tensors(model), version += 1
     collector.shutdown()
 
-``mode="sync"`` generates each batch when it is asked for, with the latest weights (lag 0).
-``mode="async"`` starts generating the next batch in one background thread as soon as a batch is
-handed out, so generation overlaps the trainer's update ("one-step off-policy"). The backend is
-guarded by a lock: a weight sync waits for an in-flight generation to finish, so a batch is always
+The backend owns the weight version (``collector.policy_version`` reads it). ``mode="sync"``
+generates each batch when it is asked for, with the latest weights (lag 0). ``mode="async"``
+starts generating the next batch in one background thread as soon as a batch is handed out, so
+generation overlaps the trainer's update ("one-step off-policy"). A lock orders generation and
+syncs: a sync issued after a batch was handed out waits for the prefetch, so a batch is always
 produced by exactly one weight version. A prefetched batch whose version is more than
-``max_policy_lag`` behind the trainer when it is handed out (the trainer synced more than once per
+``max_policy_lag`` behind the backend when it is handed out (the trainer synced more than once per
 batch) is dropped, counted in ``stale_batches_dropped``, logged, and regenerated (blocking).
+
+With ``dynamic_sampling=True`` each batch is gathered over up to ``max_sampling_rounds`` rounds,
+keeping only groups with a reward spread (DAPO, see :mod:`ar_torchrl.collectors.sampling`);
+``last_batch_stats`` describes every sample generated for the last batch (unbiased reward and
+accuracy, groups generated / kept / dropped).
 """
 
 from __future__ import annotations
@@ -25,10 +31,11 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Literal
 
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 from torch import nn
 from torchrl.collectors import BaseCollector
 
+from ar_torchrl.collectors.sampling import gather_batch
 from ar_torchrl.envs.llm_env import LLMEnv
 from ar_torchrl.weight_sync.errors import WeightSyncError
 from ar_torchrl.weight_sync.names import named_policy_tensors
@@ -57,15 +64,17 @@ class WeightSyncCollector(BaseCollector):
     """Iterable collector over :class:`~ar_torchrl.envs.LLMEnv` batches with versioned weight sync.
 
     Args:
-        env: the environment (its ``backend`` receives the weights).
+        env: the environment (its ``backend`` receives the weights and owns the version).
         policy_model: the trainer's HF model (a ``value_head`` is never sent).
         total_batches: batches per pass over the collector (``None``: never stop). As with
             TorchRL's ``total_frames``, it counts from the start of iteration, so a resumed run
             asks for the batches it has left; ``batches_yielded`` is the lifetime counter saved in
             ``state_dict``.
         mode: ``"sync"`` or ``"async"`` (generate the next batch in the background).
-        max_policy_lag: in async mode, the most versions a handed-out batch may lag the trainer
-            (``>= 1``).
+        max_policy_lag: in async mode, the most versions a handed-out batch may lag (``>= 1``).
+        dynamic_sampling: keep only groups with a reward spread, refilling over several rounds.
+        max_sampling_rounds: most rounds per batch with ``dynamic_sampling`` (then the batch holds
+            fewer groups, possibly none: ``batch.shape[0] == 0``; skip the update).
 
     Example:
         >>> from ar_torchrl.assets import build_char_tokenizer, build_tiny_qwen3
@@ -79,8 +88,8 @@ class WeightSyncCollector(BaseCollector):
         >>> for batch in collector:
         ...     versions.append(batch_policy_version(batch))
         ...     collector.update_policy_weights_()
-        >>> versions, collector.policy_version
-        ([0, 1], 2)
+        >>> versions, collector.policy_version, collector.last_batch_stats["groups_generated"]
+        ([0, 1], 2, 1.0)
     """
 
     def __init__(
@@ -91,30 +100,42 @@ class WeightSyncCollector(BaseCollector):
         total_batches: int | None = None,
         mode: Literal["sync", "async"] = "sync",
         max_policy_lag: int = 1,
+        dynamic_sampling: bool = False,
+        max_sampling_rounds: int = 4,
     ) -> None:
         super().__init__()
-        _check_args(env, mode, max_policy_lag, total_batches)
+        _check_args(env, mode, max_policy_lag, total_batches, max_sampling_rounds)
         self.env, self.policy_model = env, policy_model
         self.total_batches, self.mode, self.max_policy_lag = total_batches, mode, max_policy_lag
-        self.policy_version = env.policy_version
-        self.batches_yielded = 0
-        self.stale_batches_dropped = 0
-        self.last_policy_lag = 0
+        self.dynamic_sampling, self.max_sampling_rounds = dynamic_sampling, max_sampling_rounds
+        self.batches_yielded = self.stale_batches_dropped = self.last_policy_lag = 0
+        self.last_batch_stats: dict[str, float] = {}
         self.frames_per_batch = self.requested_frames_per_batch = int(env.batch_size[0])
         self.total_frames = -1 if total_batches is None else total_batches * self.frames_per_batch
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
         self._state_before_pending: dict | None = None
+        self._restored_version: int | None = None
+
+    @property
+    def policy_version(self) -> int:
+        """The weight version the backend serves (the backend owns it)."""
+        return self.env.backend.weight_version
 
     # ------------------------------------------------------------------ batches
-    def _collect(self) -> TensorDictBase:
-        with self._lock:
-            return self.env.rollout()
+    def _gather(self) -> tuple[TensorDictBase, dict]:
+        return gather_batch(
+            self.env, dynamic=self.dynamic_sampling, max_rounds=self.max_sampling_rounds
+        )
 
-    def _collect_then_release(self) -> TensorDictBase:
+    def _collect(self) -> tuple[TensorDictBase, dict]:
+        with self._lock:
+            return self._gather()
+
+    def _collect_then_release(self) -> tuple[TensorDictBase, dict]:
         try:
-            return self.env.rollout()
+            return self._gather()
         finally:
             self._lock.release()
 
@@ -135,34 +156,40 @@ class WeightSyncCollector(BaseCollector):
             self._lock.release()
             raise
 
-    def _next_batch(self) -> TensorDictBase:
+    def _next_batch(self) -> tuple[TensorDictBase, dict]:
         if self._pending is None:
             return self._collect()
-        batch, self._pending, self._state_before_pending = self._pending.result(), None, None
-        lag = self.policy_version - batch_policy_version(batch)
+        (batch, stats), self._pending, self._state_before_pending = (
+            self._pending.result(),
+            None,
+            None,
+        )
+        lag = self.policy_version - batch_policy_version(batch) if batch.numel() else 0
         if lag > self.max_policy_lag:
             self.stale_batches_dropped += 1
             logger.warning(
-                "WeightSyncCollector: dropped a prefetched batch of version %d (trainer at %d, "
+                "WeightSyncCollector: dropped a prefetched batch of version %d (backend at %d, "
                 "max_policy_lag=%d; %d dropped so far); regenerating",
-                batch_policy_version(batch),
-                self.policy_version,
-                self.max_policy_lag,
+                self.policy_version - lag, self.policy_version, self.max_policy_lag,
                 self.stale_batches_dropped,
-            )
+            )  # fmt: skip
             return self._collect()
-        return batch
+        return batch, stats
 
     def iterator(self) -> Iterator[TensorDictBase]:
-        """Yield token-trajectory batches until ``total_batches``."""
+        """Yield token-trajectory batches until ``total_batches`` (stats in ``last_batch_stats``)."""
+        if self._restored_version is not None:
+            self.resync_policy_weights_()
         produced = 0
         while self.total_batches is None or produced < self.total_batches:
-            batch = self._next_batch()
-            self.last_policy_lag = self.policy_version - batch_policy_version(batch)
+            batch, self.last_batch_stats = self._next_batch()
+            if batch.numel():
+                self.last_policy_lag = self.policy_version - batch_policy_version(batch)
             produced += 1
             self.batches_yielded += 1
-            more = self.total_batches is None or produced < self.total_batches
-            if self.mode == "async" and more:
+            if self.mode == "async" and (
+                self.total_batches is None or produced < self.total_batches
+            ):
                 self._prefetch()
             yield batch
 
@@ -170,8 +197,8 @@ class WeightSyncCollector(BaseCollector):
     def update_policy_weights_(self, policy_or_weights: nn.Module | None = None, **kwargs) -> None:
         """Push ``named_policy_tensors(policy_model)`` to the backend as version ``policy_version + 1``.
 
-        Waits for an in-flight background generation first. ``policy_version`` is bumped only if the
-        backend accepted the weights.
+        Waits for an in-flight background generation first. The backend changes its version only
+        if the sync succeeded.
 
         Args:
             policy_or_weights: a model to send instead of ``policy_model`` (optional).
@@ -191,22 +218,27 @@ class WeightSyncCollector(BaseCollector):
                 f"got {type(model).__name__}"
             )
         with self._lock:
-            new_version = self.policy_version + 1
-            try:
-                self.env.backend.sync_weights(named_policy_tensors(model), version=new_version)
-            except Exception as err:
-                logger.error(
-                    "WeightSyncCollector: weight sync to version %d failed; policy_version stays %d: %s",
-                    new_version,
-                    self.policy_version,
-                    err,
-                )
-                raise WeightSyncError(
-                    f"weight sync to version {new_version} failed ({type(err).__name__}: {err}); "
-                    f"the collector's policy_version stays {self.policy_version} and rollouts keep "
-                    "using the previous weights"
-                ) from err
-            self.policy_version = self.env.policy_version = new_version
+            self._push(model, self.policy_version + 1)
+
+    def resync_policy_weights_(self) -> None:
+        """Push the trainer's weights again without a new version number.
+
+        After :meth:`load_state_dict` (resume) this pushes the restored weights under the restored
+        version, so the backend serves what the checkpoint holds (iteration does it by itself if it
+        was not called); otherwise it re-sends the current version (e.g. after a failed sync).
+        """
+        version = self.policy_version if self._restored_version is None else self._restored_version
+        with self._lock:
+            self._push(self.policy_model, version)
+        self._restored_version = None
+
+    def _push(self, model: nn.Module, version: int) -> None:
+        backend = self.env.backend
+        try:
+            backend.sync_weights(named_policy_tensors(model, dtype=backend.weight_dtype), version)
+        except WeightSyncError as err:
+            logger.error("WeightSyncCollector: %s", err)
+            raise
 
     # ------------------------------------------------------------------ lifecycle
     def shutdown(self, timeout: float | None = None, close_env: bool = False) -> None:
@@ -231,43 +263,21 @@ class WeightSyncCollector(BaseCollector):
         self.env.set_seed(seed)
         return seed
 
-    def state_dict(self, *, include_pending: bool = False) -> dict:
-        """Versions, counters and the env's data position (tensors and plain data only).
-
-        Args:
-            include_pending: in async mode, wait for the batch being generated in the background
-                and save it (as a dict of tensors) with the env's position *after* it. A collector
-                restored from this state hands that exact batch out first, with its original lag
-                (1), so an async run resumes exactly as it would have continued. Without it the
-                state is the env's position *before* the prefetched batch: a resumed run
-                regenerates that batch with the restored (newer) weights, i.e. with lag 0 and
-                other samples.
-        """
-        state = {
-            "policy_version": self.policy_version,
-            "batches_yielded": self.batches_yielded,
-            "stale_batches_dropped": self.stale_batches_dropped,
-        }
-        if include_pending and self._pending is not None:
-            batch = self._pending.result()  # the worker released the lock: the env is idle
-            state["env"] = self.env.state_dict()
-            state["pending_batch"] = {"data": batch.to_dict(), "batch_size": list(batch.shape)}
-        else:
-            state["env"] = self._state_before_pending or self.env.state_dict()
-        return state
+    def state_dict(self) -> dict:
+        """Version, counters and the env's data position *before* any prefetched batch."""
+        env_state = self._state_before_pending or self.env.state_dict()
+        return {"policy_version": self.policy_version, "batches_yielded": self.batches_yielded,
+                "stale_batches_dropped": self.stale_batches_dropped, "env": env_state}  # fmt: skip
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore; call before iterating (the next sync pushes the trainer's restored weights)."""
+        """Restore before iterating; the restored version is pushed with the trainer's (restored)
+        weights by :meth:`resync_policy_weights_` (or at the start of iteration)."""
         if self._pending is not None:
             raise RuntimeError("WeightSyncCollector.load_state_dict: shut down the collector first")
         self.env.load_state_dict(state_dict["env"])
-        self.policy_version = self.env.policy_version = int(state_dict["policy_version"])
+        self._restored_version = int(state_dict["policy_version"])
         self.batches_yielded = int(state_dict["batches_yielded"])
         self.stale_batches_dropped = int(state_dict["stale_batches_dropped"])
-        pending = state_dict.get("pending_batch")
-        if pending is not None:  # handed out first by the next iteration (see state_dict)
-            self._pending = Future()
-            self._pending.set_result(TensorDict(pending["data"], pending["batch_size"]))
 
     def __len__(self) -> int:
         if self.total_batches is None:
@@ -281,12 +291,16 @@ class WeightSyncCollector(BaseCollector):
         )
 
 
-def _check_args(env, mode, max_policy_lag, total_batches) -> None:
+def _check_args(env, mode, max_policy_lag, total_batches, max_sampling_rounds) -> None:
     if mode not in ("sync", "async"):
         raise ValueError(f"WeightSyncCollector: mode must be 'sync' or 'async', got {mode!r}")
     if total_batches is not None and total_batches < 1:
         raise ValueError(
             f"WeightSyncCollector: total_batches must be >= 1 or None, got {total_batches}"
+        )
+    if max_sampling_rounds < 1:
+        raise ValueError(
+            f"WeightSyncCollector: max_sampling_rounds must be >= 1, got {max_sampling_rounds}"
         )
     if mode == "async" and max_policy_lag < 1:
         raise ValueError(

@@ -14,74 +14,32 @@ Design (two time scales):
   the ``[N, L]`` *token-time* trajectory of docs/design.md section 1, built by
   :func:`~ar_torchrl.data.collate.completions_to_trajectory` with ``L`` the batch's own width (no
   fixed-width padding reaches the trainer). ``rollout(token_trajectory=False)`` is TorchRL's plain
-  sequence-level rollout.
+  sequence-level rollout; a collector that samples several rounds gathers those steps and calls
+  :meth:`LLMEnv.to_token_trajectory` once (:mod:`ar_torchrl.envs.layout`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 import torch
 from tensordict import TensorDict, TensorDictBase
-from torchrl.data import Bounded, Categorical, Composite, Unbounded
 from torchrl.envs import EnvBase
 
-from ar_torchrl.backends.base import Completion, GenerationBackend, SamplingParams
-from ar_torchrl.data.collate import completions_to_trajectory
+from ar_torchrl.backends.base import GenerationBackend, SamplingParams
+from ar_torchrl.envs.layout import completions_to_actions, sequence_specs, sequences_to_trajectory
+from ar_torchrl.envs.sampler import EpochSampler
 from ar_torchrl.rewards.math import dapo_math_reward, overlong_penalty
 
-__all__ = ["EpochSampler", "LLMEnv"]
+__all__ = ["LLMEnv", "NonFiniteRewardPolicy"]
 
 logger = logging.getLogger(__name__)
 
 RewardFn = Callable[[str, str], float]
-ACTION_KEYS = (
-    "response_tokens",
-    "response_length",
-    "response_log_prob",
-    "response_stopped",
-    "policy_version",
-)
-
-
-class EpochSampler:
-    """Seeded sampler without replacement: a new permutation each epoch; resumable.
-
-    Example:
-        >>> s = EpochSampler(5, seed=0)
-        >>> a = s.draw(3); state = s.state_dict(); b = s.draw(4)
-        >>> s.load_state_dict(state); b == s.draw(4), sorted(a + b[:2])
-        (True, [0, 1, 2, 3, 4])
-    """
-
-    def __init__(self, size: int, *, seed: int = 0, shuffle: bool = True) -> None:
-        self.size, self.seed, self.shuffle = size, seed, shuffle
-        self.epoch, self.cursor = 0, 0
-
-    def _order(self) -> list[int]:
-        if not self.shuffle:
-            return list(range(self.size))
-        gen = torch.Generator().manual_seed(self.seed + self.epoch)
-        return torch.randperm(self.size, generator=gen).tolist()
-
-    def draw(self, k: int) -> list[int]:
-        """Next ``k`` indices (crossing into the next epoch when this one runs out)."""
-        out: list[int] = []
-        while len(out) < k:
-            order = self._order()
-            take = order[self.cursor : self.cursor + k - len(out)]
-            out += take
-            self.cursor += len(take)
-            if self.cursor == self.size:
-                self.epoch, self.cursor = self.epoch + 1, 0
-        return out
-
-    def state_dict(self) -> dict:
-        return {"seed": self.seed, "epoch": self.epoch, "cursor": self.cursor}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.seed, self.epoch, self.cursor = state["seed"], state["epoch"], state["cursor"]
+NonFiniteRewardPolicy = Literal["raise", "drop"]
 
 
 def _check_tokenizer(tokenizer) -> None:
@@ -92,21 +50,6 @@ def _check_tokenizer(tokenizer) -> None:
         )
     if tokenizer.pad_token_id is None:
         raise ValueError("LLMEnv: the tokenizer has no pad_token_id; set tokenizer.pad_token")
-
-
-def _check_weight_versions(completions: Sequence[Completion], version: int) -> None:
-    """The engine's reported weight version must be the one the rows get stamped with.
-
-    Engines that report no version (``None``) or SGLang's ``"default"`` (never synced: the weights
-    it was launched with) are not checked.
-    """
-    reported = {c.weight_version for c in completions} - {None, "default"}
-    if reported and reported != {str(version)}:
-        raise RuntimeError(
-            f"LLMEnv: the backend generated with weight version(s) {sorted(reported)} but the rows "
-            f"would be stamped policy_version={version}; another client may have synced the "
-            "server, or a sync was lost: sync the weights again before collecting"
-        )
 
 
 class LLMEnv(EnvBase):
@@ -127,6 +70,12 @@ class LLMEnv(EnvBase):
         overlong_penalty_factor: penalty at the length cap.
         seed: prompt-order seed.
         shuffle: shuffle prompts each epoch.
+        non_finite_reward: a NaN/inf reward from ``reward_fn`` (+ penalty) is an error naming the
+            row, the prompt and the value (``"raise"``), or the row is dropped from the token
+            trajectory and counted in ``non_finite_rewards_dropped`` (``"drop"``).
+
+    The weight version of the rows is the one the backend stamped on the completions (the backend
+    owns it); the env only reads it.
 
     Example:
         >>> from ar_torchrl.assets import build_char_tokenizer, build_tiny_qwen3
@@ -155,8 +104,13 @@ class LLMEnv(EnvBase):
         overlong_penalty_factor: float = 1.0,
         seed: int = 0,
         shuffle: bool = True,
+        non_finite_reward: NonFiniteRewardPolicy = "raise",
     ) -> None:
         _check_tokenizer(tokenizer)
+        if non_finite_reward not in ("raise", "drop"):
+            raise ValueError(
+                f"LLMEnv: non_finite_reward must be 'raise' or 'drop', got {non_finite_reward!r}"
+            )
         if num_samples < 1 or prompts_per_batch < 1:
             raise ValueError(
                 f"LLMEnv: num_samples and prompts_per_batch must be >= 1, got {num_samples} and "
@@ -166,17 +120,13 @@ class LLMEnv(EnvBase):
             raise ValueError("LLMEnv: the dataset is empty")
         super().__init__(batch_size=torch.Size([prompts_per_batch * num_samples]))
         self.dataset, self.tokenizer, self.backend = dataset, tokenizer, backend
-        self.reward_fn, self.num_samples, self.prompts_per_batch = (
-            reward_fn,
-            num_samples,
-            prompts_per_batch,
-        )
-        self.sampling = sampling or SamplingParams()
+        self.reward_fn, self.num_samples = reward_fn, num_samples
+        self.prompts_per_batch, self.sampling = prompts_per_batch, sampling or SamplingParams()
         self.overlong_buffer_len, self.overlong_penalty_factor = (
             overlong_buffer_len,
             overlong_penalty_factor,
         )
-        self.policy_version = 0
+        self.non_finite_reward, self.non_finite_rewards_dropped = non_finite_reward, 0
         self.sampler = EpochSampler(len(dataset), seed=seed, shuffle=shuffle)
         self._prompt_cache: dict[int, list[int]] = {}
         self.max_prompt_tokens = max_prompt_tokens or max(
@@ -196,33 +146,10 @@ class LLMEnv(EnvBase):
         return self._prompt_cache[index]
 
     def _make_specs(self) -> None:
-        n, width, vocab = self.batch_size[0], self.max_prompt_tokens, len(self.tokenizer)
-        max_new = self.sampling.max_new_tokens
-
-        def ids(shape):
-            return Bounded(0, vocab - 1, shape=shape, dtype=torch.int64)
-
-        def flag(shape):
-            return Categorical(2, shape=shape, dtype=torch.bool)
-
-        self.observation_spec = Composite(
-            prompt_tokens=ids((n, width)),
-            prompt_mask=flag((n, width)),
-            prompt_id=Unbounded(shape=(n,), dtype=torch.int64),
-            shape=(n,),
-        )
-        self.full_action_spec = Composite(
-            response_tokens=ids((n, max_new)),
-            response_length=Bounded(1, max_new, shape=(n,), dtype=torch.int64),
-            response_log_prob=Unbounded(shape=(n, max_new), dtype=torch.float32),
-            response_stopped=flag((n,)),
-            policy_version=Unbounded(shape=(n,), dtype=torch.int64),
-            shape=(n,),
-        )
-        self.reward_spec = Unbounded(shape=(n, 1), dtype=torch.float32)
-        self.full_done_spec = Composite(
-            done=flag((n, 1)), terminated=flag((n, 1)), truncated=flag((n, 1)), shape=(n,)
-        )
+        specs = sequence_specs(self.batch_size[0], self.max_prompt_tokens, len(self.tokenizer),
+                               self.sampling.max_new_tokens)  # fmt: skip
+        for name, spec in specs.items():
+            setattr(self, name, spec)
 
     # ------------------------------------------------------------------ EnvBase
     def _reset(self, tensordict: TensorDictBase | None = None, **kwargs) -> TensorDictBase:
@@ -258,10 +185,9 @@ class LLMEnv(EnvBase):
     def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
         tokens, lengths = tensordict["response_tokens"], tensordict["response_length"]
         stopped = tensordict["response_stopped"].reshape(-1)
-        rewards = [
-            self.score(tokens[b, : int(lengths[b])].tolist(), int(tensordict["prompt_id"][b]))
-            for b in range(tokens.shape[0])
-        ]
+        prompt_ids = tensordict["prompt_id"].tolist()
+        rewards = [self.score(tokens[b, : int(lengths[b])].tolist(), prompt_ids[b], row=b)
+                   for b in range(tokens.shape[0])]  # fmt: skip
         done = torch.ones((tokens.shape[0], 1), dtype=torch.bool)
         return TensorDict(
             {
@@ -281,54 +207,48 @@ class LLMEnv(EnvBase):
         self.sampler = EpochSampler(len(self.dataset), seed=seed or 0, shuffle=self.sampler.shuffle)
 
     # ------------------------------------------------------------------ reward / generation
-    def score(self, response_ids: list[int], index: int) -> float:
-        """Reward of a response to dataset row ``index`` (task reward + optional overlong penalty)."""
+    def score(self, response_ids: list[int], index: int, row: int | None = None) -> float:
+        """Reward of a response to dataset row ``index`` (task reward + optional overlong penalty).
+
+        Raises:
+            ValueError: a NaN/inf reward with ``non_finite_reward="raise"`` (naming the batch
+                ``row``, the prompt ``index`` and the value).
+        """
         text = self.tokenizer.decode(response_ids, skip_special_tokens=True)
         reward = float(self.reward_fn(text, self.dataset[index]["reward_model"]["ground_truth"]))
         if self.overlong_buffer_len is not None:
-            reward += overlong_penalty(
-                len(response_ids),
-                self.sampling.max_new_tokens,
-                self.overlong_buffer_len,
-                self.overlong_penalty_factor,
+            reward += overlong_penalty(len(response_ids), self.sampling.max_new_tokens,
+                                       self.overlong_buffer_len, self.overlong_penalty_factor)  # fmt: skip
+        if not math.isfinite(reward) and self.non_finite_reward == "raise":
+            raise ValueError(
+                f"LLMEnv: reward_fn returned {reward} for batch row {row} (prompt index {index}, "
+                f"response {text[:80]!r}); rewards must be finite: fix the reward function, or pass "
+                "non_finite_reward='drop' to drop such rows (they are counted)"
             )
         return reward
 
     def _prompts_of(self, tensordict: TensorDictBase) -> list[list[int]]:
         """Unique prompts of a reset tensordict (one per group of ``num_samples`` rows)."""
-        rows = range(0, self.batch_size[0], self.num_samples)
+        rows = range(0, tensordict.shape[0], self.num_samples)
         return [tensordict["prompt_tokens"][r][tensordict["prompt_mask"][r]].tolist() for r in rows]
 
     def generate(self, tensordict: TensorDictBase) -> TensorDictBase:
-        """The default policy: sample responses with the backend and write the action keys."""
-        version = self.policy_version
-        completions = self.backend.generate(
-            self._prompts_of(tensordict), self.num_samples, self.sampling
-        )
-        if len(completions) != self.batch_size[0]:
+        """The default policy: sample responses with the backend and write the action keys.
+
+        ``policy_version`` is the weight version the backend stamped on the completions.
+        """
+        prompts = self._prompts_of(tensordict)
+        completions = self.backend.generate(prompts, self.num_samples, self.sampling)
+        if len(completions) != tensordict.shape[0]:
             raise RuntimeError(
                 f"LLMEnv: the backend returned {len(completions)} completions, expected "
-                f"{self.batch_size[0]} ({self.prompts_per_batch} prompts x {self.num_samples})"
+                f"{tensordict.shape[0]} ({len(prompts)} prompts x {self.num_samples})"
             )
-        _check_weight_versions(completions, version)
-        n, max_new = self.batch_size[0], self.sampling.max_new_tokens
-        tokens = torch.full((n, max_new), self.tokenizer.pad_token_id, dtype=torch.long)
-        log_probs = torch.zeros((n, max_new), dtype=torch.float32)
-        for b, c in enumerate(completions):
-            if len(c) > max_new:
-                raise RuntimeError(
-                    f"LLMEnv: completion {b} has {len(c)} tokens > max_new_tokens={max_new}"
-                )
-            tokens[b, : len(c)] = torch.tensor(c.token_ids, dtype=torch.long)
-            log_probs[b, : len(c)] = torch.tensor(c.log_probs, dtype=torch.float32)
-        tensordict["response_tokens"] = tokens
-        tensordict["response_length"] = torch.tensor([len(c) for c in completions])
-        tensordict["response_log_prob"] = log_probs
-        tensordict["response_stopped"] = torch.tensor(
-            [c.finish_reason == "stop" for c in completions]
-        )
-        tensordict["policy_version"] = torch.full((n,), version, dtype=torch.long)
-        return tensordict
+        actions = completions_to_actions(
+            completions, max_new_tokens=self.sampling.max_new_tokens, vocab=len(self.tokenizer),
+            pad_token_id=self.tokenizer.pad_token_id, prompt_ids=tensordict["prompt_id"].tolist(),
+        )  # fmt: skip
+        return tensordict.update(actions)
 
     def rollout(
         self, max_steps: int = 1, policy=None, *args, token_trajectory: bool = True, **kwargs
@@ -338,7 +258,8 @@ class LLMEnv(EnvBase):
         Args:
             max_steps: episodes last one (sequence-level) step; the token trajectory needs ``1``.
             policy: defaults to :meth:`generate` (the backend).
-            token_trajectory: return the ``[N, L]`` token trajectory (default) instead of TorchRL's
+            token_trajectory: return the ``[N, L]`` token trajectory (default; rows with a
+                non-finite reward dropped under ``non_finite_reward="drop"``) instead of TorchRL's
                 ``[N, max_steps]`` sequence-level rollout.
             *args: forwarded to :meth:`torchrl.envs.EnvBase.rollout`.
             **kwargs: forwarded to :meth:`torchrl.envs.EnvBase.rollout`.
@@ -350,46 +271,38 @@ class LLMEnv(EnvBase):
             raise ValueError(
                 f"LLMEnv.rollout: a token trajectory is one episode, got max_steps={max_steps}"
             )
-        seq = super().rollout(1, policy, *args, **kwargs)
-        return self.to_token_trajectory(seq[..., 0])
+        seq = super().rollout(1, policy, *args, **kwargs)[..., 0]
+        return self.to_token_trajectory(self.drop_non_finite(seq))
+
+    def drop_non_finite(self, seq: TensorDictBase) -> TensorDictBase:
+        """Rows of a sequence-level step whose reward is finite (the others counted in
+        ``non_finite_rewards_dropped``); a no-op unless ``non_finite_reward="drop"``."""
+        finite = torch.isfinite(seq["next", "reward"].reshape(-1))
+        if bool(finite.all()) or self.non_finite_reward != "drop":
+            return seq
+        dropped = (~finite).nonzero().flatten().tolist()
+        self.non_finite_rewards_dropped += len(dropped)
+        logger.warning("LLMEnv: dropped %d row(s) with a non-finite reward (rows %s; %d so far)",
+                       len(dropped), dropped[:8], self.non_finite_rewards_dropped)  # fmt: skip
+        return seq[finite]
 
     def to_token_trajectory(self, seq: TensorDictBase) -> TensorDict:
-        """Sequence-level step ``[N]`` (after ``step``) -> the ``[N, L]`` token trajectory."""
-        versions = seq["policy_version"].unique()
-        if versions.numel() != 1:
-            raise ValueError(f"LLMEnv: one batch mixes policy versions {versions.tolist()}")
-        n = self.num_samples
-        prompts = self._prompts_of(seq)
-        completions = []
-        for b in range(seq.shape[0]):
-            length = int(seq["response_length"][b])
-            completions.append(
-                Completion(
-                    prompt_index=b // n,
-                    token_ids=seq["response_tokens"][b, :length].tolist(),
-                    log_probs=seq["response_log_prob"][b, :length].tolist(),
-                    finish_reason="stop" if bool(seq["response_stopped"][b]) else "length",
-                )
-            )
-        return completions_to_trajectory(
-            prompts,
-            completions,
-            seq["next", "reward"].reshape(-1),
-            pad_token_id=self.tokenizer.pad_token_id,
-            group_ids=seq["prompt_id"][::n].tolist(),
-            policy_version=int(versions[0]),
-        )
+        """Sequence-level steps ``[N]`` (any rows) -> the ``[N, L]`` token trajectory."""
+        return sequences_to_trajectory(seq, self.tokenizer.pad_token_id)
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self, *args, **kwargs) -> dict:
-        """Data position (sampler epoch/cursor/seed), weight version and the backend's RNG if any."""
-        state = {"sampler": self.sampler.state_dict(), "policy_version": self.policy_version}
+        """Data position (sampler epoch/cursor/seed), the drop counter and the backend's RNG if any."""
+        state = {
+            "sampler": self.sampler.state_dict(),
+            "non_finite_rewards_dropped": self.non_finite_rewards_dropped,
+        }
         if hasattr(self.backend, "state_dict"):
             state["backend"] = self.backend.state_dict()
         return state
 
     def load_state_dict(self, state: dict, *args, **kwargs) -> None:
         self.sampler.load_state_dict(state["sampler"])
-        self.policy_version = int(state["policy_version"])
+        self.non_finite_rewards_dropped = int(state.get("non_finite_rewards_dropped", 0))
         if "backend" in state and hasattr(self.backend, "load_state_dict"):
             self.backend.load_state_dict(state["backend"])

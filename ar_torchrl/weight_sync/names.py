@@ -13,18 +13,21 @@ VALUE_HEAD_PREFIX = "value_head."
 
 
 def named_policy_tensors(
-    model: nn.Module, *, detach: bool = True
+    model: nn.Module, *, detach: bool = True, dtype: torch.dtype | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for every tensor of the policy the rollout engine loads.
 
     These are exactly the model's ``state_dict`` entries (parameters and persistent buffers, with
     the HF checkpoint names) minus ``value_head.*``, which is train-only. Tied weights appear once
-    per name, as in ``state_dict``. Tensors are detached views, not copies.
+    per name, as in ``state_dict``. Tensors are detached views, not copies, unless ``dtype`` asks
+    for a conversion: then each floating-point tensor is converted on the fly, one at a time (the
+    rollout engine's dtype, e.g. bf16 for an fp32 master copy); integer buffers are left alone.
 
     Args:
         model: an HF causal LM, optionally with an attached value head (DDP/FSDP ``module.``
             prefixes are not stripped: unwrap the model first).
         detach: return detached tensors (default).
+        dtype: convert floating-point tensors to this dtype as they are yielded.
 
     Example:
         >>> from ar_torchrl.assets import build_tiny_qwen3
@@ -33,8 +36,13 @@ def named_policy_tensors(
         >>> names = [n for n, _ in named_policy_tensors(model)]
         >>> any(n.startswith("value_head.") for n in names), "model.embed_tokens.weight" in names
         (False, True)
+        >>> {t.dtype for _, t in named_policy_tensors(model, dtype=torch.bfloat16)}
+        {torch.bfloat16}
     """
     for name, tensor in model.state_dict(keep_vars=not detach).items():
         if name.startswith(VALUE_HEAD_PREFIX):
             continue
-        yield name, tensor.detach() if detach else tensor
+        tensor = tensor.detach() if detach else tensor
+        if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+            tensor = tensor.to(dtype)
+        yield name, tensor

@@ -51,7 +51,7 @@ def default_sglang_venv() -> Path:
     env = os.environ.get(VENV_ENV)
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[2] / ".venv-sglang"
+    return Path(__file__).resolve().parents[3] / ".venv-sglang"
 
 
 def find_api_types() -> Path:

@@ -1,0 +1,299 @@
+"""``SGLangBackend``: rollouts from one or more SGLang servers over HTTP, synced by a ``WeightSender``.
+
+The client speaks HTTP only (``requests``); nothing from ``sglang`` (which pins its own torch) is
+imported. Requests are spread round-robin over the servers; every weight sync reaches every server
+(in parallel) and changes :attr:`weight_version` only when all of them succeeded; every completion
+is checked against the version the server reports, so a batch never mixes two versions.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal
+
+import requests
+import torch
+from tqdm.auto import tqdm
+
+from ar_torchrl.backends.base import Completion, GenerationBackend, SamplingParams
+from ar_torchrl.backends.sglang.errors import (
+    SGLangAbortError,
+    SGLangResponseError,
+    SGLangUnavailableError,
+)
+from ar_torchrl.backends.sglang.http import DEFAULT_MAX_RESPONSE_BYTES, HttpClient, RetryPolicy
+from ar_torchrl.backends.sglang.launcher import API_KEY_ENV
+from ar_torchrl.backends.sglang.protocol import (
+    check_sampling_keys,
+    generate_body,
+    parse_generate_answer,
+)
+from ar_torchrl.weight_sync.base import WeightSender
+from ar_torchrl.weight_sync.registry import make_sender
+
+__all__ = ["SGLangBackend"]
+
+logger = logging.getLogger(__name__)
+
+AbortPolicy = Literal["raise", "keep"]
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+class SGLangBackend(GenerationBackend):
+    """Rollouts from one or more SGLang servers over HTTP.
+
+    One ``/generate`` request per prompt (``n`` samples each) runs on a pool of ``max_concurrency``
+    threads, round-robin over ``urls``. Transport (:class:`~ar_torchrl.backends.sglang.http.HttpClient`):
+    connection errors and HTTP 5xx are retried with backoff on the next URL, a 4xx raises
+    ``SGLangRequestError`` with the server's message, ``timeout_s`` bounds each whole answer, answers
+    above ``max_response_bytes`` are refused. Answers are checked field by field
+    (:mod:`~ar_torchrl.backends.sglang.protocol`); aborted completions are counted in
+    ``stats["aborted"]`` and raise :class:`SGLangAbortError` (``on_abort="raise"``) or are returned
+    with ``finish_reason="abort"`` (``on_abort="keep"``).
+
+    Args:
+        urls: server base URL(s), e.g. ``"http://127.0.0.1:30000"``, a list of them, or one
+            ``sglang-router`` URL (then weight syncs go through the router too; untested here).
+        api_key: the servers' ``--api-key`` (default ``$AR_TORCHRL_SGLANG_API_KEY``, if set).
+        max_concurrency: in-flight ``/generate`` requests.
+        timeout_s: deadline of one whole ``/generate`` answer (seconds).
+        connect_timeout_s: TCP connect timeout.
+        max_retries, backoff_s, backoff_max_s: retry policy for connection errors and 5xx.
+        max_response_bytes: largest answer accepted.
+        on_abort: what to do with completions the server aborted.
+        extra_sampling_params: more SGLang ``sampling_params`` (e.g. ``{"ignore_eos": True}``);
+            keys are checked against SGLang's schema here, not at the server.
+        weight_sync: a registered SGLang sync method (``"disk"``, ``"tensor"``, ``"distributed"``;
+            see :mod:`ar_torchrl.weight_sync.registry`) or a factory ``client -> WeightSender``.
+        weight_sync_options: keyword arguments of that sender.
+        sync_timeout_s: deadline of each weight-sync request.
+        vocab_size: token ids at or above it are a protocol error (``None``: not checked here).
+        show_progress: tqdm bar over prompts (``None``: only on a terminal).
+
+    Example:
+        >>> backend = SGLangBackend("http://127.0.0.1:9", max_retries=0, connect_timeout_s=0.5)
+        >>> backend.health()
+        False
+        >>> backend.generate([[1, 2, 3]], n=1, sampling=SamplingParams(max_new_tokens=2))
+        Traceback (most recent call last):
+        ...
+        ar_torchrl.backends.sglang.errors.SGLangUnavailableError: the SGLang server at http://127.0.0.1:9 is not reachable (...
+        >>> backend.close()
+    """
+
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        *,
+        api_key: str | None = None,
+        max_concurrency: int = 8,
+        timeout_s: float = 600.0,
+        connect_timeout_s: float = 5.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+        backoff_max_s: float = 8.0,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+        on_abort: AbortPolicy = "raise",
+        extra_sampling_params: Mapping[str, Any] | None = None,
+        weight_sync: str | Callable[[SGLangBackend], WeightSender] = "disk",
+        weight_sync_options: Mapping[str, Any] | None = None,
+        sync_timeout_s: float = 600.0,
+        vocab_size: int | None = None,
+        show_progress: bool | None = None,
+    ) -> None:
+        self.urls = _check_urls(urls)
+        if max_concurrency < 1:
+            raise ValueError(f"SGLangBackend: max_concurrency must be >= 1, got {max_concurrency}")
+        if on_abort not in ("raise", "keep"):
+            raise ValueError(f"SGLangBackend: on_abort must be 'raise' or 'keep', got {on_abort!r}")
+        self.extra_sampling_params = check_sampling_keys(extra_sampling_params or {})
+        self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+        self.timeout_s, self.sync_timeout_s, self.vocab_size = timeout_s, sync_timeout_s, vocab_size
+        self.on_abort, self.show_progress = on_abort, show_progress
+        self.stats = {"requests": 0, "aborted": 0, "completions": 0, "tokens": 0}
+        self._stats_lock = threading.Lock()
+        self._http = HttpClient(
+            api_key=self.api_key, connect_timeout_s=connect_timeout_s,
+            retry=RetryPolicy(max_retries=max_retries, base_s=backoff_s, max_s=backoff_max_s),
+            max_response_bytes=max_response_bytes, pool_size=max(10, max_concurrency),
+        )  # fmt: skip
+        self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="sglang")
+        self._rr = itertools.count()
+        self._server_info: list[dict] | None = None
+        self._synced = False
+        if callable(weight_sync):
+            sender = weight_sync(self)
+        else:
+            sender = make_sender(
+                weight_sync, self, engine="sglang", **dict(weight_sync_options or {})
+            )
+        super().__init__(sender)
+
+    # -- plumbing (also what the senders use: urls, api_key, post, get) ------------------------
+
+    @property
+    def session(self) -> requests.Session:
+        """The ``requests.Session`` every call goes through (wrap it to record traffic)."""
+        return self._http.session
+
+    def post(
+        self, url: str, path: str, body: Any, *, timeout_s: float | None = None, retry: bool = True
+    ) -> Any:
+        """POST JSON to one server (``url + path``) with the retry policy; return the JSON answer."""
+        return self._http.request(
+            "POST", [url], path, body, timeout_s=timeout_s or self.sync_timeout_s, retry=retry
+        )
+
+    def get(self, url: str, path: str, *, timeout_s: float = 30.0) -> Any:
+        """GET ``url + path`` with the retry policy; return the JSON answer."""
+        return self._http.request("GET", [url], path, timeout_s=timeout_s)
+
+    def _urls_from_next(self) -> list[str]:
+        start = next(self._rr) % len(self.urls)
+        return self.urls[start:] + self.urls[:start]
+
+    def _count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            for key, value in deltas.items():
+                self.stats[key] += value
+
+    @property
+    def retries(self) -> int:
+        """Requests retried so far (connection errors, 5xx)."""
+        return self._http.stats["retries"]
+
+    # -- health and server facts ----------------------------------------------------------------
+
+    def health(self) -> bool:
+        """``True`` when every server answers ``GET /health`` with 200 (no retries)."""
+        for url in self.urls:
+            try:
+                ok = self.session.get(
+                    url + "/health", timeout=(self._http.connect_timeout_s, 10)
+                ).ok
+            except requests.exceptions.RequestException:
+                ok = False
+            if not ok:
+                return False
+        return True
+
+    def wait_until_healthy(self, timeout_s: float = 300.0, poll_s: float = 0.5) -> None:
+        """Poll :meth:`health` until it is ``True``; raise :class:`SGLangUnavailableError` after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while not self.health():
+            if time.monotonic() > deadline:
+                raise SGLangUnavailableError(
+                    f"SGLang servers {self.urls} not healthy after {timeout_s}s"
+                )
+            time.sleep(poll_s)
+
+    def server_info(self) -> list[dict]:
+        """``GET /server_info`` of every server (read once, then cached)."""
+        if self._server_info is None:
+            self._server_info = [self.get(url, "/server_info") or {} for url in self.urls]
+        return self._server_info
+
+    @property
+    def context_length(self) -> int | None:
+        """The smallest ``context_length`` the servers report (``None`` if one does not say)."""
+        lengths = [info.get("context_length") for info in self.server_info()]
+        return None if any(not isinstance(n, int) for n in lengths) else min(lengths)
+
+    @property
+    def weight_dtype(self) -> torch.dtype | None:
+        """The servers' ``--dtype`` (``None`` for ``auto`` or when they disagree)."""
+        dtypes = {_DTYPES.get(str(info.get("dtype"))) for info in self.server_info()}
+        return dtypes.pop() if len(dtypes) == 1 else None
+
+    # -- generation ----------------------------------------------------------------------------
+
+    def _generate(
+        self, prompts: list[list[int]], n: int, sampling: SamplingParams
+    ) -> list[Completion]:
+        bodies = [
+            generate_body(p, n, sampling, i, self.extra_sampling_params)
+            for i, p in enumerate(prompts)
+        ]
+        futures = [self._pool.submit(self._generate_one, body) for body in bodies]
+        completions: list[Completion] = []
+        bar = tqdm(total=len(futures), desc="sglang generate", leave=False,
+                   disable=None if self.show_progress is None else not self.show_progress)  # fmt: skip
+        with bar:
+            for i, future in enumerate(futures):
+                completions += parse_generate_answer(
+                    future.result(), n, i, vocab_size=self.vocab_size
+                )
+                bar.update(1)
+        self._check_server_versions(completions)
+        return self._count_aborts(completions)
+
+    def _generate_one(self, body: dict) -> Any:
+        self._count(requests=1)
+        return self._http.request(
+            "POST", self._urls_from_next(), "/generate", body, timeout_s=self.timeout_s
+        )
+
+    def _check_server_versions(self, completions: list[Completion]) -> None:
+        """After a sync, every completion must come from that version (another client may have
+        synced the server, or a server missed a sync); before any sync, from one version."""
+        reported = {c.meta["server_weight_version"] for c in completions}
+        expected = {str(self.weight_version)} if self._synced else reported
+        if len(reported) > 1 or reported != expected:
+            raise SGLangResponseError(
+                f"SGLang /generate: meta_info.weight_version is {sorted(map(str, reported))} but this "
+                f"backend {'synced version ' + str(self.weight_version) if self._synced else 'never synced'}: "
+                "another client changed a server's weights, or a server missed a sync; sync again"
+            )
+
+    def _count_aborts(self, completions: list[Completion]) -> list[Completion]:
+        aborted = [
+            (c.prompt_index, c.meta["finish_reason"])
+            for c in completions
+            if c.finish_reason == "abort"
+        ]
+        self._count(
+            aborted=len(aborted), completions=len(completions), tokens=sum(map(len, completions))
+        )
+        if aborted and self.on_abort == "raise":
+            raise SGLangAbortError(
+                f"SGLang aborted {len(aborted)} of {len(completions)} completions (prompt, reason): "
+                f"{aborted[:4]}; pass on_abort='keep' to receive them with finish_reason='abort'"
+            )
+        return completions
+
+    # -- weights and lifecycle --------------------------------------------------------------------
+
+    def sync_weights(self, named_tensors, version: int) -> None:
+        """Send new weights to every server (see :meth:`GenerationBackend.sync_weights`); afterwards
+        each reports ``weight_version == str(version)``."""
+        super().sync_weights(named_tensors, version)
+        self._synced = True
+
+    def close(self) -> None:
+        """Release the sender, the thread pool and the HTTP session. Idempotent."""
+        super().close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._http.close()
+
+
+def _check_urls(urls: str | Sequence[str]) -> list[str]:
+    urls = [urls] if isinstance(urls, str) else list(urls)
+    if not urls:
+        raise ValueError("SGLangBackend: `urls` is empty; pass at least one server URL")
+    bad = [u for u in urls if not isinstance(u, str) or not u.startswith(("http://", "https://"))]
+    if bad:
+        raise ValueError(f"SGLangBackend: URLs must start with http:// or https://, got {bad}")
+    if len(set(urls)) != len(urls):
+        raise ValueError(f"SGLangBackend: a server is listed twice in {urls}")
+    return [u.rstrip("/") for u in urls]

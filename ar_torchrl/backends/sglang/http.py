@@ -1,0 +1,256 @@
+"""JSON over HTTP for the SGLang client: retries, a whole-request deadline, a body limit, an API key.
+
+- **Retries**: connection errors and HTTP 5xx are retried with exponential backoff, each attempt on
+  the next URL of the list (failover); a 4xx raises :class:`SGLangRequestError` with the server's
+  message at once. When every attempt failed to connect, one short
+  :class:`SGLangUnavailableError` says that the server is not reachable.
+- **Deadline**: ``timeout_s`` bounds the whole answer, headers *and* body: before each read of the
+  body the socket timeout is set to the time left, so an answer dripped byte by byte still ends
+  at the deadline (:class:`SGLangTimeoutError`, not retried).
+- **Body limit**: an answer larger than ``max_response_bytes`` is refused
+  (:class:`SGLangResponseError`), by its ``Content-Length`` or while it is read.
+- **API key**: every request carries ``Authorization: Bearer <api_key>`` (SGLang's ``--api-key``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import requests
+import urllib3
+
+from ar_torchrl.backends.sglang.errors import (
+    SGLangRequestError,
+    SGLangResponseError,
+    SGLangTimeoutError,
+    SGLangUnavailableError,
+)
+
+__all__ = ["HttpClient", "RetryPolicy", "server_error_message"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_RESPONSE_BYTES = 64 << 20
+_CHUNK = 1 << 16
+
+
+class _ConnectionFailed(Exception):
+    """No (complete) answer: connection refused, reset or dropped mid-answer."""
+
+
+def server_error_message(data: bytes) -> str:
+    """Extract SGLang's error text from an error body (its three JSON shapes, or raw text).
+
+    Example:
+        >>> server_error_message(b'{"error": "unknown field `max_tokens`"}')
+        'unknown field `max_tokens`'
+        >>> server_error_message(b'{"error": {"message": "too long"}}')
+        'too long'
+    """
+    try:
+        body = json.loads(data)
+    except (ValueError, RecursionError):
+        return data.decode(errors="replace").strip()[:2000]
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict):
+            return str(err.get("message", err))[:2000]
+        if isinstance(err, str):
+            return err[:2000]
+        return str(body.get("message", body))[:2000]
+    return str(body)[:2000]
+
+
+@dataclass
+class RetryPolicy:
+    """Bounded retries with exponential backoff: wait ``base_s * 2**attempt`` (capped at ``max_s``).
+
+    Example:
+        >>> [RetryPolicy(max_retries=3, base_s=0.5, max_s=1.5).delay(a) for a in range(3)]
+        [0.5, 1.0, 1.5]
+    """
+
+    max_retries: int = 3
+    base_s: float = 0.5
+    max_s: float = 8.0
+
+    def delay(self, attempt: int) -> float:
+        return min(self.base_s * 2**attempt, self.max_s)
+
+
+def _short(exc: BaseException) -> str:
+    """``[Errno 111] Connection refused`` out of requests' nested connection errors."""
+    found = re.search(r"\[Errno -?\d+\] [^'\")]+", str(exc))
+    return found.group(0).strip() if found else f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
+class HttpClient:
+    """JSON requests to SGLang servers (see the module docstring); counts retries in ``stats``.
+
+    Args:
+        api_key: sent as ``Authorization: Bearer <api_key>`` (``None``: no header).
+        connect_timeout_s: TCP connect timeout.
+        retry: the retry policy.
+        max_response_bytes: largest answer accepted.
+        pool_size: kept-alive connections per host.
+
+    Example:
+        >>> client = HttpClient(retry=RetryPolicy(max_retries=0), connect_timeout_s=0.5)
+        >>> client.request("GET", ["http://127.0.0.1:9"], "/health", timeout_s=1)
+        Traceback (most recent call last):
+        ...
+        ar_torchrl.backends.sglang.errors.SGLangUnavailableError: the SGLang server at http://127.0.0.1:9 is not reachable ([Errno 111] Connection refused, 1 attempt(s)); is it running, and is the URL right?
+    """
+
+    def __init__(
+        self,
+        *,
+        api_key: str | None = None,
+        connect_timeout_s: float = 5.0,
+        retry: RetryPolicy | None = None,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+        pool_size: int = 10,
+    ) -> None:
+        self.session = requests.Session()
+        adapter = requests.adapters.HTTPAdapter(pool_connections=pool_size, pool_maxsize=pool_size)
+        self.session.mount("http://", adapter)
+        self.session.mount("https://", adapter)
+        if api_key:
+            self.session.headers["Authorization"] = f"Bearer {api_key}"
+        self.connect_timeout_s, self.max_response_bytes = connect_timeout_s, max_response_bytes
+        self.retry = retry or RetryPolicy()
+        self.stats = {"retries": 0}
+        self._lock = threading.Lock()
+
+    def request(
+        self, method: str, urls: Sequence[str], path: str, body: Any = None, *, timeout_s: float,
+        retry: bool = True,
+    ) -> Any:  # fmt: skip
+        """Send ``body`` to ``urls[0] + path``; retries go to the next URL in ``urls`` (failover).
+
+        Returns:
+            The decoded JSON answer (``None`` for an empty 2xx body).
+        """
+        attempts = self.retry.max_retries + 1 if retry else 1
+        failures: list[str] = []
+        for attempt in range(attempts):
+            if attempt:
+                with self._lock:
+                    self.stats["retries"] += 1
+                time.sleep(self.retry.delay(attempt - 1))
+            url = urls[attempt % len(urls)]
+            try:
+                status, data = self._exchange(method, url + path, body, timeout_s)
+            except _ConnectionFailed as exc:
+                failures.append(f"connection error: {exc}")
+            else:
+                if status < 500:
+                    return _decode(status, data, url + path)
+                failures.append(f"HTTP {status}: {server_error_message(data)}")
+            logger.warning(
+                "SGLang %s%s attempt %d/%d: %s", url, path, attempt + 1, attempts, failures[-1]
+            )
+        raise _unavailable(urls, path, failures)
+
+    def _exchange(self, method: str, url: str, body: Any, timeout_s: float) -> tuple[int, bytes]:
+        deadline = time.monotonic() + timeout_s
+        try:
+            response = self.session.request(
+                method, url, json=body, timeout=(self.connect_timeout_s, timeout_s), stream=True
+            )
+        except requests.exceptions.ReadTimeout as exc:
+            raise _timeout(url, timeout_s) from exc
+        except requests.exceptions.ConnectionError as exc:
+            raise _ConnectionFailed(_short(exc)) from None
+        with response:
+            return response.status_code, self._read(response, deadline, url, timeout_s)
+
+    def _read(
+        self, response: requests.Response, deadline: float, url: str, timeout_s: float
+    ) -> bytes:
+        limit = self.max_response_bytes
+        declared = response.headers.get("Content-Length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise _too_large(url, f"{declared} bytes (Content-Length)", limit)
+        chunks, size = [], 0
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _timeout(url, timeout_s)
+            sock = getattr(response.raw.connection, "sock", None)
+            if sock is not None:
+                sock.settimeout(left)
+            try:
+                chunk = response.raw.read1(_CHUNK, decode_content=True)
+            except urllib3.exceptions.ReadTimeoutError as exc:
+                raise _timeout(url, timeout_s) from exc
+            except (urllib3.exceptions.HTTPError, OSError) as exc:
+                raise _ConnectionFailed(f"answer cut off ({_short(exc)})") from None
+            if not chunk:
+                return b"".join(chunks)
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(url, f"more than {size} bytes", limit)
+            chunks.append(chunk)
+
+    def close(self) -> None:
+        self.session.close()
+
+
+def _decode(status: int, data: bytes, where: str) -> Any:
+    if status >= 400:
+        message = server_error_message(data)
+        hint = (
+            "; the server requires an API key: pass api_key= (or set AR_TORCHRL_SGLANG_API_KEY)"
+            if status == 401
+            else ""
+        )
+        raise SGLangRequestError(
+            f"SGLang {where} rejected the request (HTTP {status}): {message}{hint}",
+            status=status, server_message=message,
+        )  # fmt: skip
+    if not data:
+        return None
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise SGLangResponseError(
+            f"SGLang {where}: answer nests too deeply to be a protocol answer"
+        ) from None
+    except ValueError:
+        raise SGLangResponseError(f"SGLang {where}: answer is not JSON: {data[:300]!r}") from None
+
+
+def _timeout(url: str, timeout_s: float) -> SGLangTimeoutError:
+    return SGLangTimeoutError(
+        f"SGLang {url}: no complete answer within timeout_s={timeout_s}s; raise the backend's "
+        "`timeout_s` for long generations, or check the server log"
+    )
+
+
+def _too_large(url: str, got: str, limit: int) -> SGLangResponseError:
+    return SGLangResponseError(
+        f"SGLang {url}: answer of {got} exceeds max_response_bytes={limit}; raise the backend's "
+        "`max_response_bytes` if such answers are expected"
+    )
+
+
+def _unavailable(urls: Sequence[str], path: str, failures: list[str]) -> SGLangUnavailableError:
+    if all(f.startswith("connection error:") and "cut off" not in f for f in failures):
+        where = urls[0] if len(set(urls)) == 1 else list(dict.fromkeys(urls))
+        reason = failures[-1].removeprefix("connection error: ")
+        return SGLangUnavailableError(
+            f"the SGLang server at {where} is not reachable ({reason}, {len(failures)} attempt(s)); "
+            "is it running, and is the URL right?"
+        )
+    return SGLangUnavailableError(
+        f"SGLang {path}: no successful answer after {len(failures)} attempt(s) to "
+        f"{list(dict.fromkeys(urls))}; last failure: {failures[-1]}"
+    )

@@ -1,0 +1,95 @@
+"""One training batch from an ``LLMEnv``, with DAPO's dynamic sampling (over-sample and refill).
+
+DAPO (arXiv:2503.14476, section 3.2) drops the prompts whose samples all got the same reward (zero
+spread: no group-relative signal) and keeps sampling until the batch holds the wanted number of
+prompts with a spread. :func:`gather_batch` does that over rounds of ``env.prompts_per_batch``
+prompts, bounded by ``max_rounds`` (then it returns what it has, possibly nothing, and says so in
+its stats). With ``dynamic=False`` it is one plain round (every group kept).
+
+The stats describe **every generated sample**, before any drop, so the logged reward and accuracy
+are unbiased; they also count the groups generated, with zero spread, kept and dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from ar_torchrl.envs.llm_env import LLMEnv
+from ar_torchrl.functional import grpo_advantage
+
+__all__ = ["gather_batch"]
+
+logger = logging.getLogger(__name__)
+
+
+def _one_round(env: LLMEnv) -> tuple[TensorDictBase, TensorDictBase]:
+    """A sequence-level round (raw, and with non-finite rows dropped), rows tagged with their group."""
+    raw = env.rollout(token_trajectory=False)[..., 0]
+    raw.set("group_index", torch.arange(raw.shape[0]) // env.num_samples)
+    return raw, env.drop_non_finite(raw)
+
+
+def _spread_groups(seq: TensorDictBase) -> tuple[list[int], int]:
+    """Groups (in order) whose rewards differ, and how many groups have zero spread."""
+    reward, group = seq["next", "reward"].reshape(-1), seq["group_index"]
+    if seq.shape[0] == 0:
+        return [], 0
+    _, flat = grpo_advantage(reward, group)
+    groups = list(dict.fromkeys(group.tolist()))
+    spread = list(dict.fromkeys(group[~flat].tolist()))
+    return spread, len(groups) - len(spread)
+
+
+def _summary(rewards: list[torch.Tensor], counts: dict[str, int]) -> dict[str, float]:
+    r = torch.cat(rewards) if rewards else torch.zeros(0)
+    n = max(int(r.numel()), 1)
+    return {**{k: float(v) for k, v in counts.items()}, "samples": float(r.numel()),
+            "reward_mean": float(r.sum()) / n, "accuracy": float((r > 0).sum()) / n}  # fmt: skip
+
+
+def gather_batch(
+    env: LLMEnv, *, dynamic: bool = False, max_rounds: int = 4
+) -> tuple[TensorDict, dict[str, float]]:
+    """A token-trajectory batch of ``env.prompts_per_batch`` groups, and stats over all samples.
+
+    Args:
+        env: the environment (its backend generates every round with one weight version).
+        dynamic: keep only groups with reward spread, sampling more rounds to refill.
+        max_rounds: most rounds when ``dynamic`` (>= 1).
+
+    Returns:
+        ``(batch, stats)``: ``batch`` is ``[B, L]`` with ``B = groups_kept * num_samples`` (fewer rows
+        when non-finite rewards were dropped; ``B = 0`` when no group was kept) and ``stats`` has
+        ``groups_generated``, ``groups_zero_spread``, ``groups_kept``, ``groups_dropped``,
+        ``sampling_rounds``, ``non_finite_rewards_dropped``, ``samples``, and ``reward_mean`` /
+        ``accuracy`` (fraction of samples with a positive reward) over every generated sample.
+    """
+    target, rounds = env.prompts_per_batch, max_rounds if dynamic else 1
+    before = env.non_finite_rewards_dropped
+    counts = dict.fromkeys(
+        ("groups_generated", "groups_zero_spread", "groups_kept", "sampling_rounds"), 0
+    )
+    kept, rewards, raw = [], [], None
+    while counts["sampling_rounds"] < rounds and counts["groups_kept"] < target:
+        raw, seq = _one_round(env)
+        rewards.append(seq["next", "reward"].reshape(-1))
+        spread, flat = _spread_groups(seq)
+        take = (spread if dynamic else list(dict.fromkeys(seq["group_index"].tolist())))[
+            : target - counts["groups_kept"]
+        ]
+        kept.append(seq[torch.isin(seq["group_index"], torch.tensor(take, dtype=torch.long))])
+        counts["groups_generated"] += target
+        counts["groups_zero_spread"] += flat
+        counts["groups_kept"] += len(take)
+        counts["sampling_rounds"] += 1
+    counts["groups_dropped"] = counts["groups_generated"] - counts["groups_kept"]
+    counts["non_finite_rewards_dropped"] = env.non_finite_rewards_dropped - before
+    if dynamic and counts["groups_kept"] < target:
+        logger.warning("dynamic sampling: only %d of %d groups have a reward spread after %d rounds; "
+                       "training on those", counts["groups_kept"], target, rounds)  # fmt: skip
+    rows = torch.cat(kept) if kept else raw[:0]
+    batch = env.to_token_trajectory(rows) if rows.shape[0] else env.to_token_trajectory(raw)[:0]
+    return batch, _summary(rewards, counts)

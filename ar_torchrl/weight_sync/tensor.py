@@ -1,0 +1,130 @@
+"""Tensor-bucket weight sync for SGLang: ``/update_weights_from_tensor`` through shared memory.
+
+Inside one weight-update session on every server (``/begin_weight_update`` ...
+``/end_weight_update``; a 404 means an older server that needs none), each bucket of tensors is
+flattened to one ``uint8`` buffer with SGLang's ``flattened_bucket`` metadata, pickled with torch's
+multiprocessing reductions (the tensors travel through shared memory, so the servers must run on
+this machine) and posted to every server in parallel. The last bucket carries ``weight_version``.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import io
+from collections.abc import Iterable
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from ar_torchrl.weight_sync.base import (
+    DEFAULT_BUCKET_BYTES,
+    NamedTensors,
+    iter_buckets,
+    with_last,
+)
+from ar_torchrl.weight_sync.sglang_base import (
+    SGLangClient,
+    SGLangSender,
+    on_each_server,
+    post_checked,
+    weight_update_session,
+)
+
+__all__ = ["TensorWeightSender", "flatten_bucket", "serialize_for_sglang"]
+
+
+def flatten_bucket(bucket: NamedTensors) -> tuple[torch.Tensor, list[SimpleNamespace]]:
+    """Concatenate a bucket as raw bytes, with SGLang's ``FlattenedTensorMetadata`` fields.
+
+    The metadata are ``types.SimpleNamespace`` objects (name, shape, dtype, start_idx, end_idx,
+    numel): SGLang reads them by attribute and its safe unpickler allows ``SimpleNamespace``.
+
+    Returns:
+        ``flat`` ``[total_bytes]`` uint8 and one metadata entry per tensor.
+
+    Example:
+        >>> flat, meta = flatten_bucket([("w", torch.ones(2, 3)), ("b", torch.zeros(3))])
+        >>> flat.dtype, flat.numel(), (meta[1].name, meta[1].start_idx, meta[1].end_idx)
+        (torch.uint8, 36, ('b', 24, 36))
+    """
+    chunks, meta, offset = [], [], 0
+    for name, t in bucket:
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        chunks.append(raw)
+        meta.append(SimpleNamespace(name=name, shape=t.shape, dtype=t.dtype, start_idx=offset,
+                                    end_idx=offset + raw.numel(), numel=raw.numel()))  # fmt: skip
+        offset += raw.numel()
+    return torch.cat(chunks), meta
+
+
+def serialize_for_sglang(obj: Any) -> str:
+    """Pickle ``obj`` with torch's multiprocessing reductions and base64 it (SGLang's format).
+
+    Tensors travel by reference (shared memory with the ``file_system`` strategy, CUDA IPC on GPU):
+    keep them alive until the server has answered.
+
+    Example:
+        >>> isinstance(serialize_for_sglang({"a": 1}), str)
+        True
+    """
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401 - registers torch's reductions with ForkingPickler
+
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(obj)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+class TensorWeightSender(SGLangSender):
+    """Bucketed ``/update_weights_from_tensor`` (``flattened_bucket``) inside a weight-update session.
+
+    Sets ``torch.multiprocessing.set_sharing_strategy("file_system")`` in this process (the
+    default ``file_descriptor`` strategy makes the server fail with ``AuthenticationError``).
+
+    Args:
+        client: the backend (servers on this machine).
+        bucket_bytes: maximum bytes per request.
+
+    Example:
+        >>> TensorWeightSender(client=None).bucket_bytes == 256 << 20
+        True
+    """
+
+    name = "tensor"
+
+    def __init__(self, client: SGLangClient, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        super().__init__(client)
+        self.bucket_bytes = bucket_bytes
+        self._tp: dict[str, int] = {}
+
+    def _tp_size(self, url: str) -> int:
+        if url not in self._tp:
+            self._tp[url] = int(self.client.get(url, "/server_info").get("tp_size", 1))
+        return self._tp[url]
+
+    def _send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str) -> None:
+        torch.multiprocessing.set_sharing_strategy("file_system")
+        served = self.served_shapes()  # same machine: the served checkpoints are readable
+        with weight_update_session(self.client):
+            for bucket, last in with_last(iter_buckets(named_tensors, self.bucket_bytes)):
+                self.check_bucket(bucket, served)
+                flat, meta = flatten_bucket(bucket)
+                payload = {"flattened_tensor": flat, "metadata": meta}
+                body = {"load_format": "flattened_bucket", "flush_cache": last}
+                if last:
+                    body["weight_version"] = version
+                post = functools.partial(self._post, payload=payload, body=body)
+                on_each_server(self.client.urls, post, "update_weights_from_tensor")
+
+    def _post(self, url: str, *, payload: dict, body: dict) -> None:
+        ranks = [serialize_for_sglang(payload) for _ in range(self._tp_size(url))]
+        post_checked(
+            self.client,
+            url,
+            "/update_weights_from_tensor",
+            {**body, "serialized_named_tensors": ranks},
+        )
+        self._applied()
