@@ -2,7 +2,7 @@
 
 It follows the real protocol exactly where the client touches it, and checks itself against SGLang's
 own schema: EVERY ``/generate`` request body is decoded with SGLang's ``GenerateRequest`` (loaded by
-file path from the sglang wheel, see ``ar_torchrl.backends._sglang_protocol``) and a contract
+file path from the sglang wheel, see ``ar_torchrl.backends.sglang.schema``) and a contract
 violation is answered like the server does (HTTP 400, ``{"error": "<JsonContractError text>"}``);
 EVERY ``/generate`` answer is decoded with ``GenerateResponse`` before it is sent (a double that
 drifted off protocol fails the test). Shapes follow what a real 0.5.23 server returned on this
@@ -16,7 +16,11 @@ The "model" is a deterministic toy (see :func:`toy_model`); it is a stand-in for
 numerics are tested against the real server (``tests/test_sglang_backend.py``, marker ``sglang``).
 
 Faults can be injected per ``/generate`` request (FIFO): an HTTP status with a message, a delay (for
-timeouts), a dropped connection (no answer at all), or an abort of the completions.
+timeouts), a dropped connection (no answer at all), an answer dripped byte by byte, or an abort of
+the completions. A handler override may return raw bytes (malformed answers are the one place the
+double leaves the protocol on purpose: the client must turn each into a clear error). With
+``api_key`` set, every path but ``/health*`` needs ``Authorization: Bearer <api_key>`` and answers
+401 ``{"error": "Unauthorized"}`` otherwise, as SGLang's middleware does.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from ar_torchrl.backends._sglang_protocol import (
+from ar_torchrl.backends.sglang.schema import (
     load_api_types,
     validate_generate_request,
     validate_generate_response,
@@ -65,12 +69,13 @@ def toy_model(prompt: list[int], params: dict, sample: int) -> tuple[list[int], 
 
 @dataclass
 class Fault:
-    """One injected fault: ``kind`` in ``{"status", "delay", "drop", "abort"}``."""
+    """One injected fault: ``kind`` in ``{"status", "delay", "drop", "drip", "flood", "abort"}``."""
 
     kind: str
     status: int = 500
     message: str = "injected fault"
     delay_s: float = 0.0
+    size: int = 0
 
 
 @dataclass
@@ -79,6 +84,8 @@ class SGLangDouble:
 
     model: Callable[[list[int], dict, int], tuple[list[int], list[float], dict]] = toy_model
     weight_version: str = "default"
+    api_key: str | None = None
+    context_length: int = 512
     faults: collections.deque = field(default_factory=collections.deque)
     requests: list = field(default_factory=list)  # (path, parsed body) of every request
     handlers: dict = field(default_factory=dict)  # path -> fn(body) -> (status, json) overrides
@@ -143,39 +150,45 @@ def _make_handler(double: SGLangDouble) -> type[BaseHTTPRequestHandler]:
             pass
 
         def _send(self, status: int, payload: Any) -> None:
-            data = json.dumps(payload).encode()
+            data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
 
+        def _authorized(self) -> bool:
+            if double.api_key is None or self.path.startswith("/health"):
+                return True
+            if self.headers.get("Authorization") == f"Bearer {double.api_key}":
+                return True
+            self._send(401, {"error": "Unauthorized"})
+            return False
+
         def do_GET(self) -> None:
             with double.lock:
                 double.requests.append((self.path, None))
+            if not self._authorized():
+                return
+            info = {"model_path": "double", "weight_version": double.weight_version}
             if self.path in ("/health", "/health_generate"):
                 self.send_response(200)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
             elif self.path == "/model_info":
-                self._send(200, {"model_path": "double", "weight_version": double.weight_version})
+                self._send(200, info)
             elif self.path == "/server_info":
-                self._send(
-                    200, {"tp_size": 1, "dp_size": 1, "weight_version": double.weight_version}
-                )
+                self._send(200, {**info, "tp_size": 1, "dp_size": 1, "dtype": "float32",
+                                 "context_length": double.context_length})  # fmt: skip
             else:
                 self._send(404, {"detail": "Not Found"})
 
         def do_POST(self) -> None:
-            body = json.loads(
-                self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"null"
-            )
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"null")
             with double.lock:
                 double.requests.append((self.path, body))
-                fault = (
-                    double.faults.popleft() if double.faults and self.path == "/generate" else None
-                )
-            if fault is not None and self._apply(fault):
+                fault = double.faults.popleft() if double.faults and self.path == "/generate" else None
+            if not self._authorized() or (fault is not None and self._apply(fault)):
                 return
             if self.path in double.handlers:
                 self._send(*double.handlers[self.path](body))
@@ -197,6 +210,30 @@ def _make_handler(double: SGLangDouble) -> type[BaseHTTPRequestHandler]:
             if fault.kind == "drop":
                 self.close_connection = True
                 self.connection.close()
+                return True
+            if fault.kind == "drip":  # a valid-looking answer, one byte every delay_s
+                data = b'{"text": "dripping"}' * 4
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                for i in range(len(data)):
+                    try:
+                        self.wfile.write(data[i : i + 1])
+                        self.wfile.flush()
+                    except OSError:  # the client gave up
+                        break
+                    time.sleep(fault.delay_s)
+                self.close_connection = True
+                return True
+            if fault.kind == "flood":  # no Content-Length: the body ends when the connection does
+                self.send_response(200)
+                self.send_header("Connection", "close")
+                self.end_headers()
+                try:
+                    self.wfile.write(b"[" + b"0," * (fault.size // 2) + b"0]")
+                except OSError:
+                    pass
+                self.close_connection = True
                 return True
             return False
 

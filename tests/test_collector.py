@@ -3,20 +3,29 @@
 from __future__ import annotations
 
 import logging
+import re
 import threading
 
 import pytest
 import torch
 
 from ar_torchrl.assets import build_char_tokenizer, build_tiny_qwen3
-from ar_torchrl.backends import SamplingParams, TransformersBackend
+from ar_torchrl.backends import Completion, GenerationBackend, SamplingParams, TransformersBackend
 from ar_torchrl.collectors import WeightSyncCollector, batch_policy_version
 from ar_torchrl.data import arithmetic_dataset
 from ar_torchrl.envs import LLMEnv
 from ar_torchrl.modules import attach_value_head
-from ar_torchrl.weight_sync import VALUE_HEAD_PREFIX, WeightSyncError, named_policy_tensors
+from ar_torchrl.weight_sync import VALUE_HEAD_PREFIX, TrainsideSender, WeightSyncError
 
 torch.set_num_threads(1)
+
+
+class FailingSender:
+    def send(self, named_tensors, version):
+        raise WeightSyncError("boom", partial=False)
+
+    def close(self):
+        pass
 
 
 class RecordingBackend(TransformersBackend):
@@ -26,18 +35,36 @@ class RecordingBackend(TransformersBackend):
         super().__init__(*args, **kwargs)
         self.threads: list[str] = []
         self.synced: list[list[str]] = []
-        self.fail_sync = fail_sync
+        if fail_sync:
+            self._sender = FailingSender()  # test only: a sender that refuses every sync
 
-    def generate(self, prompt_token_ids, n, sampling):
+    def _generate(self, prompts, n, sampling):
         self.threads.append(threading.current_thread().name)
-        return super().generate(prompt_token_ids, n, sampling)
+        return super()._generate(prompts, n, sampling)
 
     def sync_weights(self, named_tensors, version):
-        if self.fail_sync:
-            raise RuntimeError("boom")
         items = list(named_tensors)
         self.synced.append([name for name, _ in items])
         super().sync_weights(items, version)
+
+
+class ScriptedMath(GenerationBackend):
+    """Answers "What is a + b?" from a script (a random tiny model never writes right answers):
+    sample j answers ``a + b + j * wrong(a + b)``; ``wrong`` decides which groups have a spread."""
+
+    def __init__(self, tokenizer, wrong=lambda total: total % 2):
+        super().__init__(TrainsideSender(torch.nn.Linear(1, 1), mode="share"))
+        self.tokenizer, self.wrong = tokenizer, wrong
+
+    def _generate(self, prompts, n, sampling):
+        out = []
+        for i, prompt in enumerate(prompts):
+            a, b = map(int, re.search(r"What is (\d+) \+ (\d+)\?", self.tokenizer.decode(prompt)).groups())
+            for j in range(n):
+                ids = self.tokenizer(f"Answer: {a + b + j * self.wrong(a + b)}", add_special_tokens=False)["input_ids"]
+                ids = (ids + [self.tokenizer.eos_token_id])[: sampling.max_new_tokens]
+                out.append(Completion(i, ids, [-0.5] * len(ids), "stop"))
+        return out
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +101,7 @@ def test_sync_mode_versions(tok):
     assert len(collector) == 3
     versions, lags = run(collector)
     assert versions == [0, 1, 2] and lags == [0, 0, 0]
-    assert collector.policy_version == collector.env.policy_version == backend.policy_version == 3
+    assert collector.policy_version == backend.weight_version == 3
     assert backend.threads == ["MainThread"] * 3
 
 
@@ -110,12 +137,12 @@ def test_failed_sync_keeps_the_version_and_says_so(tok, caplog):
         caplog.at_level(logging.ERROR),
         pytest.raises(
             WeightSyncError,
-            match=r"weight sync to version 1 failed \(RuntimeError: boom\); the collector's policy_version stays 0",
+            match=r"weight sync to version 1 failed \(WeightSyncError: boom\); the engine keeps weight_version 0",
         ),
     ):
         collector.update_policy_weights_()
-    assert "policy_version stays 0" in caplog.text
-    assert collector.policy_version == collector.env.policy_version == backend.policy_version == 0
+    assert "keeps weight_version 0" in caplog.text
+    assert collector.policy_version == backend.weight_version == 0
     assert batch_policy_version(next(it)) == 0  # rollouts continue with the previous weights
     collector.shutdown()
 
@@ -127,7 +154,7 @@ def test_rejected_weights_keep_the_version(tok):
         WeightSyncError, match=r"shape of 'model.embed_tokens.weight' is \(99, 32\)"
     ):
         collector.update_policy_weights_(wrong)
-    assert collector.policy_version == backend.policy_version == 0
+    assert collector.policy_version == backend.weight_version == 0
 
 
 def test_value_head_never_reaches_the_backend_and_weights_are_copied(tok):
@@ -160,44 +187,6 @@ def test_state_dict_resumes_before_the_prefetched_batch(tok):
     assert torch.equal(resumed[0]["tokens"], expected["tokens"])
 
 
-def _train_step(collector, model):
-    """Stands in for a PPO update: new weights, then the sync."""
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05)
-    collector.update_policy_weights_()
-
-
-def test_async_state_with_the_pending_batch_resumes_exactly(tmp_path, tok):
-    """include_pending: the batch in flight (sampled by the weights before the update) is saved,
-    so a resumed async run hands out the same batch with the same lag (1), not a regenerated one."""
-    collector, model, _ = make(tok, mode="async", total_batches=3, seed=4)
-    it = iter(collector)
-    next(it)
-    _train_step(collector, model)
-    torch.save({"collector": collector.state_dict(include_pending=True),
-                "model": model.state_dict()}, tmp_path / "ckpt.pt")  # fmt: skip
-    straight = [next(it), collector.last_policy_lag]
-    _train_step(collector, model)
-    straight += [next(it), collector.last_policy_lag]
-    collector.shutdown()
-
-    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)  # plain tensors and containers
-    fresh, fresh_model, _ = make(tok, mode="async", total_batches=2, seed=99)
-    fresh_model.load_state_dict(state["model"])
-    fresh.load_state_dict(state["collector"])
-    fresh.env.backend.sync_weights(named_policy_tensors(fresh_model), version=fresh.policy_version)
-    it = iter(fresh)
-    resumed = [next(it), fresh.last_policy_lag]
-    _train_step(fresh, fresh_model)
-    resumed += [next(it), fresh.last_policy_lag]
-    fresh.shutdown()
-    assert straight[1::2] == resumed[1::2] == [1, 1]
-    for a, b in zip(straight[::2], resumed[::2]):
-        assert batch_policy_version(a) == batch_policy_version(b)
-        assert (a == b).all(), "the resumed batch differs"
-
-
 def test_shutdown_rewinds_an_unconsumed_prefetch(tok):
     collector, _, _ = make(tok, mode="async", total_batches=3)
     it = iter(collector)
@@ -217,3 +206,77 @@ def test_bad_arguments(tok):
     env.backend = TransformersBackend(model, mode="share")
     with pytest.raises(ValueError, match="mode='share'"):
         WeightSyncCollector(env, model, mode="async")
+
+
+def scripted(tok, *, wrong=lambda total: total % 2, mode="sync", rounds=4, prompts=4, dynamic=True, total=2):
+    env = LLMEnv(arithmetic_dataset(64, seed=0), tok, ScriptedMath(tok, wrong), num_samples=2,
+                 prompts_per_batch=prompts, sampling=SamplingParams(max_new_tokens=12), seed=0)  # fmt: skip
+    model = torch.nn.Linear(1, 1)
+    return WeightSyncCollector(env, model, total_batches=total, mode=mode, dynamic_sampling=dynamic,
+                               max_sampling_rounds=rounds)  # fmt: skip
+
+
+def seq_rewards(batch):
+    return batch["next", "reward"].sum((1, 2)).view(-1, 2)
+
+
+def test_dynamic_sampling_refills_with_groups_that_have_a_spread(tok):
+    plain = scripted(tok, dynamic=False, total=1)
+    (first,) = list(plain)
+    first_stats = plain.last_batch_stats
+    # even sums: both samples right (zero spread); odd sums: one right, one wrong
+    zero = int((seq_rewards(first)[:, 0] == seq_rewards(first)[:, 1]).sum())
+    assert 0 < zero < 4 and first_stats["groups_kept"] == 4 and first_stats["groups_zero_spread"] == zero
+    collector = scripted(tok, dynamic=True, total=1)
+    (batch,) = list(collector)
+    stats = collector.last_batch_stats
+    rewards = seq_rewards(batch)
+    assert rewards.shape == (4, 2) and (rewards[:, 0] != rewards[:, 1]).all()  # only spread groups
+    assert stats["groups_kept"] == 4 and stats["sampling_rounds"] >= 2
+    assert stats["groups_generated"] == 4 * stats["sampling_rounds"]
+    assert stats["groups_dropped"] == stats["groups_generated"] - 4 >= stats["groups_zero_spread"]
+    # the logged reward and accuracy are over EVERY generated sample, not the kept ones
+    assert stats["samples"] == 2 * stats["groups_generated"]
+    assert stats["reward_mean"] > float(rewards.mean())  # all-right groups were generated, then dropped
+    assert first_stats["reward_mean"] == float(seq_rewards(first).mean())
+
+
+def test_dynamic_sampling_gives_up_after_max_rounds(tok, caplog):
+    collector = scripted(tok, wrong=lambda total: 0, rounds=3, total=1)  # every answer right
+    with caplog.at_level(logging.WARNING):
+        (batch,) = list(collector)
+    stats = collector.last_batch_stats
+    assert batch.shape[0] == 0 and batch.batch_dims == 2  # nothing to train on: skip the update
+    assert stats["groups_kept"] == 0 and stats["sampling_rounds"] == 3 and stats["groups_generated"] == 12
+    assert stats["reward_mean"] == 1.0 and stats["accuracy"] == 1.0
+    assert "only 0 of 4 groups have a reward spread after 3 rounds" in caplog.text
+
+
+def test_dynamic_sampling_in_async_mode_keeps_one_version_per_batch(tok):
+    collector = scripted(tok, mode="async", total=3)
+    versions, kept = [], []
+    for batch in collector:
+        versions.append(batch_policy_version(batch))
+        kept.append(collector.last_batch_stats["groups_kept"])
+        collector.update_policy_weights_()
+    collector.shutdown()
+    assert versions == [0, 0, 1] and kept == [4, 4, 4]
+
+
+def test_resume_pushes_the_restored_weights_under_the_restored_version(tok):
+    collector, model, _ = make(tok, mode="sync", total_batches=2)
+    list(collector_with_updates(collector))
+    state = collector.state_dict()
+    assert state["policy_version"] == 2
+    fresh, _, backend = make(tok, mode="sync", total_batches=1)
+    fresh.load_state_dict(state)
+    fresh.resync_policy_weights_()  # what the recipe calls after loading a checkpoint
+    assert backend.weight_version == fresh.policy_version == 2 and len(backend.synced) == 1
+    (batch,) = list(fresh)
+    assert batch_policy_version(batch) == 2 and len(backend.synced) == 1  # pushed once
+
+
+def collector_with_updates(collector):
+    for batch in collector:
+        collector.update_policy_weights_()
+        yield batch

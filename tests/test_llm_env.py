@@ -27,9 +27,10 @@ class ScriptedBackend(GenerationBackend):
     """
 
     def __init__(self, tokenizer):
+        super().__init__()  # no sender: the scripted double has no weights
         self.tokenizer = tokenizer
 
-    def generate(self, prompt_token_ids, n, sampling):
+    def _generate(self, prompt_token_ids, n, sampling):
         out = []
         for i, prompt in enumerate(prompt_token_ids):
             a, b = map(
@@ -42,9 +43,6 @@ class ScriptedBackend(GenerationBackend):
                 reason = "stop" if len(cut) == len(ids) else "length"
                 out.append(Completion(i, cut, [-0.5] * len(cut), reason))
         return out
-
-    def sync_weights(self, named_tensors, version):
-        raise NotImplementedError("the scripted double has no weights")
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +74,8 @@ def test_check_env_specs(tok, model):
 
 def test_rollout_returns_the_token_trajectory(tok, model):
     env = make_env(tok, TransformersBackend(model, seed=1))
-    env.backend.sync_weights(named_policy_tensors(model), version=5)
-    env.policy_version = 5
+    env.backend.sync_weights(named_policy_tensors(model), version=5)  # the backend owns the version
+    assert not hasattr(env, "policy_version")
     td = env.rollout()
     n_rows, width = td.batch_size
     assert n_rows == 6 and width <= env.max_prompt_tokens + 6
@@ -160,29 +158,49 @@ def test_epoch_sampler_covers_each_epoch_once():
     assert EpochSampler(4, shuffle=False).draw(6) == [0, 1, 2, 3, 0, 1]
 
 
-class VersionedScriptedBackend(ScriptedBackend):
-    """The scripted double, reporting the engine's weight version on every completion (as SGLang)."""
+def test_non_finite_reward_is_an_error_naming_row_prompt_and_value(tok):
+    def reward(text, truth):
+        return float("nan") if text.endswith("3") else 1.0
 
-    def __init__(self, tokenizer, reported):
-        super().__init__(tokenizer)
-        self.reported = reported
+    rows = [make_row("What is 1 + 2?", "3", index=0), make_row("What is 5 + 7?", "12", index=1)]
+    env = LLMEnv(rows, tok, ScriptedBackend(tok), num_samples=2, prompts_per_batch=2, shuffle=False,
+                 reward_fn=reward, sampling=SamplingParams(max_new_tokens=12))  # fmt: skip
+    with pytest.raises(ValueError, match=r"reward_fn returned nan for batch row 0 \(prompt index 0, response 'Answer: 3'\)"):
+        env.rollout()
+    with pytest.raises(ValueError, match="non_finite_reward must be 'raise' or 'drop'"):
+        LLMEnv(rows, tok, ScriptedBackend(tok), non_finite_reward="zero")
 
-    def generate(self, prompt_token_ids, n, sampling):
-        out = super().generate(prompt_token_ids, n, sampling)
-        for c in out:
-            c.weight_version = self.reported
+
+def test_non_finite_reward_rows_can_be_dropped_and_counted(tok):
+    def reward(text, truth):
+        return float("inf") if text.endswith("13") else (1.0 if text.endswith(truth) else -1.0)
+
+    rows = [make_row("What is 1 + 2?", "3", index=0), make_row("What is 5 + 7?", "12", index=1)]
+    env = LLMEnv(rows, tok, ScriptedBackend(tok), num_samples=2, prompts_per_batch=2, shuffle=False,
+                 reward_fn=reward, sampling=SamplingParams(max_new_tokens=12), non_finite_reward="drop")  # fmt: skip
+    td = env.rollout()  # "Answer: 13" (prompt 1, sample 1) scores inf: its row is dropped
+    assert td.shape[0] == 3 and env.non_finite_rewards_dropped == 1
+    assert td["prompt_id"][:, 0].tolist() == [0, 0, 1]
+    assert td["next", "reward"].sum((1, 2)).tolist() == [1.0, -1.0, 1.0]
+    assert env.state_dict()["non_finite_rewards_dropped"] == 1
+
+
+class OutOfVocab(ScriptedBackend):
+    def _generate(self, prompt_token_ids, n, sampling):
+        out = super()._generate(prompt_token_ids, n, sampling)
+        out[3].token_ids[0] = len(self.tokenizer)
         return out
 
 
-def test_rows_must_come_from_the_stamped_weight_version(tok):
-    env = make_env(tok, VersionedScriptedBackend(tok, "3"))
-    env.policy_version = 3
-    assert (env.rollout()["policy_version"] == 3).all()
-    env.policy_version = 4
-    with pytest.raises(
-        RuntimeError,
-        match=r"weight version\(s\) \['3'\] but the rows would be stamped policy_version=4",
-    ):
+def test_token_ids_outside_the_vocabulary_are_refused(tok):
+    env = make_env(tok, OutOfVocab(tok), sampling=SamplingParams(max_new_tokens=12))
+    with pytest.raises(ValueError, match=rf"batch row 3 \(prompt index \d+\) has token ids \[{len(tok)}\] outside the tokenizer's vocabulary \[0, {len(tok)}\)"):
         env.rollout()
-    fresh = make_env(tok, VersionedScriptedBackend(tok, "default"))  # never-synced SGLang server
-    assert (fresh.rollout()["policy_version"] == 0).all()
+
+
+def test_rows_carry_the_version_the_backend_stamped(tok, model):
+    backend = TransformersBackend(model, seed=1)
+    env = make_env(tok, backend)
+    assert (env.rollout()["policy_version"] == 0).all()
+    backend.sync_weights(named_policy_tensors(model), version=3)
+    assert (env.rollout()["policy_version"] == 3).all()

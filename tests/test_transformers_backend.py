@@ -133,25 +133,31 @@ def test_top_k_top_p_against_hand_loop(top_k, top_p):
         torch.testing.assert_close(probs[row], torch.tensor(hand), atol=1e-6, rtol=0)
 
 
-def test_generate_samples_only_inside_top_k_and_reports_processed_log_probs(model):
-    sampling = SamplingParams(max_new_tokens=10, temperature=1.0, top_k=3, top_p=0.9, seed=2)
+def test_default_log_probs_are_unfiltered_temperature_scaled_under_top_k_top_p(model):
+    # The project's convention (and SGLang's): log softmax(logits / T) of the unfiltered
+    # distribution, also when top-k/top-p filter what is sampled.
+    sampling = SamplingParams(max_new_tokens=10, temperature=0.9, top_k=3, top_p=0.9, seed=2)
     out = TransformersBackend(model).generate(PROMPTS, n=3, sampling=sampling)
+    unfiltered = SamplingParams(temperature=0.9)
     for c in out:
-        ref = reference_log_probs(model, PROMPTS[c.prompt_index], c.token_ids, sampling)
-        assert torch.isfinite(ref).all()  # every sampled token is inside the filtered support
+        filtered = reference_log_probs(model, PROMPTS[c.prompt_index], c.token_ids, sampling)
+        assert torch.isfinite(filtered).all()  # every sampled token is inside the filtered support
+        ref = reference_log_probs(model, PROMPTS[c.prompt_index], c.token_ids, unfiltered)
         torch.testing.assert_close(torch.tensor(c.log_probs), ref, atol=1e-5, rtol=0)
 
 
-def test_temperature_logprob_mode_ignores_filters(model):
+def test_processed_logprob_mode_reports_the_filtered_distribution(model):
     sampling = SamplingParams(max_new_tokens=8, temperature=0.9, top_k=4, seed=2)
-    processed = TransformersBackend(model).generate(PROMPTS, 2, sampling)
-    plain = TransformersBackend(model, logprob_mode="temperature").generate(PROMPTS, 2, sampling)
-    unfiltered = SamplingParams(temperature=0.9)
-    for a, b in zip(processed, plain):
+    default = TransformersBackend(model).generate(PROMPTS, 2, sampling)
+    processed = TransformersBackend(model, logprob_mode="processed").generate(PROMPTS, 2, sampling)
+    for a, b in zip(default, processed):
         assert a.token_ids == b.token_ids  # same draws, only the reported log-prob differs
-        ref = reference_log_probs(model, PROMPTS[b.prompt_index], b.token_ids, unfiltered)
+        ref = reference_log_probs(model, PROMPTS[b.prompt_index], b.token_ids, sampling)
         torch.testing.assert_close(torch.tensor(b.log_probs), ref, atol=1e-5, rtol=0)
-        assert all(x >= y - 1e-6 for x, y in zip(a.log_probs, b.log_probs))  # renormalised >= raw
+        assert all(x >= y - 1e-6 for x, y in zip(b.log_probs, a.log_probs))  # renormalised >= raw
+        assert b.log_probs != a.log_probs
+    with pytest.raises(ValueError, match="logprob_mode must be 'temperature' or 'processed'"):
+        TransformersBackend(model, logprob_mode="filtered")
 
 
 def test_seeding(model):
@@ -181,7 +187,7 @@ def lp(completions) -> list[list[float]]:
     return [c.log_probs for c in completions]
 
 
-def test_copy_mode_sync_loads_new_weights_and_rejects_value_head():
+def test_copy_mode_sync_loads_new_weights_and_drops_value_head():
     trainer = attach_value_head(build_tiny_qwen3(VOCAB, seed=1))
     backend = TransformersBackend(build_tiny_qwen3(VOCAB, seed=0), mode="copy")
     greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
@@ -193,38 +199,57 @@ def test_copy_mode_sync_loads_new_weights_and_rejects_value_head():
     expected = copy_backend.generate(PROMPTS, 1, greedy)
     before = backend.generate(PROMPTS, 1, greedy)
     assert lp(before) != lp(expected)
-    backend.sync_weights(named_policy_tensors(trainer), version=3)
+    backend.sync_weights(trainer.state_dict().items(), version=3)  # raw state_dict: head dropped
     after = backend.generate(PROMPTS, 1, greedy)
     assert [c.token_ids for c in after] == [c.token_ids for c in expected]
     assert lp(after) == lp(expected)
-    assert backend.policy_version == 3 and after[0].weight_version == "3"
+    assert backend.weight_version == 3 and after[0].weight_version == 3
 
-    other = build_tiny_qwen3(VOCAB, seed=2)
-    bad = [*named_policy_tensors(other), ("value_head.weight", torch.zeros(1, 64))]
-    with pytest.raises(WeightSyncError, match=r"value_head\.weight"):
-        backend.sync_weights(bad, version=4)
-    with pytest.raises(WeightSyncError, match=r"missing \['lm_head.weight'\]"):
-        backend.sync_weights(
-            [(n, t) for n, t in named_policy_tensors(other) if n != "lm_head.weight"], 4
-        )
-    with pytest.raises(WeightSyncError, match=r"shape of 'model.norm.weight' is \(3,\)"):
-        backend.sync_weights(
-            [
-                (n, torch.zeros(3) if n == "model.norm.weight" else t)
-                for n, t in named_policy_tensors(other)
-            ],
-            4,
-        )
-    # rejected syncs copied nothing and kept the version
-    assert lp(backend.generate(PROMPTS, 1, greedy)) == lp(expected)
-    assert backend.policy_version == 3
+
+def test_rejected_syncs_keep_the_version():
+    backend = TransformersBackend(build_tiny_qwen3(VOCAB, seed=0), mode="copy")
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
+    before = lp(backend.generate(PROMPTS, 1, greedy))
+    other = list(named_policy_tensors(build_tiny_qwen3(VOCAB, seed=2)))
+    first = other[0][0]
+    # refused at the first tensor: nothing copied, generation goes on with the old weights
+    with pytest.raises(WeightSyncError, match=rf"shape of '{first}' is \(3,\)") as info:
+        backend.sync_weights([(first, torch.zeros(3)), *other[1:]], 4)
+    assert not info.value.partial and backend.weight_version == 0
+    assert lp(backend.generate(PROMPTS, 1, greedy)) == before
+    # refused after some tensors were copied: partial, generation refused until a good sync
+    with pytest.raises(WeightSyncError, match=r"missing \['lm_head.weight'\]") as info:
+        backend.sync_weights([(n, t) for n, t in other if n != "lm_head.weight"], 4)
+    assert info.value.partial and backend.weight_version == 0
+    with pytest.raises(WeightSyncError, match="failed part-way"):
+        backend.generate(PROMPTS, 1, greedy)
+    backend.sync_weights(other, 5)
+    assert backend.weight_version == 5 and lp(backend.generate(PROMPTS, 1, greedy)) != before
+
+
+def test_copy_mode_consumes_the_tensors_one_at_a_time():
+    trainer = build_tiny_qwen3(VOCAB, seed=1)
+    backend = TransformersBackend(build_tiny_qwen3(VOCAB, seed=0), mode="copy")
+    rollout = backend.model.state_dict()
+    copied_before_next = []
+
+    def stream():
+        previous = None
+        for name, tensor in named_policy_tensors(trainer):
+            if previous is not None:  # the previous tensor is already in the rollout model
+                copied_before_next.append(torch.equal(rollout[previous], trainer.state_dict()[previous]))
+            previous = name
+            yield name, tensor
+
+    backend.sync_weights(stream(), version=1)
+    assert copied_before_next and all(copied_before_next)
 
 
 def test_share_mode_samples_from_the_trainer_module(model):
     backend = TransformersBackend(model, mode="share")
     assert backend.model is model
     backend.sync_weights(named_policy_tensors(model), version=1)
-    assert backend.policy_version == 1
+    assert backend.weight_version == 1
 
 
 def test_bad_arguments(model):

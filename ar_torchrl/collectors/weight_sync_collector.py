@@ -164,7 +164,7 @@ class WeightSyncCollector(BaseCollector):
             None,
             None,
         )
-        lag = self.policy_version - batch_policy_version(batch) if batch.numel() else 0
+        lag = self.policy_version - batch_policy_version(batch) if batch.shape[0] else 0
         if lag > self.max_policy_lag:
             self.stale_batches_dropped += 1
             logger.warning(
@@ -183,7 +183,7 @@ class WeightSyncCollector(BaseCollector):
         produced = 0
         while self.total_batches is None or produced < self.total_batches:
             batch, self.last_batch_stats = self._next_batch()
-            if batch.numel():
+            if batch.shape[0]:
                 self.last_policy_lag = self.policy_version - batch_policy_version(batch)
             produced += 1
             self.batches_yielded += 1

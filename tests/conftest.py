@@ -1,0 +1,89 @@
+"""Shared fixtures.
+
+SGLang (marker ``sglang``): ONE real server for the whole session (``sglang_server``, started by
+the library launcher on first use, with an API key that every client of the session sends), a second
+real server started by a separate stand-in trainer process when a test needs two servers or a
+server whose parent it kills (``second_server``), and the in-process protocol double
+(``sglang_double``, checked against SGLang's own schema). A missing server venv FAILS the real-server
+tests and says how to create it; in the fast tier (``AR_TORCHRL_TESTS=fast``, see scripts/test.sh)
+they are deselected, and the double's tests skip when the schema is absent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+from sglang_double import serve_double
+from sglang_helpers import ParentServer, require_schema, require_sglang_venv
+
+from ar_torchrl.assets import save_tiny_model
+from ar_torchrl.backends.sglang.launcher import API_KEY_ENV, launch_sglang_server
+
+TINY_SEED = 0
+TEST_API_KEY = "ar-torchrl-test-key"
+
+
+@pytest.fixture(scope="session")
+def sglang_model_dir(tmp_path_factory):
+    """A tiny Qwen3 HF dir (``save_tiny_model(seed=0)``): char tokenizer, vocab 99, eos 2."""
+    return save_tiny_model(tmp_path_factory.mktemp("sglang") / "model", seed=TINY_SEED)
+
+
+@pytest.fixture(scope="session")
+def sglang_api_key():
+    """The session's SGLang API key, exported so that clients and launched servers use it."""
+    old = os.environ.get(API_KEY_ENV)
+    os.environ[API_KEY_ENV] = TEST_API_KEY
+    yield TEST_API_KEY
+    if old is None:
+        os.environ.pop(API_KEY_ENV, None)
+    else:
+        os.environ[API_KEY_ENV] = old
+
+
+@pytest.fixture(scope="session")
+def sglang_server(sglang_model_dir, sglang_api_key, tmp_path_factory):
+    """The session's real SGLang server (``.url``, ``.process``, ``.log_path``, ``.api_key``)."""
+    python = require_sglang_venv()
+    log = tmp_path_factory.mktemp("sglang-log") / "server.log"
+    with launch_sglang_server(sglang_model_dir, python=python, log_file=log, timeout_s=300) as server:
+        yield server
+
+
+class _SecondServer:
+    """Starts (and, once killed, restarts) the second real server on demand."""
+
+    def __init__(self, model_dir, log_dir) -> None:
+        self.model_dir, self.log_dir, self.current, self.started = model_dir, log_dir, None, 0
+
+    def get(self) -> ParentServer:
+        if self.current is None or not self.current.alive():
+            self.started += 1
+            log = self.log_dir / f"second-{self.started}.log"
+            self.current = ParentServer(self.model_dir, log, sync=True)
+        return self.current
+
+    def close(self) -> None:
+        if self.current is not None:
+            self.current.close()
+
+
+@pytest.fixture(scope="session")
+def second_server(sglang_model_dir, sglang_api_key, tmp_path_factory):
+    """A second real server, launched by a stand-in trainer process (``.get()`` starts it)."""
+    require_sglang_venv()
+    holder = _SecondServer(sglang_model_dir, tmp_path_factory.mktemp("sglang-second"))
+    yield holder
+    with contextlib.suppress(Exception):
+        holder.close()
+
+
+@pytest.fixture
+def sglang_double():
+    """A fresh in-process protocol double (see ``tests/sglang_double.py``)."""
+    require_schema()
+    double, stop = serve_double()
+    yield double
+    stop()

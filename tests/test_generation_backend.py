@@ -1,0 +1,158 @@
+"""GenerationBackend: the one owner of the weight version, the engine lock, the context check."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from ar_torchrl.assets import build_tiny_qwen3
+from ar_torchrl.backends import (
+    Completion,
+    ContextLengthError,
+    GenerationBackend,
+    SamplingParams,
+    TransformersBackend,
+)
+from ar_torchrl.weight_sync import WeightSyncError, named_policy_tensors
+
+torch.set_num_threads(1)
+TENSORS = [("w", torch.ones(2))]
+
+
+class Sender:
+    """A WeightSender that records, or fails in a chosen way."""
+
+    def __init__(self, error: BaseException | None = None, gate: threading.Event | None = None):
+        self.error, self.gate, self.versions, self.closed = error, gate, [], 0
+
+    def send(self, named_tensors, version):
+        list(named_tensors)
+        if self.gate is not None:
+            self.gate.wait(10)
+        if self.error is not None:
+            raise self.error
+        self.versions.append(version)
+
+    def close(self):
+        self.closed += 1
+
+
+class Echo(GenerationBackend):
+    """Repeats the last prompt token; records when it generated."""
+
+    def __init__(self, sender=None, context: int | None = None):
+        super().__init__(sender)
+        self.context, self.events = context, []
+
+    @property
+    def context_length(self):
+        return self.context
+
+    def _generate(self, prompts, n, sampling):
+        self.events.append("generate")
+        return [Completion(i, p[-1:], [-0.5], "length") for i, p in enumerate(prompts) for _ in range(n)]
+
+
+def test_version_starts_at_zero_changes_only_after_a_successful_sync():
+    sender = Sender()
+    engine = Echo(sender)
+    assert engine.weight_version == 0
+    assert {c.weight_version for c in engine.generate([[1], [2]], 2, SamplingParams())} == {0}
+    engine.sync_weights(TENSORS, version=4)
+    assert engine.weight_version == 4 and sender.versions == [4]
+    out = engine.generate([[1], [2]], 2, SamplingParams())
+    assert [c.prompt_index for c in out] == [0, 0, 1, 1] and {c.weight_version for c in out} == {4}
+    with pytest.raises(AttributeError):
+        engine.weight_version = 5  # read-only: nothing outside the backend writes it
+    engine.close()
+    assert sender.closed == 1
+
+
+def test_failed_sync_keeps_the_version_and_generation_continues():
+    engine = Echo(Sender(error=WeightSyncError("refused before sending", partial=False)))
+    with pytest.raises(
+        WeightSyncError, match=r"Echo: weight sync to version 1 failed \(WeightSyncError: refused before sending\); the engine keeps weight_version 0$"
+    ) as info:
+        engine.sync_weights(TENSORS, version=1)
+    assert not info.value.partial and engine.weight_version == 0
+    assert engine.generate([[1]], 1, SamplingParams())[0].weight_version == 0
+
+
+@pytest.mark.parametrize("error", [WeightSyncError("half sent", partial=True), RuntimeError("boom")])
+def test_partial_sync_blocks_generation_until_a_sync_succeeds(error):
+    sender = Sender(error=error)
+    engine = Echo(sender)
+    with pytest.raises(WeightSyncError, match="may hold a partial update: sync again") as info:
+        engine.sync_weights(TENSORS, version=1)
+    assert info.value.partial and engine.weight_version == 0
+    with pytest.raises(WeightSyncError, match=r"last weight sync failed part-way \((WeightSyncError|RuntimeError)"):
+        engine.generate([[1]], 1, SamplingParams())
+    sender.error = None
+    engine.sync_weights(TENSORS, version=1)
+    assert engine.generate([[1]], 1, SamplingParams())[0].weight_version == 1
+
+
+def test_no_sender_cannot_sync():
+    with pytest.raises(WeightSyncError, match="Echo has no weight sender"):
+        Echo().sync_weights(TENSORS, 1)
+
+
+def test_generation_waits_for_an_in_flight_sync():
+    gate = threading.Event()
+    engine = Echo(Sender(gate=gate))
+    syncing = threading.Thread(target=engine.sync_weights, args=(TENSORS, 7))
+    syncing.start()
+    result = {}
+    generating = threading.Thread(target=lambda: result.update(out=engine.generate([[3]], 1, SamplingParams())))
+    generating.start()
+    generating.join(0.5)
+    assert generating.is_alive() and engine.events == []  # blocked by the sync
+    gate.set()
+    syncing.join(10), generating.join(10)
+    assert result["out"][0].weight_version == 7  # never a batch from the old weights mid-sync
+
+
+def test_context_length_is_enforced_naming_the_prompt():
+    engine = Echo(context=10)
+    engine.generate([[1] * 6], 1, SamplingParams(max_new_tokens=4))  # exactly fits
+    with pytest.raises(
+        ContextLengthError,
+        match=r"Echo: prompts \(index, tokens\) \[\(1, 7\)\] plus max_new_tokens=4 exceed the model's context of 10 tokens",
+    ):
+        engine.generate([[1] * 6, [1] * 7], 1, SamplingParams(max_new_tokens=4))
+    assert engine.events == ["generate"]
+
+
+def test_trainside_refuses_prompts_longer_than_max_position_embeddings():
+    model = build_tiny_qwen3(99, seed=0)
+    limit = model.config.max_position_embeddings
+    backend = TransformersBackend(model)
+    assert backend.context_length == limit
+    with pytest.raises(ContextLengthError, match=f"exceed the model's context of {limit} tokens"):
+        backend.generate([[5] * (limit - 1)], 1, SamplingParams(max_new_tokens=2))
+
+
+def test_bad_generate_arguments():
+    with pytest.raises(ValueError, match=r"prompts \[1\] are empty"):
+        Echo().generate([[1], []], 1, SamplingParams())
+    with pytest.raises(ValueError, match="n must be >= 1, got 0"):
+        Echo().generate([[1]], 0, SamplingParams())
+
+
+def test_trainside_sync_through_the_base_class():
+    trainer, engine = build_tiny_qwen3(99, seed=1), TransformersBackend(build_tiny_qwen3(99, seed=0))
+    engine.sync_weights(named_policy_tensors(trainer), version=2)
+    assert engine.weight_version == 2
+    assert torch.equal(engine.model.lm_head.weight, trainer.lm_head.weight)
+
+
+def test_importing_the_library_does_not_import_requests():
+    code = ("import sys, ar_torchrl.objectives, ar_torchrl.envs, ar_torchrl.collectors, ar_torchrl.backends; "
+            "print(sorted(m for m in sys.modules if m == 'requests' or m.startswith('ar_torchrl.backends.sglang')))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
