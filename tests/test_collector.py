@@ -137,7 +137,7 @@ def test_failed_sync_keeps_the_version_and_says_so(tok, caplog):
         caplog.at_level(logging.ERROR),
         pytest.raises(
             WeightSyncError,
-            match=r"weight sync to version 1 failed \(WeightSyncError: boom\); the engine keeps weight_version 0",
+            match=r"weight sync to version 1 failed \(boom\); the engine keeps weight_version 0",
         ),
     ):
         collector.update_policy_weights_()

@@ -248,20 +248,22 @@ class GenerationBackend(abc.ABC):
             try:
                 self._sender.send(named_tensors, version)
             except Exception as err:
-                partial = err.partial if isinstance(err, WeightSyncError) else True
-                if partial:
-                    self._broken_sync = f"{type(err).__name__}: {err}"
-                tail = (
-                    "; it may hold a partial update: sync again before generating"
-                    if partial
-                    else ""
-                )
-                raise WeightSyncError(
-                    f"{name}: weight sync to version {version} failed ({type(err).__name__}: {err}); "
-                    f"the engine keeps weight_version {self._weight_version}{tail}",
-                    partial=partial,
-                ) from err
+                self._sync_failed(err, version, name)
             self._weight_version, self._broken_sync = version, None
+
+    def _sync_failed(self, err: Exception, version: int, name: str) -> None:
+        """Raise the one error of a failed sync (a sender's own error is not chained again)."""
+        ours = isinstance(err, WeightSyncError)
+        partial = err.partial if ours else True  # an unknown failure may have applied anything
+        reason = str(err) if ours else f"{type(err).__name__}: {err}"
+        if partial:
+            self._broken_sync = reason
+        tail = "; it may hold a partial update: sync again before generating" if partial else ""
+        raise WeightSyncError(
+            f"{name}: weight sync to version {version} failed ({reason}); the engine keeps "
+            f"weight_version {self._weight_version}{tail}",
+            partial=partial,
+        ) from (None if ours else err)
 
     def _check_context(self, prompts: list[list[int]], sampling: SamplingParams, name: str) -> None:
         limit = self.context_length

@@ -181,11 +181,11 @@ class SGLangSender(abc.ABC):
         except WeightSyncError as err:
             err.partial = err.partial or self._partial
             raise
-        except Exception as exc:  # transport errors carry the server's message
-            raise WeightSyncError(
-                f"SGLang {self.name} weight sync (version {version}) failed: {exc}",
-                partial=self._partial,
-            ) from exc
+        except Exception as exc:  # the client's own errors carry the server's message
+            ours = type(exc).__module__.startswith("ar_torchrl.")
+            raise WeightSyncError(f"{self.name} sync: {exc}", partial=self._partial) from (
+                None if ours else exc
+            )
         logger.info(
             "SGLang %s weight sync to %d server(s): version %s",
             self.name,
