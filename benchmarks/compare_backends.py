@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> dict:
             url = stack.enter_context(launch_sglang_server(model_dir, timeout_s=600)).url
         sgl = stack.enter_context(SGLangBackend(url, show_progress=False))
         if args.url is not None:  # an external server: make sure it serves these weights
-            sgl.sync_weights(((n, t) for n, t in model.state_dict().items()), version=0)
+            sgl.sync_weights(model.state_dict().items(), version=0)
         sgl_out, sgl_s = timed_generate(sgl, prompts, args.n, sampling, args.repeats)
         trainside = TransformersBackend(model, mode="copy", seed=args.seed)
         tf_out, tf_s = timed_generate(trainside, prompts, args.n, sampling, args.repeats)

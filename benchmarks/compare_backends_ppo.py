@@ -67,8 +67,7 @@ def run(backend_name: str, args, stack: contextlib.ExitStack) -> list[dict]:
         recompute_anchors(ac, td, plan)
         td = gae(td)
         out = ppo_update(loss_fn, optimizer, td, plan, epochs=1, num_minibatches=1, grad_clip=1.0)
-        env.policy_version += 1
-        backend.sync_weights(named_policy_tensors(model), version=env.policy_version)
+        backend.sync_weights(named_policy_tensors(model), version=backend.weight_version + 1)
         rows.append({
             "rollout": i,
             "loss": out["train/loss_objective"] + out["train/loss_critic"],

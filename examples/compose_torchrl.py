@@ -89,8 +89,7 @@ def main(iterations: int, epochs: int = 2, minibatch_rows: int = 32, seed: int =
                 optim.step()
                 optim.zero_grad()
 
-        env.policy_version += 1
-        backend.sync_weights(named_policy_tensors(model), version=env.policy_version)
+        backend.sync_weights(named_policy_tensors(model), version=backend.weight_version + 1)
         reward = data["next", "reward"].sum(dim=(-2, -1)).mean().item()
         print(f"iter {i:3d}  reward {reward:+.3f}  loss {loss.item():+.4f}  "
               f"ratio {loss_vals['ratio_mean'].item():.4f}")  # fmt: skip

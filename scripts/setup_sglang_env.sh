@@ -4,7 +4,7 @@
 #   pins:  requirements/sglang-cpu-server.txt (installed with --no-deps; torch 2.14.1 + nvidia-* come
 #          from the machine's local wheels when pip finds them, else from PyPI)
 #   shim:  tools/sgl_kernel_shim -> $VENV/sgl_kernel_shim (put on the server's PYTHONPATH only by
-#          ar_torchrl.backends.sglang.launch_sglang_server)
+#          ar_torchrl.backends.sglang.launcher.launch_sglang_server)
 # Idempotent: a stamp holds the hash of the pins and the shim; nothing is done when it matches.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -25,6 +25,23 @@ TINY_SEED = 0
 TEST_API_KEY = "ar-torchrl-test-key"
 
 
+def pytest_collection_modifyitems(config, items):
+    """The doctests of ``backends/sglang/schema.py`` read SGLang's schema from .venv-sglang: mark
+    them ``sglang`` so that the fast tier (``-m "not sglang"``) deselects them with the rest."""
+    for item in items:
+        if (
+            "ar_torchrl.backends.sglang.schema." in item.nodeid
+            and "default_sglang_venv" not in item.nodeid
+        ):
+            item.add_marker(pytest.mark.sglang)
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+    """The recipe tests' ``AR_TORCHRL_CACHE``: the warm start is computed once per session."""
+    return tmp_path_factory.mktemp("ar_torchrl_cache")
+
+
 @pytest.fixture(scope="session")
 def sglang_model_dir(tmp_path_factory):
     """A tiny Qwen3 HF dir (``save_tiny_model(seed=0)``): char tokenizer, vocab 99, eos 2."""
@@ -48,7 +65,9 @@ def sglang_server(sglang_model_dir, sglang_api_key, tmp_path_factory):
     """The session's real SGLang server (``.url``, ``.process``, ``.log_path``, ``.api_key``)."""
     python = require_sglang_venv()
     log = tmp_path_factory.mktemp("sglang-log") / "server.log"
-    with launch_sglang_server(sglang_model_dir, python=python, log_file=log, timeout_s=300) as server:
+    with launch_sglang_server(
+        sglang_model_dir, python=python, log_file=log, timeout_s=300
+    ) as server:
         yield server
 
 

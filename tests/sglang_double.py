@@ -185,10 +185,14 @@ def _make_handler(double: SGLangDouble) -> type[BaseHTTPRequestHandler]:
                 self._send(404, {"detail": "Not Found"})
 
         def do_POST(self) -> None:
-            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"null")
+            body = json.loads(
+                self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"null"
+            )
             with double.lock:
                 double.requests.append((self.path, body))
-                fault = double.faults.popleft() if double.faults and self.path == "/generate" else None
+                fault = (
+                    double.faults.popleft() if double.faults and self.path == "/generate" else None
+                )
             if not self._authorized() or (fault is not None and self._apply(fault)):
                 return
             if self.path in double.handlers:

@@ -17,7 +17,11 @@ import torch
 from safetensors import safe_open
 
 from ar_torchrl.backends import SamplingParams
-from ar_torchrl.backends.sglang.schema import SchemaNotFoundError, default_sglang_venv, find_api_types
+from ar_torchrl.backends.sglang.schema import (
+    SchemaNotFoundError,
+    default_sglang_venv,
+    find_api_types,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST_TIER = os.environ.get("AR_TORCHRL_TESTS") == "fast"
@@ -51,7 +55,9 @@ def trainer_log_probs(model, prompt: list[int], tokens: list[int], temperature: 
     ids = torch.tensor([prompt + tokens])
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
-    return torch.log_softmax(logits / temperature, dim=-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+    return torch.log_softmax(logits / temperature, dim=-1).gather(
+        -1, torch.tensor(tokens)[:, None]
+    )[:, 0]
 
 
 def trainer_with_value_head(seed: int) -> torch.nn.Module:
@@ -76,7 +82,9 @@ def assert_server_matches(backend, model, version: int, prompts=PROMPTS) -> None
         assert {c.weight_version for c in out} == {version}
         assert {c.meta["server_weight_version"] for c in out} == {str(version)}
         for c in out:
-            ref = trainer_log_probs(model, prompts[c.prompt_index], c.token_ids, sampling.temperature or 1.0)
+            ref = trainer_log_probs(
+                model, prompts[c.prompt_index], c.token_ids, sampling.temperature or 1.0
+            )
             torch.testing.assert_close(torch.tensor(c.log_probs), ref, atol=1e-4, rtol=0)
 
 
@@ -111,7 +119,12 @@ class SentNames:
                     names += list(sf.keys())
             return names
         if path == "/update_weights_from_tensor":
-            return [m.name for m in pickle.loads(base64.b64decode(body["serialized_named_tensors"][0]))["metadata"]]
+            return [
+                m.name
+                for m in pickle.loads(base64.b64decode(body["serialized_named_tensors"][0]))[
+                    "metadata"
+                ]
+            ]
         if path == "/update_weights_from_distributed":
             return list(body["names"])
         return []
@@ -173,8 +186,18 @@ class ParentServer:
 
     def __init__(self, model_dir: Path, log: Path, *, sync: bool = False) -> None:
         python = require_sglang_venv()
-        cmd = [sys.executable, str(ROOT / "tests" / "sglang_parent.py"), str(model_dir), str(log), str(python)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        cmd = [
+            sys.executable,
+            str(ROOT / "tests" / "sglang_parent.py"),
+            str(model_dir),
+            str(log),
+            str(python),
+        ]
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        }
         self.parent = subprocess.Popen(cmd + (["--sync"] if sync else []), stdin=subprocess.PIPE,
                                        stdout=subprocess.PIPE, env=env, text=True)  # fmt: skip
         line = self.parent.stdout.readline()

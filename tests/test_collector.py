@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import logging
-import re
 import threading
 
 import pytest
 import torch
+from scripted_backend import ScriptedBackend
 
 from ar_torchrl.assets import build_char_tokenizer, build_tiny_qwen3
-from ar_torchrl.backends import Completion, GenerationBackend, SamplingParams, TransformersBackend
+from ar_torchrl.backends import SamplingParams, TransformersBackend
 from ar_torchrl.collectors import WeightSyncCollector, batch_policy_version
 from ar_torchrl.data import arithmetic_dataset
 from ar_torchrl.envs import LLMEnv
@@ -46,25 +46,6 @@ class RecordingBackend(TransformersBackend):
         items = list(named_tensors)
         self.synced.append([name for name, _ in items])
         super().sync_weights(items, version)
-
-
-class ScriptedMath(GenerationBackend):
-    """Answers "What is a + b?" from a script (a random tiny model never writes right answers):
-    sample j answers ``a + b + j * wrong(a + b)``; ``wrong`` decides which groups have a spread."""
-
-    def __init__(self, tokenizer, wrong=lambda total: total % 2):
-        super().__init__(TrainsideSender(torch.nn.Linear(1, 1), mode="share"))
-        self.tokenizer, self.wrong = tokenizer, wrong
-
-    def _generate(self, prompts, n, sampling):
-        out = []
-        for i, prompt in enumerate(prompts):
-            a, b = map(int, re.search(r"What is (\d+) \+ (\d+)\?", self.tokenizer.decode(prompt)).groups())
-            for j in range(n):
-                ids = self.tokenizer(f"Answer: {a + b + j * self.wrong(a + b)}", add_special_tokens=False)["input_ids"]
-                ids = (ids + [self.tokenizer.eos_token_id])[: sampling.max_new_tokens]
-                out.append(Completion(i, ids, [-0.5] * len(ids), "stop"))
-        return out
 
 
 @pytest.fixture(scope="module")
@@ -208,8 +189,14 @@ def test_bad_arguments(tok):
         WeightSyncCollector(env, model, mode="async")
 
 
-def scripted(tok, *, wrong=lambda total: total % 2, mode="sync", rounds=4, prompts=4, dynamic=True, total=2):
-    env = LLMEnv(arithmetic_dataset(64, seed=0), tok, ScriptedMath(tok, wrong), num_samples=2,
+def scripted(
+    tok, *, wrong=lambda total: total % 2, mode="sync", rounds=4, prompts=4, dynamic=True, total=2
+):
+    def answer(a, b, j):  # sample j is off by j * wrong(a + b): groups with wrong() == 0 agree
+        return a + b + j * wrong(a + b)
+
+    backend = ScriptedBackend(tok, answer, sender=TrainsideSender(torch.nn.Linear(1, 1), "share"))
+    env = LLMEnv(arithmetic_dataset(64, seed=0), tok, backend, num_samples=2,
                  prompts_per_batch=prompts, sampling=SamplingParams(max_new_tokens=12), seed=0)  # fmt: skip
     model = torch.nn.Linear(1, 1)
     return WeightSyncCollector(env, model, total_batches=total, mode=mode, dynamic_sampling=dynamic,
@@ -226,7 +213,11 @@ def test_dynamic_sampling_refills_with_groups_that_have_a_spread(tok):
     first_stats = plain.last_batch_stats
     # even sums: both samples right (zero spread); odd sums: one right, one wrong
     zero = int((seq_rewards(first)[:, 0] == seq_rewards(first)[:, 1]).sum())
-    assert 0 < zero < 4 and first_stats["groups_kept"] == 4 and first_stats["groups_zero_spread"] == zero
+    assert (
+        0 < zero < 4
+        and first_stats["groups_kept"] == 4
+        and first_stats["groups_zero_spread"] == zero
+    )
     collector = scripted(tok, dynamic=True, total=1)
     (batch,) = list(collector)
     stats = collector.last_batch_stats
@@ -237,7 +228,9 @@ def test_dynamic_sampling_refills_with_groups_that_have_a_spread(tok):
     assert stats["groups_dropped"] == stats["groups_generated"] - 4 >= stats["groups_zero_spread"]
     # the logged reward and accuracy are over EVERY generated sample, not the kept ones
     assert stats["samples"] == 2 * stats["groups_generated"]
-    assert stats["reward_mean"] > float(rewards.mean())  # all-right groups were generated, then dropped
+    assert stats["reward_mean"] > float(
+        rewards.mean()
+    )  # all-right groups were generated, then dropped
     assert first_stats["reward_mean"] == float(seq_rewards(first).mean())
 
 
@@ -247,7 +240,11 @@ def test_dynamic_sampling_gives_up_after_max_rounds(tok, caplog):
         (batch,) = list(collector)
     stats = collector.last_batch_stats
     assert batch.shape[0] == 0 and batch.batch_dims == 2  # nothing to train on: skip the update
-    assert stats["groups_kept"] == 0 and stats["sampling_rounds"] == 3 and stats["groups_generated"] == 12
+    assert (
+        stats["groups_kept"] == 0
+        and stats["sampling_rounds"] == 3
+        and stats["groups_generated"] == 12
+    )
     assert stats["reward_mean"] == 1.0 and stats["accuracy"] == 1.0
     assert "only 0 of 4 groups have a reward spread after 3 rounds" in caplog.text
 

@@ -20,7 +20,9 @@ def _seq(prompts, responses, rewards, prompt_ids, version=2):
     cs = [Completion(b, r, [-0.5] * len(r), "stop") for b, r in enumerate(responses)]
     for c in cs:
         c.weight_version = version
-    acts = completions_to_actions(cs, max_new_tokens=max_new, pad_token_id=0, vocab=99, prompt_ids=prompt_ids)
+    acts = completions_to_actions(
+        cs, max_new_tokens=max_new, pad_token_id=0, vocab=99, prompt_ids=prompt_ids
+    )
     return TensorDict({"prompt_tokens": tokens, "prompt_mask": mask, "prompt_id": torch.tensor(prompt_ids),
                        **acts, "next": {"reward": torch.tensor(rewards).unsqueeze(-1)}}, [n])  # fmt: skip
 
@@ -38,7 +40,9 @@ def test_actions_refuse_mixed_versions_and_out_of_vocabulary_ids():
     a, b = Completion(0, [5], [-0.1], "stop"), Completion(0, [6], [-0.1], "stop")
     b.weight_version = 1
     with pytest.raises(RuntimeError, match=r"one batch mixes weight versions \[0, 1\]"):
-        completions_to_actions([a, b], max_new_tokens=2, pad_token_id=0, vocab=99, prompt_ids=[0, 0])
+        completions_to_actions(
+            [a, b], max_new_tokens=2, pad_token_id=0, vocab=99, prompt_ids=[0, 0]
+        )
     with pytest.raises(ValueError, match=r"batch row 0 \(prompt index 7\) has token ids \[99\]"):
         completions_to_actions([Completion(0, [99], [-0.1], "stop")], max_new_tokens=2, pad_token_id=0,
                                vocab=99, prompt_ids=[7])  # fmt: skip

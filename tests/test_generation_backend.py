@@ -54,7 +54,9 @@ class Echo(GenerationBackend):
 
     def _generate(self, prompts, n, sampling):
         self.events.append("generate")
-        return [Completion(i, p[-1:], [-0.5], "length") for i, p in enumerate(prompts) for _ in range(n)]
+        return [
+            Completion(i, p[-1:], [-0.5], "length") for i, p in enumerate(prompts) for _ in range(n)
+        ]
 
 
 def test_version_starts_at_zero_changes_only_after_a_successful_sync():
@@ -75,21 +77,27 @@ def test_version_starts_at_zero_changes_only_after_a_successful_sync():
 def test_failed_sync_keeps_the_version_and_generation_continues():
     engine = Echo(Sender(error=WeightSyncError("refused before sending", partial=False)))
     with pytest.raises(
-        WeightSyncError, match=r"Echo: weight sync to version 1 failed \(refused before sending\); the engine keeps weight_version 0$"
+        WeightSyncError,
+        match=r"Echo: weight sync to version 1 failed \(refused before sending\); the engine keeps weight_version 0$",
     ) as info:
         engine.sync_weights(TENSORS, version=1)
     assert not info.value.partial and engine.weight_version == 0
     assert engine.generate([[1]], 1, SamplingParams())[0].weight_version == 0
 
 
-@pytest.mark.parametrize("error", [WeightSyncError("half sent", partial=True), RuntimeError("boom")])
+@pytest.mark.parametrize(
+    "error", [WeightSyncError("half sent", partial=True), RuntimeError("boom")]
+)
 def test_partial_sync_blocks_generation_until_a_sync_succeeds(error):
     sender = Sender(error=error)
     engine = Echo(sender)
     with pytest.raises(WeightSyncError, match="may hold a partial update: sync again") as info:
         engine.sync_weights(TENSORS, version=1)
     assert info.value.partial and engine.weight_version == 0
-    with pytest.raises(WeightSyncError, match=r"last weight sync failed part-way \((half sent|RuntimeError: boom)\)"):
+    with pytest.raises(
+        WeightSyncError,
+        match=r"last weight sync failed part-way \((half sent|RuntimeError: boom)\)",
+    ):
         engine.generate([[1]], 1, SamplingParams())
     sender.error = None
     engine.sync_weights(TENSORS, version=1)
@@ -107,7 +115,9 @@ def test_generation_waits_for_an_in_flight_sync():
     syncing = threading.Thread(target=engine.sync_weights, args=(TENSORS, 7))
     syncing.start()
     result = {}
-    generating = threading.Thread(target=lambda: result.update(out=engine.generate([[3]], 1, SamplingParams())))
+    generating = threading.Thread(
+        target=lambda: result.update(out=engine.generate([[3]], 1, SamplingParams()))
+    )
     generating.start()
     generating.join(0.5)
     assert generating.is_alive() and engine.events == []  # blocked by the sync
@@ -144,7 +154,10 @@ def test_bad_generate_arguments():
 
 
 def test_trainside_sync_through_the_base_class():
-    trainer, engine = build_tiny_qwen3(99, seed=1), TransformersBackend(build_tiny_qwen3(99, seed=0))
+    trainer, engine = (
+        build_tiny_qwen3(99, seed=1),
+        TransformersBackend(build_tiny_qwen3(99, seed=0)),
+    )
     engine.sync_weights(named_policy_tensors(trainer), version=2)
     assert engine.weight_version == 2
     assert torch.equal(engine.model.lm_head.weight, trainer.lm_head.weight)

@@ -3,46 +3,20 @@
 from __future__ import annotations
 
 import functools
-import re
 
 import pytest
 import torch
+from scripted_backend import ScriptedBackend
 from torchrl.envs.utils import check_env_specs
 
 from ar_torchrl.assets import build_char_tokenizer, build_tiny_qwen3
-from ar_torchrl.backends import Completion, GenerationBackend, SamplingParams, TransformersBackend
+from ar_torchrl.backends import SamplingParams, TransformersBackend
 from ar_torchrl.data import arithmetic_dataset, make_row
 from ar_torchrl.envs import EpochSampler, LLMEnv
 from ar_torchrl.rewards import dapo_math_reward
 from ar_torchrl.weight_sync import named_policy_tensors
 
 torch.set_num_threads(1)
-
-
-class ScriptedBackend(GenerationBackend):
-    """Test double that follows the GenerationBackend protocol exactly (prompt-major, ``n`` per
-    prompt, one log-prob per token, EOS kept with ``"stop"``, capped with ``"length"``) but answers
-    from a script, so that correct answers (which a random tiny model never writes) can be scored.
-    Sample ``j`` of a prompt "What is a + b?" answers ``a + b + j`` (sample 0 is right).
-    """
-
-    def __init__(self, tokenizer):
-        super().__init__()  # no sender: the scripted double has no weights
-        self.tokenizer = tokenizer
-
-    def _generate(self, prompt_token_ids, n, sampling):
-        out = []
-        for i, prompt in enumerate(prompt_token_ids):
-            a, b = map(
-                int, re.search(r"What is (\d+) \+ (\d+)\?", self.tokenizer.decode(prompt)).groups()
-            )
-            for j in range(n):
-                ids = self.tokenizer(f"Answer: {a + b + j}", add_special_tokens=False)["input_ids"]
-                ids = ids + [self.tokenizer.eos_token_id]
-                cut = ids[: sampling.max_new_tokens]
-                reason = "stop" if len(cut) == len(ids) else "length"
-                out.append(Completion(i, cut, [-0.5] * len(cut), reason))
-        return out
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +139,10 @@ def test_non_finite_reward_is_an_error_naming_row_prompt_and_value(tok):
     rows = [make_row("What is 1 + 2?", "3", index=0), make_row("What is 5 + 7?", "12", index=1)]
     env = LLMEnv(rows, tok, ScriptedBackend(tok), num_samples=2, prompts_per_batch=2, shuffle=False,
                  reward_fn=reward, sampling=SamplingParams(max_new_tokens=12))  # fmt: skip
-    with pytest.raises(ValueError, match=r"reward_fn returned nan for batch row 0 \(prompt index 0, response 'Answer: 3'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"reward_fn returned nan for batch row 0 \(prompt index 0, response 'Answer: 3'\)",
+    ):
         env.rollout()
     with pytest.raises(ValueError, match="non_finite_reward must be 'raise' or 'drop'"):
         LLMEnv(rows, tok, ScriptedBackend(tok), non_finite_reward="zero")
@@ -186,15 +163,18 @@ def test_non_finite_reward_rows_can_be_dropped_and_counted(tok):
 
 
 class OutOfVocab(ScriptedBackend):
-    def _generate(self, prompt_token_ids, n, sampling):
-        out = super()._generate(prompt_token_ids, n, sampling)
+    def _generate(self, prompts, n, sampling):
+        out = super()._generate(prompts, n, sampling)
         out[3].token_ids[0] = len(self.tokenizer)
         return out
 
 
 def test_token_ids_outside_the_vocabulary_are_refused(tok):
     env = make_env(tok, OutOfVocab(tok), sampling=SamplingParams(max_new_tokens=12))
-    with pytest.raises(ValueError, match=rf"batch row 3 \(prompt index \d+\) has token ids \[{len(tok)}\] outside the tokenizer's vocabulary \[0, {len(tok)}\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"batch row 3 \(prompt index \d+\) has token ids \[{len(tok)}\] outside the tokenizer's vocabulary \[0, {len(tok)}\)",
+    ):
         env.rollout()
 
 

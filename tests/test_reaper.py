@@ -48,7 +48,9 @@ def test_guarded_group_and_dirs_die_with_their_owner(sig):
     owner, info = start_owner()
     os.kill(owner.pid, sig)
     owner.wait(10)
-    assert wait_until(lambda: not group_pids(info["pgid"]), 10) < 10, "the process group outlived its owner"
+    assert wait_until(lambda: not group_pids(info["pgid"]), 10) < 10, (
+        "the process group outlived its owner"
+    )
     assert wait_until(lambda: not any(Path(d).exists() for d in info["dirs"]), 10) < 10
 
 

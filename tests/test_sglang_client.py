@@ -3,10 +3,8 @@ including two real servers synced together."""
 
 from __future__ import annotations
 
-import base64
 import json
 import os
-import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -52,14 +50,22 @@ def _backend(urls, **kw) -> SGLangBackend:
 def test_completions_prompt_major_with_logprobs_finish_and_version(sglang_double):
     prompts = [[1, 40, 41, 42], [1, 50], [1, 60, 61, 62, 63, 64]]
     with _backend(sglang_double.url) as backend:
-        out = backend.generate(prompts, n=2, sampling=SamplingParams(max_new_tokens=6, temperature=1.0))
+        out = backend.generate(
+            prompts, n=2, sampling=SamplingParams(max_new_tokens=6, temperature=1.0)
+        )
         stats = dict(backend.stats)
     assert [c.prompt_index for c in out] == [0, 0, 1, 1, 2, 2]
     for k, c in enumerate(out):
-        ids, lps, finish = toy_model(prompts[k // 2], {"max_new_tokens": 6, "temperature": 1.0}, k % 2)
+        ids, lps, finish = toy_model(
+            prompts[k // 2], {"max_new_tokens": 6, "temperature": 1.0}, k % 2
+        )
         assert c.token_ids == ids and c.log_probs == lps and c.finish_reason == finish["type"]
         assert c.weight_version == 0 and c.meta["server_weight_version"] == "default"
-    assert stats["completions"] == 6 and stats["tokens"] == sum(map(len, out)) and stats["requests"] == 3
+    assert (
+        stats["completions"] == 6
+        and stats["tokens"] == sum(map(len, out))
+        and stats["requests"] == 3
+    )
     bodies = sglang_double.generate_bodies()
     assert len(bodies) == 3 and all(b["sampling_params"]["n"] == 2 for b in bodies)
 
@@ -76,7 +82,11 @@ def test_seeded_requests_use_one_seed_per_sample(sglang_double):
 def test_finish_reason_stop_keeps_stop_token_and_length(sglang_double):
     first = toy_model([1, 40], {"max_new_tokens": 8, "temperature": 0.0}, 0)[0]
     with _backend(sglang_double.url) as backend:
-        stopped = backend.generate([[1, 40]], 1, SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=(first[2],)))
+        stopped = backend.generate(
+            [[1, 40]],
+            1,
+            SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=(first[2],)),
+        )
         cut = backend.generate([[1, 40]], 1, SamplingParams(max_new_tokens=2, temperature=0.0))
     assert stopped[0].finish_reason == "stop" and stopped[0].token_ids == first[:3]
     assert cut[0].finish_reason == "length" and len(cut[0]) == 2
@@ -95,7 +105,9 @@ def test_requests_are_spread_over_servers():
 def test_aborts_are_counted_and_raise_or_kept(sglang_double):
     sglang_double.inject("abort", message="Abort before prefill")
     with _backend(sglang_double.url) as backend:
-        with pytest.raises(SGLangAbortError, match=r"aborted 2 of 2 completions.*Abort before prefill"):
+        with pytest.raises(
+            SGLangAbortError, match=r"aborted 2 of 2 completions.*Abort before prefill"
+        ):
             backend.generate([[1, 2]], n=2, sampling=GREEDY)
         assert backend.stats["aborted"] == 2
     sglang_double.inject("abort", message="paused")
@@ -108,7 +120,10 @@ def test_the_servers_context_length_is_enforced(sglang_double):
     sglang_double.context_length = 10
     with _backend(sglang_double.url) as backend:
         assert backend.context_length == 10 and backend.weight_dtype == torch.float32
-        with pytest.raises(ContextLengthError, match=r"prompts \(index, tokens\) \[\(1, 8\)\] plus max_new_tokens=6 exceed the model's context of 10 tokens"):
+        with pytest.raises(
+            ContextLengthError,
+            match=r"prompts \(index, tokens\) \[\(1, 8\)\] plus max_new_tokens=6 exceed the model's context of 10 tokens",
+        ):
             backend.generate([[1, 2], [1] * 8], n=1, sampling=GREEDY)
     assert not sglang_double.generate_bodies()  # refused before sending
 
@@ -132,7 +147,10 @@ def test_a_server_reporting_another_version_is_an_error(sglang_double):
         backend.sync_weights(named_policy_tensors(build_tiny_qwen3(99)), version=4)
         assert backend.generate([[1, 2]], 1, GREEDY)[0].weight_version == 4
         sglang_double.weight_version = "3"  # another client synced the server
-        with pytest.raises(SGLangResponseError, match=r"meta_info.weight_version is \['3'\] but this backend synced version 4"):
+        with pytest.raises(
+            SGLangResponseError,
+            match=r"meta_info.weight_version is \['3'\] but this backend synced version 4",
+        ):
             backend.generate([[1, 2]], 1, GREEDY)
 
 
@@ -143,7 +161,9 @@ def test_one_failing_server_fails_the_sync_for_all(sglang_double):
         _accept_tensors(other, fail=True)
         model = build_tiny_qwen3(99)
         with _backend([sglang_double.url, other.url], weight_sync="tensor") as backend:
-            with pytest.raises(WeightSyncError, match=rf"failed on 1 of 2 server\(s\): {other.url}: .*disk full") as info:
+            with pytest.raises(
+                WeightSyncError, match=rf"failed on 1 of 2 server\(s\): {other.url}: .*disk full"
+            ) as info:
                 backend.sync_weights(named_policy_tensors(model), version=1)
             assert info.value.partial and backend.weight_version == 0
             assert sglang_double.weight_version == "1" and other.weight_version == "default"
@@ -152,7 +172,9 @@ def test_one_failing_server_fails_the_sync_for_all(sglang_double):
             _accept_tensors(other)
             backend.sync_weights(named_policy_tensors(model), version=1)
             out = backend.generate([[1, 2]] * 2, 1, GREEDY)
-        assert {c.meta["server_weight_version"] for c in out} == {"1"} and other.weight_version == "1"
+        assert {c.meta["server_weight_version"] for c in out} == {
+            "1"
+        } and other.weight_version == "1"
     finally:
         stop()
 
@@ -190,7 +212,9 @@ def real_backend(sglang_server, tiny_trainer):
 @pytest.mark.slow
 def test_real_greedy_and_sampled_log_probs_match_the_trainer(real_backend, tiny_trainer):
     prompts = [[1, 40, 41, 42], [1, 50], [1, 60, 61, 62, 63, 64]]
-    out = real_backend.generate(prompts, n=2, sampling=SamplingParams(max_new_tokens=12, temperature=0.0))
+    out = real_backend.generate(
+        prompts, n=2, sampling=SamplingParams(max_new_tokens=12, temperature=0.0)
+    )
     assert len(out) == 6 and {c.weight_version for c in out} == {100}
     for c in out:
         ref = trainer_log_probs(tiny_trainer, prompts[c.prompt_index], c.token_ids)
@@ -198,7 +222,9 @@ def test_real_greedy_and_sampled_log_probs_match_the_trainer(real_backend, tiny_
         assert c.finish_reason == ("stop" if c.token_ids[-1] == EOS_ID else "length")
     assert out[0].token_ids == out[1].token_ids  # greedy: both samples identical
     gap = 0.0
-    for c in real_backend.generate(prompts, n=3, sampling=SamplingParams(max_new_tokens=12, temperature=0.7)):
+    for c in real_backend.generate(
+        prompts, n=3, sampling=SamplingParams(max_new_tokens=12, temperature=0.7)
+    ):
         ref = trainer_log_probs(tiny_trainer, prompts[c.prompt_index], c.token_ids, temperature=0.7)
         torch.testing.assert_close(torch.tensor(c.log_probs), ref, atol=1e-4, rtol=0)
         t1 = trainer_log_probs(tiny_trainer, prompts[c.prompt_index], c.token_ids)
@@ -211,14 +237,26 @@ def test_real_greedy_and_sampled_log_probs_match_the_trainer(real_backend, tiny_
 def test_real_api_key_400_context_and_timeout(real_backend, sglang_server):
     assert sglang_server.api_key  # the session server runs with --api-key
     with _backend(sglang_server.url, api_key="") as anonymous:
-        with pytest.raises(SGLangRequestError, match=r"HTTP 401\): Unauthorized; the server requires an API key"):
+        with pytest.raises(
+            SGLangRequestError, match=r"HTTP 401\): Unauthorized; the server requires an API key"
+        ):
             anonymous.generate([[1, 2]], 1, GREEDY)
-    with _backend(sglang_server.url, api_key="wrong") as wrong, pytest.raises(SGLangRequestError, match="HTTP 401"):
+    with (
+        _backend(sglang_server.url, api_key="wrong") as wrong,
+        pytest.raises(SGLangRequestError, match="HTTP 401"),
+    ):
         wrong.get(sglang_server.url, "/model_info")
     with pytest.raises(SGLangRequestError, match="unknown field `max_tokens`"):
-        real_backend.post(sglang_server.url, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_tokens": 2}})
+        real_backend.post(
+            sglang_server.url,
+            "/generate",
+            {"input_ids": [1, 2], "sampling_params": {"max_tokens": 2}},
+        )
     assert real_backend.context_length == 512
-    with pytest.raises(ContextLengthError, match=r"\[\(0, 3\)\] plus max_new_tokens=5000 exceed the model's context of 512"):
+    with pytest.raises(
+        ContextLengthError,
+        match=r"\[\(0, 3\)\] plus max_new_tokens=5000 exceed the model's context of 512",
+    ):
         real_backend.generate([[1, 2, 3]], n=1, sampling=SamplingParams(max_new_tokens=5000))
     slow = _backend(sglang_server.url, timeout_s=0.05, extra_sampling_params={"ignore_eos": True})
     with slow, pytest.raises(SGLangTimeoutError, match="timeout_s=0.05s"):
@@ -241,7 +279,9 @@ def test_two_real_servers_are_synced_together(sglang_server, second_server, mode
             backend.sync_weights(model.state_dict().items(), version=version)  # value head filtered
             for url in urls:
                 assert backend.get(url, "/model_info")["weight_version"] == str(version)
-            assert_server_matches(backend, model, version, prompts=PROMPTS * 2)  # both servers answer
+            assert_server_matches(
+                backend, model, version, prompts=PROMPTS * 2
+            )  # both servers answer
             answered = [backend.get(u, "/server_info") for u in urls]
             assert all(a.get("context_length") == 512 for a in answered)
         assert backend.stats["requests"] >= 8
@@ -272,8 +312,19 @@ def test_compare_backends_ppo_run_agrees(sglang_server, tmp_path):
     """The README's backend comparison: 3 greedy rollouts + 1 PPO update each, trainside vs SGLang."""
     script = ROOT / "benchmarks" / "compare_backends_ppo.py"
     out = tmp_path / "cmp.json"
-    cmd = [sys.executable, str(script), "--url", sglang_server.url, "--out", str(out), "--cache", str(tmp_path / "cache")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        str(script),
+        "--url",
+        sglang_server.url,
+        "--out",
+        str(out),
+        "--cache",
+        str(tmp_path / "cache"),
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["all_finite"] and result["same_tokens"] == [True, True, True]

@@ -51,9 +51,13 @@ def test_retries_are_bounded(sglang_double):
 
 
 def test_4xx_raises_with_server_message_and_no_retry(sglang_double):
-    sglang_double.inject("status", status=400, message="Requested token count exceeds the context length")
+    sglang_double.inject(
+        "status", status=400, message="Requested token count exceeds the context length"
+    )
     with _backend(sglang_double.url) as backend:
-        with pytest.raises(SGLangRequestError, match="HTTP 400.*exceeds the context length") as info:
+        with pytest.raises(
+            SGLangRequestError, match="HTTP 400.*exceeds the context length"
+        ) as info:
             backend.generate([[1, 2]], n=1, sampling=GREEDY)
         assert info.value.status == 400 and backend.retries == 0
 
@@ -95,7 +99,10 @@ def test_api_key_is_sent_and_a_missing_key_is_named(sglang_double):
     assert "/generate" in auth
     with _backend(sglang_double.url, api_key="") as backend:  # explicitly none
         assert backend.health()  # /health needs no key, as in SGLang
-        with pytest.raises(SGLangRequestError, match=r"HTTP 401\): Unauthorized; the server requires an API key: pass api_key="):
+        with pytest.raises(
+            SGLangRequestError,
+            match=r"HTTP 401\): Unauthorized; the server requires an API key: pass api_key=",
+        ):
             backend.generate([[1, 2]], n=1, sampling=GREEDY)
 
 
@@ -111,9 +118,13 @@ def test_an_unreachable_server_is_said_once_and_short():
             f"the SGLang server at {dead} is not reachable ([Errno 111] Connection refused, 3 "
             "attempt(s)); is it running, and is the URL right?"
         )
-        assert info.value.__cause__ is None and info.value.__context__ is None  # no chained traceback
+        assert (
+            info.value.__cause__ is None and info.value.__context__ is None
+        )  # no chained traceback
         assert backend.retries == 2
-        with pytest.raises(WeightSyncError, match=rf"is not reachable.*{dead}|{dead} is not reachable") as info:
+        with pytest.raises(
+            WeightSyncError, match=rf"is not reachable.*{dead}|{dead} is not reachable"
+        ) as info:
             backend.sync_weights([("w", __import__("torch").ones(1))], version=1)
         assert str(info.value).count("not reachable") == 1
 

@@ -237,7 +237,9 @@ def test_copy_mode_consumes_the_tensors_one_at_a_time():
         previous = None
         for name, tensor in named_policy_tensors(trainer):
             if previous is not None:  # the previous tensor is already in the rollout model
-                copied_before_next.append(torch.equal(rollout[previous], trainer.state_dict()[previous]))
+                copied_before_next.append(
+                    torch.equal(rollout[previous], trainer.state_dict()[previous])
+                )
             previous = name
             yield name, tensor
 

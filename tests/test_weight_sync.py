@@ -41,7 +41,9 @@ def test_named_policy_tensors_converts_floating_tensors_to_the_engine_dtype():
     assert converted["step"].dtype == torch.int64  # integer buffers are left alone
     floats = [t for n, t in converted.items() if n != "step"]
     assert floats and all(t.dtype == torch.bfloat16 for t in floats)
-    torch.testing.assert_close(converted["lm_head.weight"].float(), model.lm_head.weight, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(
+        converted["lm_head.weight"].float(), model.lm_head.weight, atol=1e-2, rtol=1e-2
+    )
 
 
 def test_iter_buckets_pulls_the_stream_lazily_and_aligns_dtypes():
@@ -57,7 +59,11 @@ def test_iter_buckets_pulls_the_stream_lazily_and_aligns_dtypes():
     assert [n for n, _ in first] == ["t0", "t1"] and pulled == [0, 1, 2]  # one tensor of look-ahead
     rest = list(buckets)
     assert [[n for n, _ in b] for b in rest] == [["t2", "t3"], ["t4", "t5"]]
-    mixed = next(iter_buckets([("h", torch.zeros(3, dtype=torch.float16)), ("d", torch.zeros(1, dtype=torch.float64))]))
+    mixed = next(
+        iter_buckets(
+            [("h", torch.zeros(3, dtype=torch.float16)), ("d", torch.zeros(1, dtype=torch.float64))]
+        )
+    )
     assert [n for n, _ in mixed] == ["d", "h"]  # widest dtype first: aligned offsets
 
 
@@ -74,9 +80,13 @@ def test_registry_builds_every_method_and_rejects_the_wrong_engine():
     for name, method in SYNC_METHODS.items():
         target = rollout if method.engine == "trainside" else None
         assert isinstance(make_sender(name, target, engine=method.engine), WeightSender), name
-    with pytest.raises(ValueError, match=r"'ftp' is unknown; choose one of \['disk', 'tensor', 'distributed'\]"):
+    with pytest.raises(
+        ValueError, match=r"'ftp' is unknown; choose one of \['disk', 'tensor', 'distributed'\]"
+    ):
         make_sender("ftp", None, engine="sglang")
-    with pytest.raises(ValueError, match=r"'disk' does not serve trainside; choose one of \['copy', 'share'\]"):
+    with pytest.raises(
+        ValueError, match=r"'disk' does not serve trainside; choose one of \['copy', 'share'\]"
+    ):
         make_sender("disk", rollout, engine="trainside")
 
 
@@ -95,7 +105,9 @@ def test_a_new_method_is_one_registry_entry(monkeypatch):
             pass
 
     monkeypatch.setitem(SYNC_METHODS, "record", SyncMethod(Recorder, "sglang", "records"))
-    backend = SGLangBackend("http://127.0.0.1:9", weight_sync="record", weight_sync_options={"tag": "x"})
+    backend = SGLangBackend(
+        "http://127.0.0.1:9", weight_sync="record", weight_sync_options={"tag": "x"}
+    )
     backend.sync_weights([("a", torch.ones(1)), ("value_head.bias", torch.ones(1))], version=2)
     assert backend.sender.sent == [("a", 2)] and backend.weight_version == 2
     backend.close()

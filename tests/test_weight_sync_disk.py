@@ -21,7 +21,9 @@ def test_disk_sync_in_shards(sglang_server):
     model = trainer_with_value_head(seed=11)
     policy = {n for n, _ in named_policy_tensors(model)}
     options = {"bucket_bytes": 20_000}  # several shards + an index, as a big model would get
-    with SGLangBackend(sglang_server.url, weight_sync="disk", weight_sync_options=options, show_progress=False) as backend:
+    with SGLangBackend(
+        sglang_server.url, weight_sync="disk", weight_sync_options=options, show_progress=False
+    ) as backend:
         sent = SentNames(backend)
         backend.sync_weights(model.state_dict().items(), version=11)  # raw state_dict: head dropped
         served = Path(backend.get(sglang_server.url, "/model_info")["model_path"])
@@ -43,10 +45,16 @@ def test_wrong_shapes_are_refused_before_the_server_sees_them(sglang_server):
     # A wrong-shaped disk update kills an SGLang 0.5.23 scheduler (its rollback re-reads the bad
     # files), so the disk sender refuses it against the served checkpoint's shapes.
     model = trainer_with_value_head(seed=5)
-    bad = [(n, t[:, :32] if n == "model.embed_tokens.weight" else t) for n, t in named_policy_tensors(model)]
+    bad = [
+        (n, t[:, :32] if n == "model.embed_tokens.weight" else t)
+        for n, t in named_policy_tensors(model)
+    ]
     with SGLangBackend(sglang_server.url, weight_sync="disk", show_progress=False) as backend:
         sent = SentNames(backend)
-        with pytest.raises(WeightSyncError, match=r"shapes differ.*'model.embed_tokens.weight', \(99, 32\), \(99, 64\)") as info:
+        with pytest.raises(
+            WeightSyncError,
+            match=r"shapes differ.*'model.embed_tokens.weight', \(99, 32\), \(99, 64\)",
+        ) as info:
             backend.sync_weights(bad, version=7)
         assert not info.value.partial and "/update_weights_from_disk" not in sent.paths
         assert backend.get(sglang_server.url, "/model_info")["weight_version"] != "7"
@@ -78,6 +86,8 @@ def test_disk_dir_outlives_a_client_process_while_the_server_serves_it(sglang_se
 
 def test_a_missing_config_source_is_named(sglang_double, tmp_path):
     with SGLangBackend(sglang_double.url, weight_sync="disk", show_progress=False) as backend:
-        with pytest.raises(WeightSyncError, match=r"config source double does not exist .*config_dir") as info:
+        with pytest.raises(
+            WeightSyncError, match=r"config source double does not exist .*config_dir"
+        ) as info:
             backend.sync_weights(named_policy_tensors(build_tiny_qwen3(99)), version=1)
         assert not info.value.partial and backend.weight_version == 0

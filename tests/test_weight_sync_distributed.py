@@ -5,7 +5,12 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
-from sglang_helpers import SentNames, assert_server_matches, listening_addresses, trainer_with_value_head
+from sglang_helpers import (
+    SentNames,
+    assert_server_matches,
+    listening_addresses,
+    trainer_with_value_head,
+)
 
 from ar_torchrl.backends.sglang import SGLangBackend
 from ar_torchrl.weight_sync import named_policy_tensors
@@ -24,7 +29,9 @@ def test_the_rendezvous_store_listens_on_the_given_address_only():
 def test_distributed_sync_on_the_real_server(sglang_server):
     model = trainer_with_value_head(seed=31)
     policy = {n for n, _ in named_policy_tensors(model)}
-    with SGLangBackend(sglang_server.url, weight_sync="distributed", show_progress=False) as backend:
+    with SGLangBackend(
+        sglang_server.url, weight_sync="distributed", show_progress=False
+    ) as backend:
         sent = SentNames(backend)
         backend.sync_weights(model.state_dict().items(), version=31)
         assert listening_addresses(backend.sender.store_port) == ["127.0.0.1"]

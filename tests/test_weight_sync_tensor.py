@@ -22,7 +22,9 @@ def test_tensor_sync_in_buckets_on_the_real_server(sglang_server):
     model = trainer_with_value_head(seed=21)
     policy = {n for n, _ in named_policy_tensors(model)}
     options = {"bucket_bytes": 20_000}
-    with SGLangBackend(sglang_server.url, weight_sync="tensor", weight_sync_options=options, show_progress=False) as backend:
+    with SGLangBackend(
+        sglang_server.url, weight_sync="tensor", weight_sync_options=options, show_progress=False
+    ) as backend:
         sent = SentNames(backend)
         backend.sync_weights(model.state_dict().items(), version=21)
         assert_server_matches(backend, model, 21)
@@ -31,7 +33,10 @@ def test_tensor_sync_in_buckets_on_the_real_server(sglang_server):
         assert_server_matches(backend, model2, 22)
     assert set(sent.names) == policy and len(sent.names) == 2 * len(policy)
     assert sent.paths.count("/update_weights_from_tensor") > 2  # several buckets per sync
-    assert sent.paths.count("/begin_weight_update") == 2 and sent.paths.count("/end_weight_update") == 2
+    assert (
+        sent.paths.count("/begin_weight_update") == 2
+        and sent.paths.count("/end_weight_update") == 2
+    )
 
 
 def _tensor_handlers(double, *, set_version: bool = True, begin_status: int = 404):
@@ -52,7 +57,9 @@ def _tensor_handlers(double, *, set_version: bool = True, begin_status: int = 40
 def test_buckets_carry_the_version_on_the_last_one(sglang_double):
     _tensor_handlers(sglang_double)
     model = trainer_with_value_head(seed=1)
-    with SGLangBackend(sglang_double.url, weight_sync="tensor", weight_sync_options={"bucket_bytes": 20_000}) as backend:
+    with SGLangBackend(
+        sglang_double.url, weight_sync="tensor", weight_sync_options={"bucket_bytes": 20_000}
+    ) as backend:
         backend.sync_weights(model.state_dict().items(), version=3)
     bodies = [b for p, b in sglang_double.requests if p == "/update_weights_from_tensor"]
     assert len(bodies) > 1 and sglang_double.weight_version == "3"
@@ -67,23 +74,34 @@ def test_version_mismatch_rejection_and_session_errors(sglang_double):
     _tensor_handlers(sglang_double, set_version=False)
     model = build_tiny_qwen3(99)
     with SGLangBackend(sglang_double.url, weight_sync="tensor") as backend:
-        with pytest.raises(WeightSyncError, match=r"report weight_version \['default'\].*expected '4'") as info:
+        with pytest.raises(
+            WeightSyncError, match=r"report weight_version \['default'\].*expected '4'"
+        ) as info:
             backend.sync_weights(named_policy_tensors(model), version=4)
         assert info.value.partial and backend.weight_version == 0
     sglang_double.handlers["/update_weights_from_tensor"] = lambda body: (
         400, {"success": False, "message": "Failed to update weights: size mismatch for lm_head.weight"})  # fmt: skip
     with SGLangBackend(sglang_double.url, weight_sync="tensor") as backend:
-        with pytest.raises(WeightSyncError, match=r"SGLang update_weights_from_tensor failed on 1 of 1 server\(s\).*size mismatch for lm_head"):
+        with pytest.raises(
+            WeightSyncError,
+            match=r"SGLang update_weights_from_tensor failed on 1 of 1 server\(s\).*size mismatch for lm_head",
+        ):
             backend.sync_weights(named_policy_tensors(model), version=5)
     _tensor_handlers(sglang_double, begin_status=400)
     with SGLangBackend(sglang_double.url, weight_sync="tensor") as backend:
-        with pytest.raises(WeightSyncError, match=r"begin_weight_update rejected the request \(HTTP 400\)") as info:
+        with pytest.raises(
+            WeightSyncError, match=r"begin_weight_update rejected the request \(HTTP 400\)"
+        ) as info:
             backend.sync_weights(named_policy_tensors(model), version=1)
         assert not info.value.partial
 
 
 def test_flatten_bucket_offsets():
-    bucket = [("d", torch.ones(1, dtype=torch.float64)), ("f", torch.ones(2)), ("h", torch.ones(3, dtype=torch.float16))]
+    bucket = [
+        ("d", torch.ones(1, dtype=torch.float64)),
+        ("f", torch.ones(2)),
+        ("h", torch.ones(3, dtype=torch.float16)),
+    ]
     flat, meta = flatten_bucket(bucket)
     assert [(m.start_idx, m.end_idx) for m in meta] == [(0, 8), (8, 16), (16, 22)]
     assert torch.equal(flat[8:16].view(torch.float32), torch.ones(2))

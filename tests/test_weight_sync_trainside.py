@@ -20,13 +20,20 @@ def test_copy_checks_each_tensor_then_copies_it():
     target = Tiny()
     sender = TrainsideSender(target, mode="copy")
     assert isinstance(sender, WeightSender)
-    sender.send([("a", torch.ones(2)), ("value_head.weight", torch.ones(1)), ("b", torch.full((3,), 2.0))], 1)
-    assert torch.equal(target.a.detach(), torch.ones(2)) and torch.equal(target.b.detach(), torch.full((3,), 2.0))
+    sender.send(
+        [("a", torch.ones(2)), ("value_head.weight", torch.ones(1)), ("b", torch.full((3,), 2.0))],
+        1,
+    )
+    assert torch.equal(target.a.detach(), torch.ones(2)) and torch.equal(
+        target.b.detach(), torch.full((3,), 2.0)
+    )
     assert sender.last_count == 2  # the value head was dropped
     with pytest.raises(WeightSyncError, match=r"unknown 'c'") as info:
         sender.send([("c", torch.ones(1))], 2)
     assert not info.value.partial
-    with pytest.raises(WeightSyncError, match=r"shape of 'b' is \(2,\), the rollout model expects \(3,\)") as info:
+    with pytest.raises(
+        WeightSyncError, match=r"shape of 'b' is \(2,\), the rollout model expects \(3,\)"
+    ) as info:
         sender.send([("a", torch.zeros(2)), ("b", torch.zeros(2))], 2)
     assert info.value.partial and torch.equal(target.a.detach(), torch.zeros(2))  # 'a' was copied
 

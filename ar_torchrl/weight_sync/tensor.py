@@ -112,15 +112,18 @@ class TensorWeightSender(SGLangSender):
             for bucket, last in with_last(iter_buckets(named_tensors, self.bucket_bytes)):
                 self.check_bucket(bucket, served)
                 flat, meta = flatten_bucket(bucket)
-                payload = {"flattened_tensor": flat, "metadata": meta}
+                # moved to shared memory once, here: every server maps the same segment (sharing it
+                # from several threads at once races, and a server then finds no segment)
+                payload = serialize_for_sglang({"flattened_tensor": flat, "metadata": meta})
                 body = {"load_format": "flattened_bucket", "flush_cache": last}
                 if last:
                     body["weight_version"] = version
                 post = functools.partial(self._post, payload=payload, body=body)
                 on_each_server(self.client.urls, post, "update_weights_from_tensor")
+                del flat  # only after every server has answered
 
-    def _post(self, url: str, *, payload: dict, body: dict) -> None:
-        ranks = [serialize_for_sglang(payload) for _ in range(self._tp_size(url))]
+    def _post(self, url: str, *, payload: str, body: dict) -> None:
+        ranks = [payload] * self._tp_size(url)
         post_checked(
             self.client,
             url,
