@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import io
 import json
 import os
 import pickle
@@ -86,6 +87,21 @@ def assert_server_matches(backend, model, version: int, prompts=PROMPTS) -> None
                 model, prompts[c.prompt_index], c.token_ids, sampling.temperature or 1.0
             )
             torch.testing.assert_close(torch.tensor(c.log_probs), ref, atol=1e-4, rtol=0)
+
+
+class _NoTensors(pickle.Unpickler):
+    """Reads a tensor payload without opening its shared memory: each pickle carries exactly one
+    reference for its server, and a reader that rebuilt the tensor would spend it."""
+
+    def find_class(self, module: str, name: str):
+        if module.startswith("torch.multiprocessing"):
+            return lambda *args, **kwargs: None
+        return super().find_class(module, name)
+
+
+def metadata_only(serialized: str) -> dict:
+    """The payload of ``/update_weights_from_tensor`` with its tensor left out (``None``)."""
+    return _NoTensors(io.BytesIO(base64.b64decode(serialized))).load()
 
 
 class SentNames:

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import base64
-import pickle
-
 import pytest
 import torch
 import torch.multiprocessing  # noqa: F401 - registers the reductions used to decode tensor payloads
-from sglang_helpers import SentNames, assert_server_matches, trainer_with_value_head
+from sglang_helpers import SentNames, assert_server_matches, metadata_only, trainer_with_value_head
 
 from ar_torchrl.assets import build_tiny_qwen3
 from ar_torchrl.backends.sglang import SGLangBackend
@@ -43,7 +40,7 @@ def _tensor_handlers(double, *, set_version: bool = True, begin_status: int = 40
     """Older server (404 on begin/end) accepting flattened buckets; records what it received."""
 
     def update(body):
-        metas = pickle.loads(base64.b64decode(body["serialized_named_tensors"][0]))["metadata"]
+        metas = metadata_only(body["serialized_named_tensors"][0])["metadata"]
         double.received = getattr(double, "received", []) + [[m.name for m in metas]]
         if set_version and "weight_version" in body:
             double.weight_version = body["weight_version"]

@@ -38,7 +38,12 @@ FinishReason = Literal["stop", "length", "abort"]
 
 
 class ContextLengthError(ValueError):
-    """A prompt plus ``max_new_tokens`` does not fit the model's context (never truncated)."""
+    """A prompt plus ``max_new_tokens`` does not fit the model's context (never truncated).
+
+    Example:
+        >>> issubclass(ContextLengthError, ValueError)
+        True
+    """
 
 
 @dataclass(frozen=True)

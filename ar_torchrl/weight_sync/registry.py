@@ -25,7 +25,12 @@ Engine = Literal["trainside", "sglang"]
 
 @dataclass(frozen=True)
 class SyncMethod:
-    """A registered way to ship weights: its factory, the engine it serves, one line of help."""
+    """A registered way to ship weights: its factory, the engine it serves, one line of help.
+
+    Example:
+        >>> SYNC_METHODS["disk"].engine
+        'sglang'
+    """
 
     factory: Callable[..., WeightSender]
     engine: Engine

@@ -106,10 +106,10 @@ def weight_update_session(client: SGLangClient) -> Iterator[None]:
     def call(path: str) -> None:
         on_each_server(client.urls, lambda u: _session_call(client, u, path), path.strip("/"))
 
-    call("/begin_weight_update")
     try:
+        call("/begin_weight_update")
         yield
-    except BaseException:
+    except BaseException:  # also a begin that failed on one server: close the others' sessions
         with contextlib.suppress(Exception):
             call("/end_weight_update")
         raise
@@ -164,6 +164,11 @@ class SGLangSender(abc.ABC):
 
     Subclasses implement :meth:`_send` and call :meth:`_applied` once any server may have loaded
     part of the update (a later failure is then ``partial``).
+
+    Example:
+        >>> from ar_torchrl.weight_sync.disk import DiskWeightSender
+        >>> isinstance(DiskWeightSender(client=None, config_dir="/tmp"), SGLangSender)
+        True
     """
 
     name = "base"

@@ -112,22 +112,21 @@ class TensorWeightSender(SGLangSender):
             for bucket, last in with_last(iter_buckets(named_tensors, self.bucket_bytes)):
                 self.check_bucket(bucket, served)
                 flat, meta = flatten_bucket(bucket)
-                # moved to shared memory once, here: every server maps the same segment (sharing it
-                # from several threads at once races, and a server then finds no segment)
-                payload = serialize_for_sglang({"flattened_tensor": flat, "metadata": meta})
+                # Every server gets its own copy in its own shared-memory segment, pickled here in
+                # one thread: a segment read by two servers was seen to vanish before the second
+                # one opened it (SGLang 0.5.23 + torch's file_system strategy).
+                copies = [flat] + [flat.clone() for _ in self.client.urls[1:]]
+                ranks = {url: [serialize_for_sglang({"flattened_tensor": copy, "metadata": meta})
+                               for _ in range(self._tp_size(url))]
+                         for url, copy in zip(self.client.urls, copies)}  # fmt: skip
                 body = {"load_format": "flattened_bucket", "flush_cache": last}
                 if last:
                     body["weight_version"] = version
-                post = functools.partial(self._post, payload=payload, body=body)
+                post = functools.partial(self._post, ranks=ranks, body=body)
                 on_each_server(self.client.urls, post, "update_weights_from_tensor")
-                del flat  # only after every server has answered
+                del flat, copies  # only after every server has answered
 
-    def _post(self, url: str, *, payload: str, body: dict) -> None:
-        ranks = [payload] * self._tp_size(url)
-        post_checked(
-            self.client,
-            url,
-            "/update_weights_from_tensor",
-            {**body, "serialized_named_tensors": ranks},
-        )
+    def _post(self, url: str, *, ranks: dict[str, list[str]], body: dict) -> None:
+        body = {**body, "serialized_named_tensors": ranks[url]}
+        post_checked(self.client, url, "/update_weights_from_tensor", body)
         self._applied()

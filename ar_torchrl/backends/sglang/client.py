@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from ar_torchrl.backends.base import Completion, GenerationBackend, SamplingParams
 from ar_torchrl.backends.sglang.errors import (
     SGLangAbortError,
+    SGLangError,
     SGLangResponseError,
     SGLangUnavailableError,
 )
@@ -212,8 +213,14 @@ class SGLangBackend(GenerationBackend):
 
     @property
     def weight_dtype(self) -> torch.dtype | None:
-        """The servers' ``--dtype`` (``None`` for ``auto`` or when they disagree)."""
-        dtypes = {_DTYPES.get(str(info.get("dtype"))) for info in self.server_info()}
+        """The servers' ``--dtype`` (``None`` for ``auto``, when they disagree, or cannot say: then
+        the sync itself reports the problem)."""
+        try:
+            infos = self.server_info()
+        except SGLangError as err:
+            logger.debug("SGLangBackend: no /server_info for the weight dtype: %s", err)
+            return None
+        dtypes = {_DTYPES.get(str(info.get("dtype"))) for info in infos}
         return dtypes.pop() if len(dtypes) == 1 else None
 
     # -- generation ----------------------------------------------------------------------------
