@@ -152,17 +152,17 @@ def test_a_real_server_dies_mid_rollout_when_its_trainer_gets_sigterm(
                             extra_sampling_params={"ignore_eos": True})  # fmt: skip
     result: dict = {}
 
-    def rollout():
+    def rollout():  # ~250k tokens: far longer than the few seconds until the kill
         try:
             result["out"] = backend.generate(
-                [[1, 2, 3]] * 2, n=2, sampling=SamplingParams(max_new_tokens=400)
+                [[1, 2, 3]] * 64, n=8, sampling=SamplingParams(max_new_tokens=500)
             )
         except Exception as exc:  # noqa: BLE001 - the test inspects it
             result["error"] = exc
 
     thread = threading.Thread(target=rollout)
     thread.start()
-    assert wait_until(lambda: backend.stats["requests"] >= 2, 30) < 30
+    assert wait_until(lambda: backend.stats["requests"] >= 8, 30) < 30  # every slot in flight
     time.sleep(0.5)  # let the requests reach the scheduler
     server.kill_parent(signal.SIGTERM)
     _assert_gone(server)
