@@ -289,9 +289,12 @@ class RolloutConfig:
     packing: Any = False  # False | True | "auto" (plan_micro_batches)
     overlong_buffer: Optional[int] = None
     overlong_penalty: float = 1.0
+    dynamic_sampling: bool = False  # DAPO: keep groups whose rewards differ, refill (the collector)
+    max_sampling_rounds: int = 4
 
     def check(self) -> None:
-        for key in ("prompts_per_iter", "samples_per_prompt", "max_new_tokens", "token_budget"):
+        for key in ("prompts_per_iter", "samples_per_prompt", "max_new_tokens", "token_budget",
+                    "max_sampling_rounds"):  # fmt: skip
             check_count(f"rollout.{key}", getattr(self, key))
         check_number("rollout.temperature", self.temperature, ge=0)
         check_number("rollout.top_p", self.top_p, gt=0, le=1)

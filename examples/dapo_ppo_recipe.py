@@ -102,9 +102,13 @@ def build_backend(cfg: Config, model, tokenizer, run_dir: Path, stack: contextli
         backend = TransformersBackend(model, mode="copy", max_batch_size=b.max_batch_size, seed=cfg.seed)  # fmt: skip
         stack.callback(backend.close)
         return backend
-    from ar_torchrl.backends.sglang import SGLangBackend, launch_sglang_server
+    from ar_torchrl.backends.sglang import (
+        SGLangBackend,
+        SGLangUnavailableError,
+        launch_sglang_server,
+    )
 
-    url = b.url
+    url = b.url  # one URL, a list of them, or an sglang-router URL
     if url is None:  # launch a local server on the starting policy, stopped when the run ends
         model_dir = run_dir / "sglang_model"  # the server's start weights: deleted when it stops
         stack.callback(shutil.rmtree, model_dir, ignore_errors=True)
@@ -114,8 +118,15 @@ def build_backend(cfg: Config, model, tokenizer, run_dir: Path, stack: contextli
             log_file=run_dir / "sglang_server.log",
         ))  # fmt: skip
         url = server.url
-    backend = SGLangBackend(url, weight_sync=b.weight_sync)
+    urls = [url] if isinstance(url, str) else list(url)
+    backend = SGLangBackend(urls, weight_sync=b.weight_sync, vocab_size=model.config.vocab_size,
+                            show_progress=False)  # fmt: skip
     stack.callback(backend.close)
+    if not backend.health():  # said once, before anything reads as a weight-sync failure
+        raise SGLangUnavailableError(
+            f"backend.url={urls}: no SGLang server answers GET /health there; start it (or set "
+            "backend.url=null to launch one) and check the URL"
+        )
     if b.url is not None:  # a running server holds other weights: push the starting policy
         backend.sync_weights(named_policy_tensors(model), version=0)
     return backend
@@ -143,9 +154,19 @@ def build_advantage(cfg: Config):
     """``algo.advantage_mode`` from the registry; the value head (critic_coeff > 0) is its critic.
 
     GRPO with a value head trains the head on Monte-Carlo returns (README: the one-key swap).
+    Zero-spread groups are left to the collector's dynamic sampling (:func:`dynamic_sampling`).
     """
     a = cfg.algo
-    return make_advantage(a.advantage_mode, critic=a.critic_coeff > 0, **a.advantage_kwargs())
+    kwargs = a.advantage_kwargs()
+    kwargs.pop("drop_zero_spread", None)
+    return make_advantage(a.advantage_mode, critic=a.critic_coeff > 0, **kwargs)
+
+
+def dynamic_sampling(cfg: Config) -> bool:
+    """DAPO dynamic sampling (refill with groups whose rewards differ): ``rollout.dynamic_sampling``,
+    or its older spelling ``algo.grpo.drop_zero_spread`` (which applies with GRPO only)."""
+    grpo = cfg.algo.advantage_mode == "grpo" and cfg.algo.grpo.drop_zero_spread
+    return bool(cfg.rollout.dynamic_sampling or grpo)
 
 
 def build_optimizer(cfg: Config, model) -> torch.optim.Optimizer:
@@ -201,7 +222,9 @@ def setup(cfg: Config, run_dir: Path, checkpoint: Path | None, stack: contextlib
     # 3. Rollouts: backend -> LLMEnv -> WeightSyncCollector (async: next batch in the background).
     backend = build_backend(cfg, model, tokenizer, run_dir, stack)
     env, eval_env = build_envs(cfg, rows, eval_rows, tokenizer, backend, model)
-    collector = WeightSyncCollector(env, model, mode=cfg.train.mode, max_policy_lag=1)
+    collector = WeightSyncCollector(env, model, mode=cfg.train.mode, max_policy_lag=1,
+                                    dynamic_sampling=dynamic_sampling(cfg),
+                                    max_sampling_rounds=cfg.rollout.max_sampling_rounds)  # fmt: skip
     stack.callback(collector.shutdown)  # also on errors: waits for an in-flight background batch
     # 4. Advantage estimator, PPO loss, optimizer (value head in its own group).
     a = cfg.algo
@@ -226,10 +249,7 @@ def restore(run: Run, checkpoint: Path) -> int:
     state = load_checkpoint(checkpoint, model=run.model, optimizer=run.optimizer)  # + RNG states
     run.collector.load_state_dict(state["extra"]["collector"])  # data position, policy version
     run.shuffle_rng.set_state(state["extra"]["shuffle_rng"])
-    # The backend still holds the starting weights: push the restored ones (same version number).
-    run.collector.env.backend.sync_weights(
-        named_policy_tensors(run.model), version=run.collector.policy_version
-    )
+    run.collector.resync_policy_weights_()  # the backend still holds the starting weights
     log.info("resumed from %s (step %d)", checkpoint, state["step"])
     return state["step"]
 
@@ -249,21 +269,26 @@ def train(run: Run, stop) -> int:
         # 1. Rollouts: wait for the batch (async: mostly generated during the last update).
         with run.timer("generate"):
             td = next(batches).to(cfg.device)
-        # 2. Anchors: old log-probs and values (+ reference log-probs), training geometry.
-        with run.timer("anchors"):
-            plan = plan_micro_batches(td, r.token_budget, r.max_rows, packing=r.packing)
-            recompute_anchors(run.actor_critic, td, plan, ref_actor=run.ref_actor)
-        # 3. Advantages; GRPO dynamic sampling may drop groups: then re-plan.
-        with run.timer("advantage"):
-            td = run.advantage(td)
-            if td.shape[0] != plan.batch_size[0]:
+        losses = {"train/update_skipped": float(td.shape[0] == 0)}
+        if td.shape[0] == 0:  # dynamic sampling kept no group (every answer equal): skip the update
+            log.warning("step %d: no group with a reward spread after rollout.max_sampling_rounds; "
+                        "update skipped", step)  # fmt: skip
+        else:
+            # 2. Anchors: old log-probs and values (+ reference log-probs), training geometry.
+            with run.timer("anchors"):
                 plan = plan_micro_batches(td, r.token_budget, r.max_rows, packing=r.packing)
-        # 4. PPO epochs over mini-batches of micro-batches (critic warm-up: value head only).
-        with run.timer("update"):
-            losses = update(run, td, plan, critic_only=step <= cfg.algo.critic_warmup_iters)
-        # 5. Push the new weights (never the value head) to the rollout backend.
-        with run.timer("sync"):
-            run.collector.update_policy_weights_()
+                recompute_anchors(run.actor_critic, td, plan, ref_actor=run.ref_actor)
+            # 3. Advantages (GAE or GRPO).
+            with run.timer("advantage"):
+                td = run.advantage(td)
+            # 4. PPO epochs over mini-batches of micro-batches (critic warm-up: value head only).
+            with run.timer("update"):
+                losses.update(
+                    update(run, td, plan, critic_only=step <= cfg.algo.critic_warmup_iters)
+                )
+            # 5. Push the new weights (never the value head) to the rollout backend.
+            with run.timer("sync"):
+                run.collector.update_policy_weights_()
         # 6. Log; evaluate and checkpoint on schedule (rank-0 work once training is distributed).
         metrics = {**rollout_metrics(run, td), **losses, **run.timer.pop()}
         if t.eval_every and (step % t.eval_every == 0 or step == t.iterations):
@@ -294,25 +319,24 @@ def update(run: Run, td, plan, *, critic_only: bool) -> dict[str, float]:
 
 
 def rollout_metrics(run: Run, td) -> dict[str, float]:
-    """Reward, length and rollout-vs-trainer log-prob drift of a batch, over generated tokens."""
-    mask = td["loss_mask"]
-    reward = td["next", "reward"].squeeze(-1).sum(-1)
-    drift = (td["rollout_log_prob"] - td["sample_log_prob"]).abs()
-    stats = getattr(run.advantage, "stats", {})  # e.g. GRPO's group counts
-    return {
-        "rollout/reward_mean": float(reward.mean()),
-        "rollout/accuracy": float((reward > 0).float().mean()),
-        "rollout/response_length": float(mask.sum(-1).float().mean()),
-        "rollout/logprob_drift": float(masked_mean(drift, mask)),
-        "rollout/policy_lag": float(run.collector.last_policy_lag),
-        **{f"rollout/{k}": float(v) for k, v in stats.items()},
-    }
+    """Reward and accuracy over EVERY generated sample (the collector's stats: unbiased when
+    dynamic sampling dropped groups), groups generated / kept / dropped, and the trained batch's
+    response length and rollout-vs-trainer log-prob drift over generated tokens."""
+    stats = {k: v for k, v in run.collector.last_batch_stats.items() if k != "samples"}
+    out = {**{f"rollout/{k}": float(v) for k, v in stats.items()},
+           "rollout/policy_lag": float(run.collector.last_policy_lag)}  # fmt: skip
+    if td.shape[0]:
+        mask = td["loss_mask"]
+        drift = (td["rollout_log_prob"] - td["sample_log_prob"]).abs()
+        out["rollout/response_length"] = float(mask.sum(-1).float().mean())
+        out["rollout/logprob_drift"] = float(masked_mean(drift, mask))
+        grpo = getattr(run.advantage, "stats", {})  # e.g. GRPO's group counts
+        out.update({f"rollout/{k}": float(v) for k, v in grpo.items()})
+    return out
 
 
 def evaluate(run: Run) -> dict[str, float]:
     """Greedy decoding on the held-out prompts: mean reward and accuracy."""
-    if run.eval_env.backend is run.collector.env.backend:  # a server: it holds the latest weights
-        run.eval_env.policy_version = run.collector.policy_version
     td = run.eval_env.rollout()
     reward = td["next", "reward"].squeeze(-1).sum(-1)
     return {

@@ -277,3 +277,42 @@ def collector_with_updates(collector):
     for batch in collector:
         collector.update_policy_weights_()
         yield batch
+
+
+def _train_step(collector, model):
+    """Stands in for a PPO update: new weights, then the sync."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05)
+    collector.update_policy_weights_()
+
+
+def test_async_state_with_the_pending_batch_resumes_exactly(tmp_path, tok):
+    """include_pending: the batch in flight (sampled by the weights before the update) is saved,
+    so a resumed async run hands out the same batch with the same lag (1), not a regenerated one."""
+    collector, model, _ = make(tok, mode="async", total_batches=3, seed=4)
+    it = iter(collector)
+    next(it)
+    _train_step(collector, model)
+    torch.save({"collector": collector.state_dict(include_pending=True),
+                "model": model.state_dict()}, tmp_path / "ckpt.pt")  # fmt: skip
+    straight = [next(it), collector.last_policy_lag, collector.last_batch_stats]
+    _train_step(collector, model)
+    straight += [next(it), collector.last_policy_lag, collector.last_batch_stats]
+    collector.shutdown()
+
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)  # plain tensors and containers
+    fresh, fresh_model, _ = make(tok, mode="async", total_batches=2, seed=99)
+    fresh_model.load_state_dict(state["model"])
+    fresh.load_state_dict(state["collector"])
+    fresh.resync_policy_weights_()  # the backend still holds the starting weights
+    it = iter(fresh)
+    resumed = [next(it), fresh.last_policy_lag, fresh.last_batch_stats]
+    _train_step(fresh, fresh_model)
+    resumed += [next(it), fresh.last_policy_lag, fresh.last_batch_stats]
+    fresh.shutdown()
+    assert straight[1::3] == resumed[1::3] == [1, 1]
+    assert straight[2::3] == resumed[2::3]  # the stats travel with the saved batch
+    for a, b in zip(straight[::3], resumed[::3]):
+        assert batch_policy_version(a) == batch_policy_version(b)
+        assert (a == b).all(), "the resumed batch differs"

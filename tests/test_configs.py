@@ -115,8 +115,12 @@ def test_gpu_recipe_instantiates_up_to_the_gpu(tmp_path):
     train_rows, eval_rows = recipe.build_datasets(cfg)
     assert (len(train_rows), len(eval_rows)) == (44, 256)
     assert isinstance(recipe.build_advantage(cfg), TokenGAE)
-    adv = recipe.build_advantage(typed(["algo.advantage_mode=grpo"], "qwen3_4b_base_dapo_sglang"))
-    assert isinstance(adv, GRPOAdvantage) and adv.drop_zero_spread and adv.critic_targets
+    grpo_cfg = typed(["algo.advantage_mode=grpo"], "qwen3_4b_base_dapo_sglang")
+    adv = recipe.build_advantage(grpo_cfg)
+    assert isinstance(adv, GRPOAdvantage) and adv.critic_targets
+    # algo.grpo.drop_zero_spread=true: DAPO dynamic sampling, done by the collector (refill)
+    assert not adv.drop_zero_spread and recipe.dynamic_sampling(grpo_cfg)
+    assert not recipe.dynamic_sampling(cfg)  # with GAE the old key does nothing
     model = attach_value_head(build_tiny_qwen3(99))  # stands in for Qwen3-4B-Base
     a = cfg.algo
     loss = TokenPPOLoss(LMActorCritic(model), clip_epsilon=tuple(a.clip_epsilon),

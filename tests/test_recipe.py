@@ -48,11 +48,6 @@ COMMON = [
 ]
 
 
-@pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("ar_torchrl_cache")
-
-
 def recipe_env(cache: Path) -> dict:
     return {**os.environ, "AR_TORCHRL_CACHE": str(cache), "OMP_NUM_THREADS": "1",
             "HYDRA_FULL_ERROR": "1", "TQDM_DISABLE": "1"}  # fmt: skip

@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Literal
 
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 from torch import nn
 from torchrl.collectors import BaseCollector
 
@@ -263,11 +263,28 @@ class WeightSyncCollector(BaseCollector):
         self.env.set_seed(seed)
         return seed
 
-    def state_dict(self) -> dict:
-        """Version, counters and the env's data position *before* any prefetched batch."""
-        env_state = self._state_before_pending or self.env.state_dict()
-        return {"policy_version": self.policy_version, "batches_yielded": self.batches_yielded,
-                "stale_batches_dropped": self.stale_batches_dropped, "env": env_state}  # fmt: skip
+    def state_dict(self, *, include_pending: bool = False) -> dict:
+        """Version, counters and the env's data position (tensors and plain data only).
+
+        Args:
+            include_pending: in async mode, wait for the batch being generated in the background
+                and save it (a dict of tensors, with its sampling stats) with the env's position
+                *after* it. A collector restored from this state hands that exact batch out first,
+                with its original lag (1), so an async run resumes exactly as it would have
+                continued. Without it the state is the env's position *before* the prefetched
+                batch: a resumed run regenerates that batch with the restored (newer) weights,
+                i.e. with lag 0 and other samples.
+        """
+        state = {"policy_version": self.policy_version, "batches_yielded": self.batches_yielded,
+                 "stale_batches_dropped": self.stale_batches_dropped}  # fmt: skip
+        if include_pending and self._pending is not None:
+            batch, stats = self._pending.result()  # the worker released the lock: the env is idle
+            state["env"] = self.env.state_dict()
+            state["pending_batch"] = {"data": batch.to_dict(), "batch_size": list(batch.shape),
+                                      "stats": stats}  # fmt: skip
+        else:
+            state["env"] = self._state_before_pending or self.env.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore before iterating; the restored version is pushed with the trainer's (restored)
@@ -278,6 +295,11 @@ class WeightSyncCollector(BaseCollector):
         self._restored_version = int(state_dict["policy_version"])
         self.batches_yielded = int(state_dict["batches_yielded"])
         self.stale_batches_dropped = int(state_dict["stale_batches_dropped"])
+        pending = state_dict.get("pending_batch")
+        if pending is not None:  # handed out first by the next iteration (see state_dict)
+            self._pending = Future()
+            batch = TensorDict(pending["data"], pending["batch_size"])
+            self._pending.set_result((batch, dict(pending.get("stats", {}))))
 
     def __len__(self) -> int:
         if self.total_batches is None:
