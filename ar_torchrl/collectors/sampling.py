@@ -20,9 +20,24 @@ from tensordict import TensorDict, TensorDictBase
 from ar_torchrl.envs.llm_env import LLMEnv
 from ar_torchrl.functional import grpo_advantage
 
-__all__ = ["gather_batch"]
+__all__ = ["batch_policy_version", "gather_batch"]
 
 logger = logging.getLogger(__name__)
+
+
+def batch_policy_version(batch: TensorDictBase) -> int:
+    """The single weight version of a token-trajectory batch.
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> batch_policy_version(TensorDict({"policy_version": torch.full((2, 3), 4)}, [2, 3]))
+        4
+    """
+    versions = batch["policy_version"].unique()
+    if versions.numel() != 1:
+        raise ValueError(f"batch_policy_version: the batch mixes versions {versions.tolist()}")
+    return int(versions[0])
 
 
 def _one_round(env: LLMEnv) -> tuple[TensorDictBase, TensorDictBase]:

@@ -35,7 +35,7 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 from torchrl.collectors import BaseCollector
 
-from ar_torchrl.collectors.sampling import gather_batch
+from ar_torchrl.collectors.sampling import batch_policy_version, gather_batch
 from ar_torchrl.envs.llm_env import LLMEnv
 from ar_torchrl.weight_sync.errors import WeightSyncError
 from ar_torchrl.weight_sync.names import named_policy_tensors
@@ -43,21 +43,6 @@ from ar_torchrl.weight_sync.names import named_policy_tensors
 __all__ = ["WeightSyncCollector", "batch_policy_version"]
 
 logger = logging.getLogger(__name__)
-
-
-def batch_policy_version(batch: TensorDictBase) -> int:
-    """The single weight version of a token-trajectory batch.
-
-    Example:
-        >>> import torch
-        >>> from tensordict import TensorDict
-        >>> batch_policy_version(TensorDict({"policy_version": torch.full((2, 3), 4)}, [2, 3]))
-        4
-    """
-    versions = batch["policy_version"].unique()
-    if versions.numel() != 1:
-        raise ValueError(f"batch_policy_version: the batch mixes versions {versions.tolist()}")
-    return int(versions[0])
 
 
 class WeightSyncCollector(BaseCollector):
