@@ -31,8 +31,8 @@ def test_grpo_dynamic_sampling_refills_and_logs_unbiased_metrics(tmp_path, cache
 @pytest.mark.slow
 def test_dynamic_sampling_with_every_answer_wrong_skips_the_update(tmp_path, cache_dir):
     # one new token can never hold "Answer: X": every reward is -1, no group has a spread. The old
-    # key algo.drop_zero_spread=true (GRPO) still switches dynamic sampling on.
-    proc, history = run_recipe(tmp_path, cache_dir, "algo=grpo", "algo.drop_zero_spread=true",
+    # key algo.grpo.drop_zero_spread=true (GRPO) still switches dynamic sampling on.
+    proc, history = run_recipe(tmp_path, cache_dir, "algo=grpo", "algo.grpo.drop_zero_spread=true",
                                "rollout.max_new_tokens=1", "rollout.max_sampling_rounds=2",
                                "train.iterations=2", *QUIET)  # fmt: skip
     assert [h["step"] for h in history] == [1, 2]
