@@ -82,6 +82,7 @@ def test_disk_dir_outlives_a_client_process_while_the_server_serves_it(sglang_se
         assert served.is_dir()
         backend.sync_weights(named_policy_tensors(build_tiny_qwen3(99, seed=6)), version=42)
         assert backend.get(sglang_server.url, "/model_info")["weight_version"] == "42"
+    assert not served.exists()  # no longer served and its writer is gone: removed by this sync
 
 
 def test_a_missing_config_source_is_named(sglang_double, tmp_path):
@@ -91,3 +92,23 @@ def test_a_missing_config_source_is_named(sglang_double, tmp_path):
         ) as info:
             backend.sync_weights(named_policy_tensors(build_tiny_qwen3(99)), version=1)
         assert not info.value.partial and backend.weight_version == 0
+
+
+def test_an_orphaned_weights_dir_is_removed_only_when_its_writer_is_gone(tmp_path):
+    import os
+    import socket
+
+    from ar_torchrl.weight_sync.disk import OWNER_FILE, _remove_if_orphaned
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    dirs = {}
+    for name, owner in [("ar_torchrl-weights-dead", dead.pid), ("ar_torchrl-weights-alive", os.getpid()),
+                        ("model", dead.pid), ("ar_torchrl-weights-none", None)]:  # fmt: skip
+        dirs[name] = tmp_path / name
+        dirs[name].mkdir()
+        if owner is not None:
+            (dirs[name] / OWNER_FILE).write_text(f"{socket.gethostname()} {owner}")
+        _remove_if_orphaned(dirs[name])
+    kept = {n for n, d in dirs.items() if d.exists()}
+    assert kept == {"ar_torchrl-weights-alive", "model", "ar_torchrl-weights-none"}

@@ -9,7 +9,9 @@ server loads the directory (in parallel). The servers must see the same filesyst
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -33,6 +35,7 @@ __all__ = ["DiskWeightSender"]
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 INDEX_FILE = "model.safetensors.index.json"
+OWNER_FILE = ".ar_torchrl-owner"
 
 
 class DiskWeightSender(SGLangSender):
@@ -76,6 +79,7 @@ class DiskWeightSender(SGLangSender):
     def _mkdtemp(self, kind: str, served: bool) -> Path:
         path = Path(tempfile.mkdtemp(prefix=f"ar_torchrl-{kind}-", dir=self.tmp_root))
         reaper.guard_dir(path, self.client.urls if served else (), self.client.api_key)
+        (path / OWNER_FILE).write_text(f"{socket.gethostname()} {os.getpid()}")
         return path
 
     def _resolve_config_dir(self) -> Path:
@@ -95,9 +99,8 @@ class DiskWeightSender(SGLangSender):
                     "weight_sync_options={'config_dir': <the model's HF directory>}"
                 )
             snap = self._mkdtemp("config", served=False)
-            for f in source.iterdir():
-                if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES + (".index.json",)):
-                    shutil.copy2(f, snap / f.name)
+            for f in _config_files(source):
+                shutil.copy2(f, snap / f.name)
             self._source_shapes = checkpoint_shapes(source)
             self._snapshot, self._source = snap, source
         return self._snapshot
@@ -113,11 +116,12 @@ class DiskWeightSender(SGLangSender):
             total += sum(t.numel() * t.element_size() for t in tensors.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=1))
-        for f in self._resolve_config_dir().iterdir():
+        for f in _config_files(self._resolve_config_dir()):
             shutil.copy2(f, out / f.name)
 
     def _send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str) -> None:
         self._resolve_config_dir()
+        served = on_each_server(self.client.urls, self._served_path, "model_info")
         out = self._mkdtemp("weights", served=True)
         try:
             self._write(named_tensors, out)
@@ -134,10 +138,42 @@ class DiskWeightSender(SGLangSender):
             shutil.rmtree(self._last_dir, ignore_errors=True)
             reaper.release_dir(self._last_dir)
         self._last_dir = out
+        for path in set(served) - {out}:
+            _remove_if_orphaned(path)
+
+    def _served_path(self, url: str) -> Path:
+        return Path(self.client.get(url, "/model_info")["model_path"])
 
     def _load(self, url: str, body: dict) -> None:
         post_checked(self.client, url, "/update_weights_from_disk", body)
         self._applied()
+
+
+def _config_files(directory: Path) -> list[Path]:
+    """The model's non-weight files (config, tokenizer, ...): no weights, index or owner file."""
+    skip = _WEIGHT_SUFFIXES + (".index.json", OWNER_FILE)
+    return [f for f in directory.iterdir() if f.is_file() and not f.name.endswith(skip)]
+
+
+def _remove_if_orphaned(path: Path) -> None:
+    """Remove a weights dir a server no longer serves when the process that wrote it is gone.
+
+    A process that exits while a shared server serves its dir keeps that dir (the server may
+    still read it); the next sender that moves the server off it removes it, if it was written on
+    this host by a process that no longer runs (its ``.ar_torchrl-owner`` file says who).
+    """
+    try:
+        host, pid = (path / OWNER_FILE).read_text().split()
+    except (OSError, ValueError):
+        return  # not one of ours (e.g. the model's own directory)
+    if not path.name.startswith("ar_torchrl-weights-") or host != socket.gethostname():
+        return
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        shutil.rmtree(path, ignore_errors=True)
+    except PermissionError:  # alive, another user's
+        pass
 
 
 def _unshared(bucket: NamedTensors) -> dict[str, torch.Tensor]:
