@@ -98,7 +98,7 @@ def test_an_orphaned_weights_dir_is_removed_only_when_its_writer_is_gone(tmp_pat
     import os
     import socket
 
-    from ar_torchrl.weight_sync.disk import OWNER_FILE, _remove_if_orphaned
+    from ar_torchrl.weight_sync.disk import OWNER_FILE, remove_if_orphaned
 
     dead = subprocess.Popen(["true"])
     dead.wait()
@@ -109,6 +109,6 @@ def test_an_orphaned_weights_dir_is_removed_only_when_its_writer_is_gone(tmp_pat
         dirs[name].mkdir()
         if owner is not None:
             (dirs[name] / OWNER_FILE).write_text(f"{socket.gethostname()} {owner}")
-        _remove_if_orphaned(dirs[name])
+        remove_if_orphaned(dirs[name])
     kept = {n for n, d in dirs.items() if d.exists()}
     assert kept == {"ar_torchrl-weights-alive", "model", "ar_torchrl-weights-none"}

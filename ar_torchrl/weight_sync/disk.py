@@ -31,7 +31,7 @@ from ar_torchrl.weight_sync.sglang_base import (
     post_checked,
 )
 
-__all__ = ["DiskWeightSender"]
+__all__ = ["DiskWeightSender", "remove_if_orphaned"]
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 INDEX_FILE = "model.safetensors.index.json"
@@ -139,7 +139,7 @@ class DiskWeightSender(SGLangSender):
             reaper.release_dir(self._last_dir)
         self._last_dir = out
         for path in set(served) - {out}:
-            _remove_if_orphaned(path)
+            remove_if_orphaned(path)
 
     def _served_path(self, url: str) -> Path:
         return Path(self.client.get(url, "/model_info")["model_path"])
@@ -155,12 +155,16 @@ def _config_files(directory: Path) -> list[Path]:
     return [f for f in directory.iterdir() if f.is_file() and not f.name.endswith(skip)]
 
 
-def _remove_if_orphaned(path: Path) -> None:
+def remove_if_orphaned(path: Path) -> None:
     """Remove a weights dir a server no longer serves when the process that wrote it is gone.
 
     A process that exits while a shared server serves its dir keeps that dir (the server may
-    still read it); the next sender that moves the server off it removes it, if it was written on
-    this host by a process that no longer runs (its ``.ar_torchrl-owner`` file says who).
+    still read it); the next sender that moves the server off it, or the launcher that stops the
+    server, removes it if it was written on this host by a process that no longer runs (its
+    ``.ar_torchrl-owner`` file says who).
+
+    Example:
+        >>> remove_if_orphaned(Path("/nonexistent/ar_torchrl-weights-x"))  # not ours: untouched
     """
     try:
         host, pid = (path / OWNER_FILE).read_text().split()

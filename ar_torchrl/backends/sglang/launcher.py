@@ -4,7 +4,9 @@
 (SGLang's children inherit stdout, so a pipe would block) and waits for ``GET /health``. The server
 dies with the process that launched it, whatever ends that process:
 
-- the context manager stops it on exit (exceptions and Ctrl-C included);
+- the context manager stops it on exit (exceptions and Ctrl-C included), and removes the weights
+  directory it was serving if the client that wrote it has exited
+  (:func:`~ar_torchrl.weight_sync.disk.remove_if_orphaned`);
 - a watchdog (:mod:`ar_torchrl.reaper`) stops its process group when this process dies otherwise
   (SIGTERM, SIGHUP, SIGKILL);
 - on Linux, launched from the main thread, the server also gets a parent-death signal (SIGTERM).
@@ -34,6 +36,7 @@ import requests
 from ar_torchrl import reaper
 from ar_torchrl.backends.sglang.errors import SGLangLaunchError
 from ar_torchrl.backends.sglang.schema import default_sglang_venv
+from ar_torchrl.weight_sync.disk import remove_if_orphaned
 
 __all__ = [
     "API_KEY_ENV",
@@ -237,7 +240,23 @@ def launch_sglang_server(
     try:
         yield server
     finally:
+        served = _served_path(server)
         stop_server(server.process)
+        if served is not None:  # a dir a client left to it when that client exited
+            remove_if_orphaned(served)
+
+
+def _served_path(server: SGLangServer) -> Path | None:
+    """The directory the server loads its weights from now (``None`` when it does not answer)."""
+    headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
+    try:
+        return Path(
+            requests.get(server.url + "/model_info", headers=headers, timeout=5).json()[
+                "model_path"
+            ]
+        )
+    except Exception:  # noqa: BLE001 - a dead or odd server serves nothing we must clean
+        return None
 
 
 class _PortTaken(SGLangLaunchError):
