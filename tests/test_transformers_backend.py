@@ -13,6 +13,7 @@ import torch
 
 from ar_torchrl.assets import build_tiny_qwen3
 from ar_torchrl.backends import SamplingParams, TransformersBackend, next_token_log_probs
+from ar_torchrl.backends.kv_cache import PreallocatedLayer
 from ar_torchrl.modules import attach_value_head
 from ar_torchrl.weight_sync import WeightSyncError, named_policy_tensors
 
@@ -93,6 +94,49 @@ def test_stop_tokens_are_kept_and_end_the_completion(model):
             assert hits == [] and len(c) == 16
         ref = reference_log_probs(model, PROMPTS[c.prompt_index], c.token_ids, sampling)
         torch.testing.assert_close(torch.tensor(c.log_probs), ref, atol=1e-5, rtol=0)
+
+
+def test_finished_rows_are_dropped_and_results_do_not_change(model, monkeypatch):
+    # Greedy rows of this model repeat one token; these stop ids end two of the eight rows at
+    # once and one at step 7, so the loop drops finished rows from the batch (the cache's
+    # batch_select_indices runs). Every row must still decode as it does alone, and as
+    # `model.generate` decodes it.
+    stops = (49, 18, 3)
+    calls = []
+    original = PreallocatedLayer.batch_select_indices
+    monkeypatch.setattr(PreallocatedLayer, "batch_select_indices",
+                        lambda self, idx: calls.append(len(idx)) or original(self, idx))  # fmt: skip
+    greedy = SamplingParams(max_new_tokens=16, temperature=0.0, stop_token_ids=stops)
+    prompts = PROMPTS + [[p + 1 for p in row] for row in PROMPTS] + [[3, 4, 5], [60, 61]]
+    batched = TransformersBackend(model).generate(prompts, 1, greedy)
+    assert calls, "no row was dropped: the test does not exercise the shrinking batch"
+    assert len({len(c) for c in batched}) > 1
+    for c in batched:
+        alone = TransformersBackend(model).generate([prompts[c.prompt_index]], 1, greedy)[0]
+        assert c.token_ids == alone.token_ids
+        torch.testing.assert_close(torch.tensor(c.log_probs), torch.tensor(alone.log_probs),
+                                   atol=1e-5, rtol=0)  # fmt: skip
+        ref = model.generate(torch.tensor([prompts[c.prompt_index]]), max_new_tokens=16,
+                             do_sample=False, eos_token_id=[2, *stops], pad_token_id=0)  # fmt: skip
+        assert c.token_ids == ref[0, len(prompts[c.prompt_index]) :].tolist()
+
+
+def test_preallocated_cache_layer_equals_the_dynamic_layer():
+    from transformers.cache_utils import DynamicLayer
+
+    ours, ref = PreallocatedLayer(capacity=6), DynamicLayer()
+    steps = [torch.randn(3, 2, 4, 5), torch.randn(3, 2, 1, 5), torch.randn(3, 2, 1, 5)]
+    for k in steps:
+        got, want = ours.update(k, -k), ref.update(k, -k)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert ours.get_seq_length() == ref.get_seq_length()
+        assert ours.get_mask_sizes(1) == ref.get_mask_sizes(1)
+    keep = torch.tensor([2, 0])
+    ours.batch_select_indices(keep)
+    ref.batch_select_indices(keep)
+    assert torch.equal(ours.keys, ref.keys) and torch.equal(ours.values, ref.values)
+    with pytest.raises(RuntimeError, match="7 positions exceed the capacity of 6"):
+        ours.update(torch.randn(2, 2, 1, 5), torch.randn(2, 2, 1, 5))
 
 
 def test_eos_override_and_pad_equal_eos(model):
@@ -272,8 +316,14 @@ def test_benchmark_script_runs_quick(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["results"]
-    assert {r["path"] for r in rows} == {"backend", "hf_generate", "hf_generate_logprobs"}
+    assert {r["path"] for r in rows} == {
+        "backend",
+        "backend_legacy",
+        "hf_generate",
+        "hf_generate_logprobs",
+    }
     assert all(0 < r["tokens"] <= 4 * 2 * 16 and r["tokens_per_s"] > 0 for r in rows)
+    assert all(r["tokens_per_s"] == pytest.approx(r["tokens"] / r["seconds"]) for r in rows)
 
 
 def test_list_of_eos_ids_from_the_generation_config():

@@ -25,9 +25,9 @@ from typing import Literal
 import torch
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import DynamicCache
 
 from ar_torchrl.backends.base import Completion, GenerationBackend, SamplingParams
+from ar_torchrl.backends.kv_cache import decode_cache
 from ar_torchrl.weight_sync.registry import make_sender
 
 __all__ = ["LogProbMode", "TransformersBackend", "next_token_log_probs"]
@@ -141,11 +141,9 @@ class TransformersBackend(GenerationBackend):
         self.max_batch_size = max_batch_size
         self.logprob_mode = logprob_mode
         self._generator = torch.Generator(device=self._device()).manual_seed(seed)
-        self._cache_kwarg = (
-            "cache"
-            if "cache" in inspect.signature(self.model.forward).parameters
-            else "past_key_values"
-        )
+        forward_args = inspect.signature(self.model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in forward_args else "past_key_values"
+        self._last_logits_only = {"logits_to_keep": 1} if "logits_to_keep" in forward_args else {}
 
     # ------------------------------------------------------------------ interface
     @property
@@ -194,42 +192,67 @@ class TransformersBackend(GenerationBackend):
         return next(self.model.parameters()).device
 
     def _forward(self, ids, mask, positions, cache) -> torch.Tensor:
+        """``[B, q]`` ids -> next-token logits ``[B, V]`` (the LM head runs on the last position only)."""
         out = self.model(
             input_ids=ids,
-            attention_mask=mask.long(),
+            attention_mask=mask,
             position_ids=positions,
             use_cache=True,
             **{self._cache_kwarg: cache},
+            **self._last_logits_only,
         )
         return out.logits[:, -1]
 
-    def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _left_pad(self, prompts: list[list[int]], room: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-padded ids ``[B, W]`` and a long mask ``[B, W + room]`` (zeros after ``W``)."""
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.bool)
+        mask = torch.zeros((len(prompts), width + room), dtype=torch.long)
         for i, p in enumerate(prompts):
             ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-            mask[i, width - len(p) :] = True
+            mask[i, width - len(p) : width] = 1
         device = self._device()
         return ids.to(device), mask.to(device)
 
     def _sample(self, logits: torch.Tensor, sampling: SamplingParams, generator) -> tuple:
-        """``[B, V]`` logits -> sampled ids ``[B]`` and their log-probs ``[B]``."""
-        log_probs = next_token_log_probs(logits, sampling)
+        """``[B, V]`` logits -> sampled ids ``[B]`` and their log-probs ``[B]``.
+
+        Without top-k/top-p, the log-prob is ``scaled[token] - logsumexp(scaled)`` from the same
+        pass that gives the sampling weights (no ``[B, V]`` log-softmax is materialised).
+        """
+        logits = logits.float()
         if sampling.greedy:
-            tokens = log_probs.argmax(dim=-1)
-        else:
-            tokens = torch.multinomial(log_probs.exp(), 1, generator=generator).squeeze(-1)
-            if self.logprob_mode == "temperature":  # the unfiltered T-scaled distribution
-                log_probs = torch.log_softmax(logits.float() / sampling.temperature, dim=-1)
+            tokens = logits.argmax(dim=-1)
+            picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+            return tokens, picked - torch.logsumexp(logits, dim=-1)
+        scaled = logits / sampling.temperature
+        if sampling.top_k == -1 and sampling.top_p == 1.0:
+            top = scaled.amax(dim=-1, keepdim=True)
+            weights = (scaled - top).exp_()  # multinomial normalises the weights itself
+            tokens = torch.multinomial(weights, 1, generator=generator)
+            log_z = top.squeeze(-1) + weights.sum(dim=-1).log()
+            return tokens.squeeze(-1), scaled.gather(-1, tokens).squeeze(-1) - log_z
+        log_probs = next_token_log_probs(logits, sampling)
+        tokens = torch.multinomial(log_probs.exp(), 1, generator=generator).squeeze(-1)
+        if self.logprob_mode == "temperature":  # the unfiltered T-scaled distribution
+            picked = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+            return tokens, picked - torch.logsumexp(scaled, dim=-1)
         return tokens, log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
     @torch.no_grad()
     def _generate_chunk(
         self, prompts, index, sampling: SamplingParams, generator
     ) -> list[Completion]:
-        ids, mask = self._left_pad(prompts)
-        bsz, device, max_new = len(prompts), ids.device, sampling.max_new_tokens
+        """Prefill, then one token per step for the rows still generating.
+
+        Rows are left-padded; each row's positions count its real tokens only. The KV cache is
+        preallocated (:func:`decode_cache`); once a quarter of the batch has finished, the finished
+        rows are dropped from the batch (cache, mask, positions), so later steps compute only the
+        rows that still generate. ``rows`` maps the shrinking batch to the output rows.
+        """
+        max_new = sampling.max_new_tokens
+        ids, mask = self._left_pad(prompts, room=max_new)
+        (bsz, width), device = ids.shape, ids.device
         stop_ids = torch.tensor(
             sorted(set(self.eos_token_ids) | set(sampling.stop_token_ids)), device=device
         )
@@ -237,22 +260,34 @@ class TransformersBackend(GenerationBackend):
         log_probs = torch.zeros((bsz, max_new), dtype=torch.float32, device=device)
         lengths = torch.zeros(bsz, dtype=torch.long, device=device)
         stopped = torch.zeros(bsz, dtype=torch.bool, device=device)
-        cache = DynamicCache(config=self.model.config)
-        logits = self._forward(ids, mask, (mask.long().cumsum(-1) - 1).clamp(min=0), cache)
+        rows, alive = (
+            torch.arange(bsz, device=device),
+            torch.ones(bsz, dtype=torch.bool, device=device),
+        )
+        cache = decode_cache(self.model.config, width + max_new)
+        positions = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)
+        logits = self._forward(ids, mask[:, :width], positions, cache)
+        positions = positions[:, -1:] + 1
         for t in range(max_new):
-            active = ~stopped
             tok, lp = self._sample(logits, sampling, generator)
-            tokens[:, t] = torch.where(active, tok, tokens[:, t])
-            log_probs[:, t] = torch.where(active, lp, log_probs[:, t])
-            lengths += active.long()
-            stopped |= active & torch.isin(tok, stop_ids)
-            if bool(stopped.all()) or t == max_new - 1:
+            tokens[rows, t], log_probs[rows, t] = tok, lp  # read up to `lengths` only
+            lengths[rows] += alive.long()
+            ended = alive & torch.isin(tok, stop_ids)
+            stopped[rows] |= ended
+            alive &= ~ended
+            running = int(alive.sum())  # one host sync per step (as in `model.generate`)
+            if running == 0 or t == max_new - 1:
                 break
-            running = ~stopped
-            mask = torch.cat([mask, running.unsqueeze(-1)], dim=-1)
-            step_ids = torch.where(running, tok, torch.full_like(tok, self.pad_token_id))
-            positions = (mask.long().sum(-1, keepdim=True) - 1).clamp(min=0)
-            logits = self._forward(step_ids.unsqueeze(-1), mask, positions, cache)
+            if 4 * (len(rows) - running) >= len(rows):  # drop the finished rows
+                keep = alive.nonzero().squeeze(-1)
+                cache.batch_select_indices(keep)
+                rows, alive, tok, mask, positions = (
+                    x[keep] for x in (rows, alive, tok, mask, positions)
+                )
+            mask[:, width + t] = alive.long()
+            step_ids = torch.where(alive, tok, self.pad_token_id).unsqueeze(-1)
+            logits = self._forward(step_ids, mask[:, : width + t + 1], positions, cache)
+            positions += 1
         return _to_completions(tokens, log_probs, lengths, stopped, index)
 
 
