@@ -52,7 +52,8 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Confi
 
 from ar_torchrl.assets import build_char_tokenizer, build_tiny_qwen3
 from ar_torchrl.backends import SamplingParams, TransformersBackend
-from ar_torchrl.backends.transformers import _to_completions, next_token_log_probs
+from ar_torchrl.backends.token_sampling import next_token_log_probs
+from ar_torchrl.backends.transformers import _to_completions
 from ar_torchrl.data import arithmetic_dataset
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -11,7 +11,9 @@ explicit:
 - the log-prob of every sampled token (the first included) is, by default, the project's
   convention ``log softmax(logits / T)`` of the unfiltered distribution (what SGLang reports and
   the trainer recomputes), also under top-k/top-p; ``logprob_mode="processed"`` reports the
-  filtered, renormalised sampling distribution instead (:func:`next_token_log_probs`).
+  filtered, renormalised sampling distribution instead (:func:`next_token_log_probs`);
+- decoding writes a preallocated KV cache in place and drops finished rows from the batch
+  (:mod:`ar_torchrl.backends.kv_cache`); the LM head runs on the last position only.
 """
 
 from __future__ import annotations
@@ -28,56 +30,12 @@ from tqdm.auto import tqdm
 
 from ar_torchrl.backends.base import Completion, GenerationBackend, SamplingParams
 from ar_torchrl.backends.kv_cache import decode_cache
+from ar_torchrl.backends.token_sampling import LogProbMode, next_token_log_probs, sample_next_token
 from ar_torchrl.weight_sync.registry import make_sender
 
 __all__ = ["LogProbMode", "TransformersBackend", "next_token_log_probs"]
 
 logger = logging.getLogger(__name__)
-
-LogProbMode = Literal["temperature", "processed"]
-
-
-def next_token_log_probs(
-    logits: torch.Tensor,
-    sampling: SamplingParams,
-) -> torch.Tensor:
-    """Log-probs of the distribution the next token is sampled from (top-k/top-p applied).
-
-    The logits are cast to float32, divided by the temperature (``T = 1`` when greedy), then
-    filtered: top-k keeps the tokens whose logit is ``>=`` the k-th largest (ties at the boundary are
-    kept), top-p (SGLang's rule) keeps, in descending probability order, every token whose
-    preceding cumulative probability is ``< top_p`` (so at least one token). Removed tokens get
-    ``-inf`` and the rest is renormalised with ``log_softmax``. Greedy (``temperature == 0``) applies
-    no filter: it returns ``log_softmax(logits)``.
-
-    Args:
-        logits: ``[B, V]`` next-token logits.
-        sampling: temperature / top-k / top-p.
-
-    Returns:
-        ``[B, V]`` float32 log-probs (``-inf`` for filtered tokens).
-
-    Example:
-        >>> logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
-        >>> lp = next_token_log_probs(logits, SamplingParams(temperature=1.0, top_k=2))
-        >>> [round(p, 4) for p in lp.exp()[0].tolist()]
-        [0.7311, 0.2689, 0.0, 0.0]
-    """
-    logits = logits.float()
-    if sampling.greedy:
-        return torch.log_softmax(logits, dim=-1)
-    logits = logits / sampling.temperature
-    if sampling.top_k != -1 and sampling.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if sampling.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        remove_sorted = mass_before >= sampling.top_p
-        remove = remove_sorted.scatter(-1, order, remove_sorted)
-        logits = logits.masked_fill(remove, float("-inf"))
-    return torch.log_softmax(logits, dim=-1)
 
 
 class TransformersBackend(GenerationBackend):
@@ -214,31 +172,6 @@ class TransformersBackend(GenerationBackend):
         device = self._device()
         return ids.to(device), mask.to(device)
 
-    def _sample(self, logits: torch.Tensor, sampling: SamplingParams, generator) -> tuple:
-        """``[B, V]`` logits -> sampled ids ``[B]`` and their log-probs ``[B]``.
-
-        Without top-k/top-p, the log-prob is ``scaled[token] - logsumexp(scaled)`` from the same
-        pass that gives the sampling weights (no ``[B, V]`` log-softmax is materialised).
-        """
-        logits = logits.float()
-        if sampling.greedy:
-            tokens = logits.argmax(dim=-1)
-            picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-            return tokens, picked - torch.logsumexp(logits, dim=-1)
-        scaled = logits / sampling.temperature
-        if sampling.top_k == -1 and sampling.top_p == 1.0:
-            top = scaled.amax(dim=-1, keepdim=True)
-            weights = (scaled - top).exp_()  # multinomial normalises the weights itself
-            tokens = torch.multinomial(weights, 1, generator=generator)
-            log_z = top.squeeze(-1) + weights.sum(dim=-1).log()
-            return tokens.squeeze(-1), scaled.gather(-1, tokens).squeeze(-1) - log_z
-        log_probs = next_token_log_probs(logits, sampling)
-        tokens = torch.multinomial(log_probs.exp(), 1, generator=generator).squeeze(-1)
-        if self.logprob_mode == "temperature":  # the unfiltered T-scaled distribution
-            picked = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-            return tokens, picked - torch.logsumexp(scaled, dim=-1)
-        return tokens, log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-
     @torch.no_grad()
     def _generate_chunk(
         self, prompts, index, sampling: SamplingParams, generator
@@ -269,7 +202,7 @@ class TransformersBackend(GenerationBackend):
         logits = self._forward(ids, mask[:, :width], positions, cache)
         positions = positions[:, -1:] + 1
         for t in range(max_new):
-            tok, lp = self._sample(logits, sampling, generator)
+            tok, lp = sample_next_token(logits, sampling, generator, self.logprob_mode)
             tokens[rows, t], log_probs[rows, t] = tok, lp  # read up to `lengths` only
             lengths[rows] += alive.long()
             ended = alive & torch.isin(tok, stop_ids)
