@@ -65,7 +65,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import inspect
-import json
 import os
 import platform
 import statistics
@@ -77,6 +76,7 @@ from pathlib import Path
 
 import torch
 import torchrl
+from _common import write_json
 from torch import Tensor
 from torchrl.objectives.value.functional import (
     generalized_advantage_estimate,
@@ -379,10 +379,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     result = run(args)
     print_table(result)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    tmp.replace(args.out)
+    write_json(result, args.out)
     print(f"wrote {args.out}")
 
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -48,6 +47,7 @@ import time
 from pathlib import Path
 
 import torch
+from _common import machine_info, write_json
 
 from ar_torchrl.modules import LOGITS_MEMORY_BUDGET, chunk_tokens_for_budget, token_log_probs
 
@@ -207,9 +207,7 @@ def config_dict(args: argparse.Namespace, budget: int, chunk: int) -> dict:
         "budget_chunk_tokens": chunk,
         "entropy": args.entropy,
         "quick": args.quick,
-        "torch": torch.__version__,
-        "cpu": platform.processor() or platform.machine(),
-        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+        **machine_info(),
         "measure": "cuda max_memory_allocated" if args.device == "cuda" else "ru_maxrss - rss",
     }
 
@@ -243,10 +241,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     result = run(args)
     print_table(result)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    tmp.replace(args.out)
+    write_json(result, args.out)
     print(f"wrote {args.out}", file=sys.stderr)
 
 

@@ -40,10 +40,7 @@ Prints a table and writes ``benchmarks/results/bench_packing[_quick][_cuda].json
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import platform
 import statistics
 import sys
 import time
@@ -52,6 +49,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from _common import machine_info, write_json
 from tensordict import TensorDict
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -258,10 +256,7 @@ def config_dict(args: argparse.Namespace, td: TensorDict) -> dict:
         batch_length=td.shape[1],
         response_length={"mean": float(lengths.mean()), "median": float(lengths.median()),
                          "max": int(lengths.max()), "min": int(lengths.min())},
-        torch=torch.__version__, transformers=transformers.__version__,
-        cpu=platform.processor() or platform.machine(), cpu_count=os.cpu_count(),
-        gpu=torch.cuda.get_device_name() if args.device == "cuda" else None,
-        load_avg_1m=os.getloadavg()[0],
+        transformers=transformers.__version__, **machine_info(),
     )  # fmt: skip
     return cfg
 
@@ -293,10 +288,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     result = run(args)
     print_table(result)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    tmp.replace(args.out)
+    write_json(result, args.out)
     print(f"wrote {args.out}", file=sys.stderr)
 
 

@@ -1,0 +1,41 @@
+"""What every benchmark script shares: the machine it ran on and writing its JSON result.
+
+The scripts run as ``python benchmarks/<name>.py``, so this directory is on ``sys.path`` and they
+import this module as ``_common``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+
+def machine_info() -> dict[str, Any]:
+    """Platform, CPU, core count, Python/torch versions and the 1-minute load average now.
+
+    Example:
+        >>> sorted(machine_info())[:3]
+        ['cpu', 'cpu_count', 'gpu']
+    """
+    import torch
+
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "load_avg_1m": os.getloadavg()[0],
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def write_json(result: dict[str, Any], out: Path) -> None:
+    """Write ``result`` to ``out`` atomically (a ``.json.tmp`` then a rename), making its folder."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.replace(out)
