@@ -1,0 +1,59 @@
+"""Pure tensor math for token-level PPO/GRPO on language models.
+
+Every function here works on plain tensors (no TensorDict), documents its shapes, and treats a
+boolean ``mask`` with ``True`` = "this token is trained on" (generated tokens only, docs/design.md
+section 1). Masked positions never influence a result, a reduction or a gradient: inputs there are
+replaced with zeros through :func:`torch.where` before any arithmetic, so even ``inf``/``nan``
+garbage at masked positions is harmless.
+
+References:
+    GAE: Schulman et al. 2015, https://arxiv.org/abs/1506.02438
+    PPO: Schulman et al. 2017, https://arxiv.org/abs/1707.06347
+    GRPO: Shao et al. 2024, https://arxiv.org/abs/2402.03300
+    DAPO (clip-higher, token-mean, dynamic sampling): Yu et al. 2025, https://arxiv.org/abs/2503.14476
+    Dr.GRPO (no std scaling, constant length normaliser): Liu et al. 2025, https://arxiv.org/abs/2503.20783
+    VAPO (decoupled / length-adaptive lambda): Yue et al. 2025, https://arxiv.org/abs/2504.05118
+    Dual-clip PPO: Ye et al. 2020, https://arxiv.org/abs/1912.09729
+"""
+
+from __future__ import annotations
+
+from ar_torchrl.checks import AGGREGATION_MODES, AggregationMode
+from ar_torchrl.functional.gae import (
+    _check_gae_inputs as _check_gae_inputs,
+)
+from ar_torchrl.functional.gae import (
+    check_finite_reward,
+    length_adaptive_lmbda,
+    token_gae,
+)
+from ar_torchrl.functional.grpo import grpo_advantage
+from ar_torchrl.functional.losses import (
+    LOG_RATIO_CLAMP,
+    aggregate_loss,
+    clipped_surrogate,
+    clipped_value_loss,
+    k3_kl,
+    loss_normalizer,
+    masked_log_ratio,
+)
+from ar_torchrl.functional.reductions import explained_variance, masked_mean, masked_whiten
+
+__all__ = [
+    "AGGREGATION_MODES",
+    "LOG_RATIO_CLAMP",
+    "AggregationMode",
+    "aggregate_loss",
+    "check_finite_reward",
+    "clipped_surrogate",
+    "clipped_value_loss",
+    "explained_variance",
+    "grpo_advantage",
+    "k3_kl",
+    "length_adaptive_lmbda",
+    "loss_normalizer",
+    "masked_log_ratio",
+    "masked_mean",
+    "masked_whiten",
+    "token_gae",
+]
