@@ -177,6 +177,10 @@ RANGE_ERRORS = [
         r"config: algo.num_minibatches must be >= 1",
     ),
     (["model.warm_start.lr=0"], r"config: model.warm_start.lr must be > 0, got 0.0"),
+    (  # the update then failed on every iteration with a KeyError (no loss_critic)
+        ["algo=grpo", "algo.critic_warmup_iters=2"],
+        r"algo.critic_warmup_iters=2 trains only the value head, which algo.critic_coeff=0.0",
+    ),
     (
         ["model.warm_start.correct_fraction=1.5"],
         r"config: model.warm_start.correct_fraction must be >= 0 and <= 1",
