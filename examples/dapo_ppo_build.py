@@ -116,8 +116,8 @@ def build_backend(cfg: Config, model, tokenizer, run_dir: Path, stack: contextli
         ))  # fmt: skip
         url = server.url
     urls = [url] if isinstance(url, str) else list(url)
-    backend = SGLangBackend(urls, weight_sync=b.weight_sync, vocab_size=model.config.vocab_size,
-                            show_progress=False)  # fmt: skip
+    backend = SGLangBackend(urls, weight_sync=b.weight_sync, weight_sync_options=dict(b.weight_sync_options),
+                            vocab_size=model.config.vocab_size, show_progress=False)  # fmt: skip
     stack.callback(backend.close)
     if not backend.health():  # said once, before anything reads as a weight-sync failure
         raise SGLangUnavailableError(

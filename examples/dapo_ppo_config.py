@@ -128,6 +128,16 @@ class TrainsideBackendConfig:
         check_count("backend.max_batch_size", self.max_batch_size, allow_none=True)
 
 
+#: ``backend.weight_sync`` -> the keyword options of its sender (``ar_torchrl.weight_sync``; a test
+#: pins them to the senders' signatures), set through ``backend.weight_sync_options``.
+SYNC_OPTIONS = {
+    "disk": ("config_dir", "tmp_root", "bucket_bytes"),
+    "tensor": ("bucket_bytes",),
+    "distributed": ("backend", "master_address", "master_port", "group_name", "bucket_bytes",
+                    "timeout_s"),
+}  # fmt: skip
+
+
 @dataclass
 class SGLangBackendConfig:
     """``backend=sglang``: an SGLang server (launched locally unless ``url`` is given)."""
@@ -136,6 +146,7 @@ class SGLangBackendConfig:
     python: Optional[str] = None
     device: str = "cpu"
     weight_sync: str = "disk"
+    weight_sync_options: dict[str, Any] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
 
     def check(self) -> None:
@@ -144,8 +155,14 @@ class SGLangBackendConfig:
             raise TypeError(
                 f"config: backend.url must be null, a URL or a list of URLs, got {self.url!r}"
             )
-        methods = ("disk", "tensor", "distributed")
-        check_choice("config", "backend.weight_sync", self.weight_sync, methods)
+        check_choice("config", "backend.weight_sync", self.weight_sync, SYNC_OPTIONS)
+        allowed = SYNC_OPTIONS[self.weight_sync]
+        unknown = sorted(set(self.weight_sync_options) - set(allowed))
+        if unknown:
+            raise ValueError(
+                f"config: backend.weight_sync_options {unknown} are not options of "
+                f"backend.weight_sync={self.weight_sync}; it takes {list(allowed)}"
+            )
 
 
 # --------------------------------------------------------------------------- data

@@ -177,6 +177,11 @@ RANGE_ERRORS = [
         r"config: algo.num_minibatches must be >= 1",
     ),
     (["model.warm_start.lr=0"], r"config: model.warm_start.lr must be > 0, got 0.0"),
+    (
+        ["backend=sglang", "+backend.weight_sync_options.master_port=3"],
+        r"backend.weight_sync_options \['master_port'\] are not options of backend.weight_sync=disk; "
+        r"it takes \['config_dir', 'tmp_root', 'bucket_bytes'\]",
+    ),
     # the dist group and the precision keys (FSDP2 under torchrun, bf16 compute over fp32 masters)
     (["dist.backend=mpi"], r"config: dist.backend='mpi' is not one of \['auto', 'gloo', 'nccl'\]"),
     (["dist.fsdp=maybe"], r"config: dist.fsdp='maybe' must be auto, true or false"),
@@ -272,3 +277,23 @@ def test_dist_group_and_when_the_recipe_shards(monkeypatch):
     with pytest.raises(ValueError, match="dist.fsdp=false but WORLD_SIZE=2 needs FSDP2"):
         typed(["dist.fsdp=false"])
 
+
+def test_weight_sync_options_are_the_senders_options():
+    """``backend.weight_sync_options`` reach the sender (e.g. the address remote servers reach rank
+    0 at, for ``distributed`` across machines); the schema's table is each sender's signature."""
+    import inspect
+
+    from ar_torchrl.backends import SGLangBackend
+    from ar_torchrl.weight_sync.registry import SYNC_METHODS
+
+    for method, options in C.SYNC_OPTIONS.items():
+        params = inspect.signature(SYNC_METHODS[method].factory).parameters.values()
+        assert tuple(p.name for p in params if p.kind is p.KEYWORD_ONLY) == options, method
+    b = typed(["backend=sglang", "backend.weight_sync=distributed",
+               "+backend.weight_sync_options.master_address=10.0.0.7"]).backend  # fmt: skip
+    backend = SGLangBackend(["http://127.0.0.1:9"], weight_sync=b.weight_sync,
+                            weight_sync_options=dict(b.weight_sync_options))  # fmt: skip
+    try:
+        assert backend.sender.master_address == "10.0.0.7"
+    finally:
+        backend.close()
