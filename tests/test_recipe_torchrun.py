@@ -31,11 +31,11 @@ import dapo_ppo  # noqa: E402
 import dapo_ppo_config as C  # noqa: E402
 
 #: 40 iterations on 2 ranks (the CPU default's config, rollouts on rank 0). Measured (seeds 0-4): the
-#: mean reward of iterations 31-40 minus that of 1-10 was +0.144, +0.153, +0.175, +0.103, +0.131
-#: (with lr 1e-12, seed 0: -0.044); the test asserts half the smallest of them.
+#: mean reward of iterations 31-40 minus that of 1-10 was +0.228, +0.153, +0.231, +0.334, +0.266
+#: (with lr 1e-12, seed 0: -0.047); the test asserts half the smallest of them.
 ITERATIONS = 40
 WINDOW = 10
-MIN_RISE = 0.05
+MIN_RISE = 0.075
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
 
 
