@@ -21,6 +21,7 @@ import os
 import pickle
 import random
 import re
+import shutil
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,6 +45,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 _NAME = re.compile(r"^step_(\d+)\.pt$")
 _PARTIAL = re.compile(r"^\.step_\d+\.pt-.*\.tmp$")
+# torch.distributed.checkpoint directories (ar_torchrl.distributed.checkpoint): step_<N>/, written
+# as .step_<N>.tmp/ and renamed; .step_<N>.old/ is a replaced one being deleted.
+_DCP_NAME = re.compile(r"^step_(\d+)$")
+_DCP_PARTIAL = re.compile(r"^\.step_\d+\.(tmp|old)$")
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -155,23 +160,27 @@ def _checkpoints(directory: Path) -> list[Path]:
 
 
 def checkpoint_step(path: str | os.PathLike) -> int:
-    """The step of a checkpoint file named ``step_<step>.pt``.
+    """The step of a checkpoint: a file ``step_<step>.pt`` or a distributed checkpoint directory
+    ``step_<step>`` (:mod:`ar_torchrl.distributed.checkpoint`).
 
     Example:
-        >>> checkpoint_step("runs/a/checkpoints/step_40.pt")
-        40
+        >>> checkpoint_step("runs/a/checkpoints/step_40.pt"), checkpoint_step("runs/b/checkpoints/step_8")
+        (40, 8)
     """
-    match = _NAME.match(Path(path).name)
+    match = _NAME.match(Path(path).name) or _DCP_NAME.match(Path(path).name)
     if match is None:
-        raise ValueError(f"{str(path)!r} is not a checkpoint file name (step_<N>.pt)")
+        raise ValueError(
+            f"{str(path)!r} is not a checkpoint name (step_<N>.pt, or step_<N> for a distributed one)"
+        )
     return int(match.group(1))
 
 
 def remove_partial_checkpoints(directory: str | os.PathLike) -> list[Path]:
     """Delete the temporary files of saves that were killed mid-write; return what was deleted.
 
-    Only one process may write checkpoints into ``directory`` (a temporary file of a save still in
-    progress elsewhere would be deleted too).
+    Also the temporary (``.step_<N>.tmp``) and replaced (``.step_<N>.old``) directories of
+    distributed checkpoints. Only one process may write checkpoints into ``directory`` (a
+    temporary file of a save still in progress elsewhere would be deleted too).
 
     Example:
         >>> import tempfile
@@ -182,10 +191,14 @@ def remove_partial_checkpoints(directory: str | os.PathLike) -> list[Path]:
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    removed = sorted(p for p in directory.iterdir() if _PARTIAL.match(p.name))
+    removed = sorted(p for p in directory.iterdir()
+                     if _PARTIAL.match(p.name) or (p.is_dir() and _DCP_PARTIAL.match(p.name)))  # fmt: skip
     for path in removed:
         logger.warning("removing %s: a checkpoint save that did not finish", path)
-        path.unlink(missing_ok=True)
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
     return removed
 
 

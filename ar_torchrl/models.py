@@ -29,8 +29,10 @@ from ar_torchrl.assets import build_char_tokenizer, build_tiny_qwen3
 __all__ = [
     "SMOLLM2_GGUF",
     "build_tiny_model",
+    "check_hf_dir",
     "check_tokenizer",
     "load_hf_model",
+    "load_hf_tokenizer",
     "load_smollm2_135m",
     "smollm2_gguf_path",
 ]
@@ -101,21 +103,44 @@ def load_hf_model(
         >>> model.dtype, tok.pad_token_id
         (torch.float32, 0)
     """
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"load_hf_model: {str(path)!r} is not a HF model directory (no config.json). Download "
-            "the model beforehand (e.g. `huggingface-cli download Qwen/Qwen3-4B-Base --local-dir "
-            "DIR`) and point model.path at DIR."
-        )
+    path = check_hf_dir(path, where="load_hf_model")
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=getattr(torch, dtype), local_files_only=True, **kwargs
     )
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return model.eval(), load_hf_tokenizer(path)
+
+
+def check_hf_dir(path: str | os.PathLike, *, where: str) -> Path:
+    """``path`` as a :class:`Path` if it is a local HF model directory (has ``config.json``).
+
+    Raises:
+        FileNotFoundError: it is not, with how to get one.
+    """
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{where}: {str(path)!r} is not a HF model directory (no config.json). Download "
+            "the model beforehand (e.g. `huggingface-cli download Qwen/Qwen3-4B-Base --local-dir "
+            "DIR`) and point model.path at DIR."
+        )
+    return path
+
+
+def load_hf_tokenizer(path: str | os.PathLike):
+    """The tokenizer of a local HF model directory, offline; pad = eos when it has no pad token.
+
+    Example:
+        >>> import tempfile
+        >>> from ar_torchrl.assets import save_tiny_model
+        >>> load_hf_tokenizer(save_tiny_model(tempfile.mkdtemp())).pad_token_id
+        0
+    """
+    tok = AutoTokenizer.from_pretrained(check_hf_dir(path, where="load_hf_tokenizer"),
+                                        local_files_only=True)  # fmt: skip
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    return model.eval(), tok
+    return tok
 
 
 def smollm2_gguf_path() -> Path:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import shlex
 import shutil
 import signal
@@ -38,7 +39,7 @@ import sys
 from pathlib import Path
 
 import hydra
-from dapo_ppo_config import Config, validate_config
+from dapo_ppo_config import Config, validate_config, world_size
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
@@ -49,7 +50,7 @@ log = logging.getLogger("dapo_ppo")
 
 #: Keys a continued run may change; ``train.resume_from=auto`` ignores them when it matches configs.
 RESUMABLE_CHANGES = ("train.iterations", "train.resume_from", "train.checkpoint_every",
-                     "train.keep_checkpoints", "train.plot")  # fmt: skip
+                     "train.keep_checkpoints", "train.plot", "dist.timeout_s")  # fmt: skip
 
 
 @hydra.main(config_path="../configs", config_name="dapo_ppo", version_base="1.3")
@@ -57,28 +58,34 @@ def main(raw: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:  # what a user can get wrong is checked here, before the slow imports
         cfg = validate_config(raw)
-        checkpoint = find_checkpoint(cfg, raw, run_dir)
-    except (TypeError, ValueError, FileNotFoundError) as err:
+    except (TypeError, ValueError) as err:
         sys.exit(f"dapo_ppo: {err}")
-    prepare_run_dir(run_dir, checkpoint)
-    stop = StopOnSignal()
-    try:
-        # The stack stops a launched SGLang server and closes clients, also on errors.
-        with stop, contextlib.ExitStack() as stack:
-            import dapo_ppo_recipe as recipe  # torch, transformers, TorchRL: the slow imports
+    import dapo_ppo_dist as parallel  # torch; the process group under torchrun
 
-            run = recipe.setup(cfg, run_dir, checkpoint, stack)
-            stop.graceful = True  # from here on, the first signal ends the run after its iteration
-            step = recipe.train(run, stop)
-    except KeyboardInterrupt:
-        signum = stop.signum or signal.SIGINT
-        report(cfg, run_dir, f"interrupted ({signal.Signals(signum).name})")
-        sys.exit(128 + signum)
+    with parallel.process_group(cfg) as ctx:  # one process: no group, nothing changes
+        run_dir = parallel.rank_0_run_dir(ctx, run_dir)
+        checkpoint = parallel.on_rank_0(ctx, find_checkpoint, cfg, raw, run_dir)
+        if ctx.is_main:
+            prepare_run_dir(run_dir, checkpoint)
+        stop = StopOnSignal()
+        try:
+            # The stack stops a launched SGLang server and closes clients, also on errors.
+            with stop, contextlib.ExitStack() as stack:
+                import dapo_ppo_recipe as recipe  # transformers, TorchRL: the slow imports
+
+                run = recipe.setup(cfg, run_dir, checkpoint, stack, ctx)
+                stop.graceful = (
+                    True  # from now on the first signal ends the run after its iteration
+                )
+                step = recipe.train(run, stop)
+            ended = f"stopped by {stop.name} after iteration {step}" if stop.requested else None
+        except KeyboardInterrupt:
+            stop.signum = stop.signum or signal.SIGINT
+            ended = f"interrupted ({stop.name})"
+    if ctx.is_main:  # rank 0 speaks for the run
+        report(cfg, run_dir, ended)
     if stop.requested:
-        name = signal.Signals(stop.signum).name
-        report(cfg, run_dir, f"stopped by {name} after iteration {step}")
         sys.exit(128 + stop.signum)
-    report(cfg, run_dir, None)
 
 
 # --------------------------------------------------------------------------- resuming
@@ -91,9 +98,9 @@ def find_checkpoint(cfg: Config, raw: DictConfig, run_dir: Path) -> Path | None:
     """
     source = cfg.train.resume_from
     if source is None:
-        found = latest_checkpoint(run_dir / "checkpoints")
+        found = latest(cfg, run_dir / "checkpoints")
     elif source == "auto":
-        found = newest_matching_checkpoint(raw, Path(cfg.runs_dir))
+        found = newest_matching_checkpoint(cfg, raw, Path(cfg.runs_dir))
         if found is None:
             raise FileNotFoundError(
                 f"train.resume_from=auto: no run directory under runs_dir={cfg.runs_dir} has this "
@@ -102,12 +109,15 @@ def find_checkpoint(cfg: Config, raw: DictConfig, run_dir: Path) -> Path | None:
             )
     else:
         path = Path(source)
-        found = path if path.is_file() else latest_checkpoint(path / "checkpoints")
+        named = path.is_file() or (path.is_dir() and path.name.startswith("step_"))
+        found = path if named else latest(cfg, path / "checkpoints")
         if found is None:
             raise FileNotFoundError(
-                f"train.resume_from={source}: neither a checkpoint file nor a run directory with "
-                "checkpoints/step_<N>.pt (a run stopped before its first checkpoint starts afresh)"
+                f"train.resume_from={source}: neither a checkpoint nor a run directory with "
+                f"checkpoints/{'step_<N>' if cfg.sharded else 'step_<N>.pt'} (a run stopped "
+                "before its first checkpoint starts afresh)"
             )
+        check_kind(cfg, found)
     if found is not None and checkpoint_step(found) >= cfg.train.iterations:
         raise ValueError(
             f"{found} is at step {checkpoint_step(found)}, train.iterations={cfg.train.iterations}: "
@@ -127,16 +137,43 @@ def _comparable(cfg: DictConfig) -> dict:
     return container
 
 
-def newest_matching_checkpoint(raw: DictConfig, runs_dir: Path) -> Path | None:
+def newest_matching_checkpoint(cfg: Config, raw: DictConfig, runs_dir: Path) -> Path | None:
     """The newest checkpoint of a run under ``runs_dir`` with this configuration (Hydra's copy)."""
     want, best = _comparable(raw), None
     for saved in sorted(runs_dir.glob("**/.hydra/config.yaml")):
-        found = latest_checkpoint(saved.parent.parent / "checkpoints")
+        found = latest(cfg, saved.parent.parent / "checkpoints")
         if found is None or (best and found.stat().st_mtime <= best.stat().st_mtime):
             continue
         if _comparable(OmegaConf.load(saved)) == want:
             best = found
     return best
+
+
+def latest(cfg: Config, directory: Path) -> Path | None:
+    """The newest checkpoint of this run's kind in ``directory``: ``step_<N>.pt`` (one process) or
+    an intact ``step_<N>`` distributed checkpoint (FSDP2; a damaged one is named in a warning)."""
+    if not cfg.sharded:
+        return latest_checkpoint(directory)
+    from ar_torchrl.distributed.checkpoint import latest_distributed_checkpoint
+
+    return latest_distributed_checkpoint(directory)
+
+
+def check_kind(cfg: Config, checkpoint: Path) -> None:
+    """A ``.pt`` checkpoint resumes a single-process run, a distributed one an FSDP2 run."""
+    if checkpoint.is_dir() != cfg.sharded:
+        kind = "a distributed (FSDP2)" if checkpoint.is_dir() else "a single-process"
+        run = "trains with FSDP2" if cfg.sharded else "is one float32 process"
+        raise ValueError(
+            f"train.resume_from: {checkpoint} is {kind} checkpoint but this run {run}; resume with "
+            "the launch (torchrun or python), model.dtype and dist.fsdp that wrote it"
+        )
+    if cfg.sharded:
+        from ar_torchrl.distributed.checkpoint import verify_checkpoint
+
+        problem = verify_checkpoint(checkpoint)
+        if problem is not None:
+            raise ValueError(f"train.resume_from: {checkpoint} is unusable: {problem}")
 
 
 def prepare_run_dir(run_dir: Path, checkpoint: Path | None) -> None:
@@ -169,7 +206,21 @@ def resume_command(run_dir: Path, *extra: str) -> str:
     name = hydra_cfg.job.config_name
     config = [] if name == "dapo_ppo" else ["--config-name", name]
     resume = f"train.resume_from={run_dir}"
-    return shlex.join(["python", sys.argv[0], *config, *args, resume, *extra])
+    return shlex.join([*launcher(), sys.argv[0], *config, *args, resume, *extra])
+
+
+def launcher() -> list[str]:
+    """How this run was started: ``python``, or torchrun with its process counts (multi-node runs
+    add their own rendezvous flags)."""
+    if world_size() == 1:
+        return ["python"]
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size()))
+    nodes = world_size() // per_node
+    return [
+        "torchrun",
+        *([f"--nnodes={nodes}"] if nodes > 1 else []),
+        f"--nproc-per-node={per_node}",
+    ]
 
 
 # --------------------------------------------------------------------------- signals and report
@@ -189,6 +240,10 @@ class StopOnSignal:
     @property
     def requested(self) -> bool:
         return self.signum is not None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
 
     def __enter__(self) -> StopOnSignal:
         for signum in (signal.SIGINT, signal.SIGTERM):
@@ -221,7 +276,7 @@ def report(cfg: Config, run_dir: Path, stopped: str | None) -> None:
         e = evals[-1]
         print(f"final evaluation (step {e['step']}): eval/reward_mean={e['eval/reward_mean']:+.4f} "
               f"eval/accuracy={e['eval/accuracy']:.4f}")  # fmt: skip
-    checkpoint = latest_checkpoint(run_dir / "checkpoints")
+    checkpoint = latest(cfg, run_dir / "checkpoints")
     if stopped is None:
         more = f"train.iterations={2 * cfg.train.iterations}"
         print(f"train further: {resume_command(run_dir, more)}")
@@ -245,4 +300,6 @@ def summarize(history: list[dict]) -> None:
 
 
 if __name__ == "__main__":
+    if int(os.environ.get("RANK", "0")) > 0:  # torchrun: rank 0 alone writes Hydra's files and log
+        sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=stdout"]
     main()

@@ -6,7 +6,8 @@ file names its schema (``defaults: [schema_tiny]``), so Hydra rejects a wrong ty
 while composing, naming the key (``train.iterations=true`` -> "Value 'True' of type 'bool' could not
 be converted to Integer ... full_key: train.iterations"). :func:`validate_config` then builds the
 typed :class:`Config` and checks every range with :mod:`ar_torchrl.checks`, the checks the library
-itself applies, so the recipe and the library agree on what a valid value is.
+itself applies, so the recipe and the library agree on what a valid value is. The schemas of the
+recipe's own sections (``algo``, ``logger``, ``rollout``, ``train``) live in dapo_ppo_sections.py.
 
 Nothing here imports torch: the recipe answers ``--help`` and rejects a bad configuration in under a
 second, before it loads the training stack.
@@ -14,37 +15,27 @@ second, before it loads the training stack.
 
 from __future__ import annotations
 
+import os
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from dapo_ppo_sections import (
+    AlgoConfig,
+    LoggerConfig,
+    RolloutConfig,
+    TrainConfig,
+    check_count,
+    check_number,
+)
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ar_torchrl.checks import (
-    check_choice,
-    check_gae_args,
-    check_grpo_args,
-    check_optimizer_args,
-    check_ppo_loss_args,
-    check_ppo_update_args,
-    check_warm_start_args,
-)
-from ar_torchrl.checks import check_number as _check_number
-from ar_torchrl.objectives.registry import advantage_names, needs_critic
-from ar_torchrl.utils.loggers import LOGGER_KINDS
+from ar_torchrl.checks import check_choice, check_warm_start_args
 
 # OmegaConf reads the annotations at run time: they must stay `Optional[...]`, not `X | None`.
 # ruff: noqa: UP045
-
-
-def check_number(key: str, value: Any, **bounds: Any) -> Any:
-    return _check_number("config", key, value, **bounds)
-
-
-def check_count(key: str, value: Any, *, ge: int = 1, allow_none: bool = False) -> Any:
-    return _check_number("config", key, value, ge=ge, integer=True, allow_none=allow_none)
 
 
 # --------------------------------------------------------------------------- model
@@ -71,14 +62,25 @@ class WarmStartConfig:
         check_choice("config", "model.warm_start.template", self.template, ("short", "dapo"))
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+
+
 @dataclass
 class ModelConfig:
-    """Keys every model option has."""
+    """Keys every model option has.
+
+    ``dtype`` is the compute dtype: master weights and optimizer states stay float32 (anything but
+    float32 trains through FSDP2's mixed precision, also in one process); ``gradient_checkpointing``
+    recomputes each decoder layer in backward.
+    """
 
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    dtype: str = "float32"
+    gradient_checkpointing: bool = False
 
     def check(self) -> None:
         self.warm_start.check()
+        check_choice("config", "model.dtype", self.dtype, DTYPES)
 
 
 @dataclass
@@ -114,10 +116,6 @@ class PretrainedModelConfig(ModelConfig):
     dtype: str = "bfloat16"
     attn_implementation: Optional[str] = None
 
-    def check(self) -> None:
-        super().check()
-        check_choice("config", "model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
-
 
 # --------------------------------------------------------------------------- backend
 @dataclass
@@ -130,6 +128,16 @@ class TrainsideBackendConfig:
         check_count("backend.max_batch_size", self.max_batch_size, allow_none=True)
 
 
+#: ``backend.weight_sync`` -> the keyword options of its sender (``ar_torchrl.weight_sync``; a test
+#: pins them to the senders' signatures), set through ``backend.weight_sync_options``.
+SYNC_OPTIONS = {
+    "disk": ("config_dir", "tmp_root", "bucket_bytes"),
+    "tensor": ("bucket_bytes",),
+    "distributed": ("backend", "master_address", "master_port", "group_name", "bucket_bytes",
+                    "timeout_s"),
+}  # fmt: skip
+
+
 @dataclass
 class SGLangBackendConfig:
     """``backend=sglang``: an SGLang server (launched locally unless ``url`` is given)."""
@@ -138,6 +146,7 @@ class SGLangBackendConfig:
     python: Optional[str] = None
     device: str = "cpu"
     weight_sync: str = "disk"
+    weight_sync_options: dict[str, Any] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
 
     def check(self) -> None:
@@ -146,8 +155,14 @@ class SGLangBackendConfig:
             raise TypeError(
                 f"config: backend.url must be null, a URL or a list of URLs, got {self.url!r}"
             )
-        methods = ("disk", "tensor", "distributed")
-        check_choice("config", "backend.weight_sync", self.weight_sync, methods)
+        check_choice("config", "backend.weight_sync", self.weight_sync, SYNC_OPTIONS)
+        allowed = SYNC_OPTIONS[self.weight_sync]
+        unknown = sorted(set(self.weight_sync_options) - set(allowed))
+        if unknown:
+            raise ValueError(
+                f"config: backend.weight_sync_options {unknown} are not options of "
+                f"backend.weight_sync={self.weight_sync}; it takes {list(allowed)}"
+            )
 
 
 # --------------------------------------------------------------------------- data
@@ -187,151 +202,26 @@ class DapoMathDataConfig:
         check_count("data.limit", self.limit, allow_none=True)
 
 
-# --------------------------------------------------------------------------- algo, logger
-@dataclass
-class GAEConfig:
-    """Arguments of ``make_advantage("gae")`` (``TokenGAE``) besides ``gamma``."""
+# --------------------------------------------------------------------------- dist
+def world_size() -> int:
+    """Processes of this launch: ``WORLD_SIZE`` (set by torchrun), else 1."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
-    lmbda: float = 0.95
-    normalize_advantage: bool = True
+
+@dataclass
+class DistConfig:
+    """``dist``: data parallelism with FSDP2 under torchrun (``ar_torchrl.distributed``)."""
+
+    backend: str = "auto"
+    fsdp: Any = "auto"  # "auto" | True | False
+    reshard_after_forward: bool = True
+    timeout_s: float = 1800.0
 
     def check(self) -> None:
-        check_gae_args("config: algo.gae.", **asdict(self))
-
-
-@dataclass
-class GRPOConfig:
-    """Arguments of ``make_advantage("grpo")`` (``GRPOAdvantage``) besides ``gamma``."""
-
-    scale: bool = True
-    drop_zero_spread: bool = False
-
-    def check(self) -> None:
-        check_grpo_args("config: algo.grpo.", **asdict(self))
-
-
-@dataclass
-class AlgoConfig:
-    """The advantage estimator (by registry name), the PPO loss and the optimizer."""
-
-    advantage_mode: str = MISSING
-    gamma: float = 1.0
-    gae: GAEConfig = field(default_factory=GAEConfig)
-    grpo: GRPOConfig = field(default_factory=GRPOConfig)
-    clip_epsilon: list[float] = MISSING
-    clip_value: Optional[float] = None
-    entropy_coeff: float = 0.0
-    critic_coeff: float = MISSING
-    kl_coeff: float = MISSING
-    loss_agg_mode: str = "token_mean"
-    ppo_epochs: int = MISSING
-    num_minibatches: int = 1
-    lr: float = MISSING
-    value_lr: Optional[float] = None
-    weight_decay: float = 0.0
-    grad_clip: Optional[float] = 1.0
-    critic_warmup_iters: int = 0
-
-    def advantage_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of the estimator: ``gamma`` and its own section (``algo.<mode>``)."""
-        section = getattr(self, self.advantage_mode, None)
-        return {"gamma": self.gamma, **(asdict(section) if section is not None else {})}
-
-    def check(self, *, norm_length: int) -> None:
-        """Ranges of the library's own checks; ``norm_length`` is the recipe's max_new_tokens."""
-        key = "config: algo."
-        check_choice(key, "advantage_mode", self.advantage_mode, advantage_names())
-        if needs_critic(self.advantage_mode) and not self.critic_coeff > 0:
-            raise ValueError(
-                f"config: algo.advantage_mode={self.advantage_mode} needs the value head: set "
-                f"algo.critic_coeff > 0 (got {self.critic_coeff})"
-            )
-        check_number("algo.gamma", self.gamma, ge=0, le=1)
-        self.gae.check()
-        self.grpo.check()
-        check_ppo_loss_args(key, clip_epsilon=list(self.clip_epsilon), clip_value=self.clip_value,
-                            entropy_coeff=self.entropy_coeff, critic_coeff=self.critic_coeff,
-                            kl_coeff=self.kl_coeff, loss_agg_mode=self.loss_agg_mode,
-                            norm_length=norm_length)  # fmt: skip
-        check_count("algo.ppo_epochs", self.ppo_epochs)  # ppo_update's `epochs`
-        check_ppo_update_args(key, num_minibatches=self.num_minibatches, grad_clip=self.grad_clip)
-        check_optimizer_args(
-            key, lr=self.lr, value_lr=self.value_lr, weight_decay=self.weight_decay
-        )
-        check_count("algo.critic_warmup_iters", self.critic_warmup_iters, ge=0)
-
-
-@dataclass
-class LoggerConfig:
-    """TorchRL's metric logger (``ar_torchrl.utils.make_logger``)."""
-
-    kind: str = "csv"
-    exp_name: str = "dapo_ppo"
-    project: str = "ar_torchrl"
-
-    def check(self) -> None:
-        check_choice("config", "logger.kind", self.kind, LOGGER_KINDS)
-
-
-# --------------------------------------------------------------------------- rollout, train
-@dataclass
-class RolloutConfig:
-    """How prompts are sampled and completions generated (``rollout.*``)."""
-
-    prompts_per_iter: int = MISSING
-    samples_per_prompt: int = MISSING
-    max_new_tokens: int = MISSING
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    token_budget: int = MISSING
-    max_rows: Optional[int] = None
-    packing: Any = False  # False | True | "auto" (plan_micro_batches)
-    overlong_buffer: Optional[int] = None
-    overlong_penalty: float = 1.0
-    dynamic_sampling: bool = False  # DAPO: keep groups whose rewards differ, refill (the collector)
-    max_sampling_rounds: int = 4
-
-    def check(self) -> None:
-        for key in ("prompts_per_iter", "samples_per_prompt", "max_new_tokens", "token_budget",
-                    "max_sampling_rounds"):  # fmt: skip
-            check_count(f"rollout.{key}", getattr(self, key))
-        check_number("rollout.temperature", self.temperature, ge=0)
-        check_number("rollout.top_p", self.top_p, gt=0, le=1)
-        if not (self.top_k == -1 or self.top_k >= 1):
-            raise ValueError(f"config: rollout.top_k must be -1 (off) or >= 1, got {self.top_k}")
-        check_count("rollout.max_rows", self.max_rows, allow_none=True)
-        if not (isinstance(self.packing, bool) or self.packing == "auto"):
-            raise ValueError(
-                f"config: rollout.packing={self.packing!r} must be false, true or auto"
-            )
-        check_number("rollout.overlong_buffer", self.overlong_buffer, ge=1,
-                     le=self.max_new_tokens, integer=True, allow_none=True)  # fmt: skip
-        check_number("rollout.overlong_penalty", self.overlong_penalty, ge=0)
-
-
-@dataclass
-class TrainConfig:
-    """The loop, evaluation, checkpoints and resuming (``train.*``)."""
-
-    iterations: int = MISSING
-    mode: str = "sync"
-    eval_every: int = 0
-    eval_prompts: int = 64
-    checkpoint_every: int = 0
-    keep_checkpoints: Optional[int] = 2
-    resume_from: Optional[str] = None
-    plot: bool = True
-
-    def check(self) -> None:
-        check_count("train.iterations", self.iterations)
-        check_choice("config", "train.mode", self.mode, ("sync", "async"))
-        check_count("train.eval_every", self.eval_every, ge=0)  # 0 = off
-        check_count("train.eval_prompts", self.eval_prompts)
-        check_count("train.checkpoint_every", self.checkpoint_every, ge=0)  # 0 = only at the end
-        check_count("train.keep_checkpoints", self.keep_checkpoints, allow_none=True)  # null: all
-        if self.resume_from is not None and not self.resume_from.strip():
-            raise ValueError("config: train.resume_from must be null, 'auto' or a path, got ''")
+        check_choice("config", "dist.backend", self.backend, ("auto", "gloo", "nccl"))
+        if not (isinstance(self.fsdp, bool) or self.fsdp == "auto"):
+            raise ValueError(f"config: dist.fsdp={self.fsdp!r} must be auto, true or false")
+        check_number("dist.timeout_s", self.timeout_s, gt=0)
 
 
 # --------------------------------------------------------------------------- the whole config
@@ -346,6 +236,7 @@ class Config:
     logger: LoggerConfig = MISSING
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
     seed: int = 0
     device: str = "cpu"
     num_threads: int = 1
@@ -353,7 +244,8 @@ class Config:
     runs_dir: str = "outputs"
 
     def check(self) -> None:
-        for section in (self.model, self.backend, self.data, self.logger, self.rollout, self.train):
+        for section in (self.model, self.backend, self.data, self.logger, self.rollout, self.train,
+                        self.dist):  # fmt: skip
             section.check()
         self.algo.check(norm_length=self.rollout.max_new_tokens)
         check_count("seed", self.seed, ge=0)
@@ -364,6 +256,40 @@ class Config:
             raise ValueError(
                 f"config: train.eval_prompts={self.train.eval_prompts} must be <= "
                 f"data.holdout={self.data.holdout} (the held-out rows evaluation draws from)"
+            )
+        self.check_dist()
+
+    @property
+    def sharded(self) -> bool:
+        """Train with FSDP2: ``dist.fsdp=true``, or ``auto`` under torchrun (more than one process)
+        or with a compute dtype other than float32 (fp32 masters, bf16 compute)."""
+        fsdp = self.dist.fsdp
+        return fsdp is True or (
+            fsdp == "auto" and (world_size() > 1 or self.model.dtype != "float32")
+        )
+
+    def check_dist(self) -> None:
+        """The ``dist`` settings against the model, the device and the launch (``WORLD_SIZE``)."""
+        d = self.dist
+        if d.fsdp is False and (world_size() > 1 or self.model.dtype != "float32"):
+            why = (
+                f"WORLD_SIZE={world_size()}"
+                if world_size() > 1
+                else f"model.dtype={self.model.dtype}"
+            )
+            raise ValueError(
+                f"config: dist.fsdp=false but {why} needs FSDP2 (data parallelism, or fp32 masters "
+                "with low-precision compute; bf16 storage would round lr-1e-6 updates away): set "
+                "dist.fsdp=auto"
+            )
+        if d.backend == "nccl" and not self.device.startswith("cuda"):
+            raise ValueError(
+                f"config: dist.backend=nccl needs device=cuda, got device={self.device}"
+            )
+        if self.sharded and self.device.startswith("cuda:"):
+            raise ValueError(
+                f"config: device={self.device}: with FSDP2 each rank uses cuda:LOCAL_RANK; set "
+                "device=cuda (choose the GPUs with CUDA_VISIBLE_DEVICES)"
             )
 
 

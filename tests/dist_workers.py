@@ -180,7 +180,8 @@ def _bf16_checks(ctx, out: Path) -> None:
 
 
 class Recorder:
-    """A recording weight sender (the ``send(named_tensors, version)`` protocol), test only."""
+    """A recording weight sender (the ``send(named_tensors, version)`` protocol), test only;
+    ``sync(version)`` is the consumer :func:`push_weights` calls (as ``backend.sync_weights``)."""
 
     def __init__(self, fail_after: int | None = None):
         self.fail_after, self.tensors, self.version = fail_after, {}, None
@@ -191,6 +192,9 @@ class Recorder:
             if self.fail_after is not None and i == self.fail_after:
                 raise ConnectionError("rollout engine went away")
             self.tensors[name] = tensor.clone()
+
+    def sync(self, version: int):
+        return lambda named_tensors: self.send(named_tensors, version)
 
 
 def load_checks(ctx, out: Path) -> None:
@@ -209,10 +213,10 @@ def load_checks(ctx, out: Path) -> None:
         _save(ctx, out, f"meta_{name}", full_state(ac.model), {"files": len(list(path.glob(
             "*.safetensors"))), "value_head": report["value_head"]})  # fmt: skip
     recorder = Recorder() if ctx.is_main else None
-    push_weights(ac, ctx, recorder, 7, dtype=torch.bfloat16)
+    push_weights(ac, ctx, recorder.sync(7) if ctx.is_main else None, dtype=torch.bfloat16)
     errors = []
     try:
-        push_weights(ac, ctx, Recorder(fail_after=3) if ctx.is_main else None, 8)
+        push_weights(ac, ctx, Recorder(fail_after=3).sync(8) if ctx.is_main else None)
     except Exception as err:  # noqa: BLE001 - recorded for the test
         errors.append(f"{type(err).__name__}: {err}")
     all_errors = [None, None]

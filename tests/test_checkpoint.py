@@ -135,6 +135,20 @@ def test_unfinished_saves_are_removed(tmp_path, caplog):
     left.write_bytes(b"again")
     assert remove_partial_checkpoints(tmp_path) == [left] and not left.exists()
     assert remove_partial_checkpoints(tmp_path / "missing") == []
+    # distributed checkpoints: a save killed before its rename, a replaced one not yet deleted
+    dcp = [tmp_path / ".step_3.tmp", tmp_path / ".step_2.old"]
+    for d in dcp:
+        (d / "rng").mkdir(parents=True)
+        (d / "__0_0.distcp").write_bytes(b"shard")
+    (tmp_path / "step_2").mkdir()  # a complete one is kept
+    assert remove_partial_checkpoints(tmp_path) == sorted(dcp)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1.pt", "step_2", "step_2.pt"]
+
+
+def test_checkpoint_step_names():
+    assert checkpoint_step("a/step_40.pt") == 40 and checkpoint_step("a/step_8") == 8
+    with pytest.raises(ValueError, match=r"'a/step_x' is not a checkpoint name \(step_<N>.pt"):
+        checkpoint_step("a/step_x")
 
 
 def test_keep_last_must_keep_one(tmp_path):
@@ -144,7 +158,7 @@ def test_keep_last_must_keep_one(tmp_path):
             save_checkpoint(tmp_path, step=1, model=torch.nn.Linear(2, 1), keep_last=bad)
     assert not list(tmp_path.glob("step_*.pt"))
     assert checkpoint_step(tmp_path / "step_12.pt") == 12
-    with pytest.raises(ValueError, match="is not a checkpoint file name"):
+    with pytest.raises(ValueError, match="is not a checkpoint name"):
         checkpoint_step("model.safetensors")
 
 

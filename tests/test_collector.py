@@ -138,6 +138,31 @@ def test_rejected_weights_keep_the_version(tok):
     assert collector.policy_version == backend.weight_version == 0
 
 
+def test_weights_as_a_stream_are_converted_and_versioned(tok):
+    """An FSDP rank 0 pushes a stream of gathered tensors, not its (sharded) module."""
+    from ar_torchrl.distributed import distributed, shard_actor_critic
+    from ar_torchrl.modules import LMActorCritic
+    from ar_torchrl.weight_sync import named_policy_tensors
+
+    collector, _, backend = make(tok, mode="sync", total_batches=1)
+    backend.model.to(torch.bfloat16)  # a bf16 engine: the fp32 stream is converted on the fly
+    new = build_tiny_qwen3(len(tok), seed=7)
+    seen = []
+    stream = ((seen.append(n) or n, t) for n, t in named_policy_tensors(new))
+    collector.update_policy_weights_(stream)
+    assert collector.policy_version == backend.weight_version == 1 and len(seen) > 1
+    assert torch.equal(backend.model.lm_head.weight, new.lm_head.weight.to(torch.bfloat16))
+    collector.resync_policy_weights_(dict(named_policy_tensors(new)))
+    assert backend.weight_version == 1
+    with pytest.raises(TypeError, match="pass the trainer's nn.Module, .* got int"):
+        collector.update_policy_weights_(3)
+    with distributed("cpu", process_group=True) as ctx:
+        sharded = shard_actor_critic(LMActorCritic(attach_value_head(new)), ctx)
+        with pytest.raises(TypeError, match="FSDP-sharded; push it from every rank"):
+            collector.update_policy_weights_(sharded.model)
+    assert backend.weight_version == 1
+
+
 def test_value_head_never_reaches_the_backend_and_weights_are_copied(tok):
     collector, model, backend = make(tok, mode="sync", total_batches=1)
     with torch.no_grad():

@@ -178,6 +178,29 @@ RANGE_ERRORS = [
     ),
     (["model.warm_start.lr=0"], r"config: model.warm_start.lr must be > 0, got 0.0"),
     (
+        ["backend=sglang", "+backend.weight_sync_options.master_port=3"],
+        r"backend.weight_sync_options \['master_port'\] are not options of backend.weight_sync=disk; "
+        r"it takes \['config_dir', 'tmp_root', 'bucket_bytes'\]",
+    ),
+    # the dist group and the precision keys (FSDP2 under torchrun, bf16 compute over fp32 masters)
+    (["dist.backend=mpi"], r"config: dist.backend='mpi' is not one of \['auto', 'gloo', 'nccl'\]"),
+    (["dist.fsdp=maybe"], r"config: dist.fsdp='maybe' must be auto, true or false"),
+    (["dist.timeout_s=0"], r"config: dist.timeout_s must be > 0, got 0.0"),
+    (["dist.backend=nccl"], r"config: dist.backend=nccl needs device=cuda, got device=cpu"),
+    (["model.dtype=fp8"], r"config: model.dtype='fp8' is not one of \['float32', 'bfloat16'"),
+    (
+        ["model.dtype=bfloat16", "dist.fsdp=false"],
+        r"dist.fsdp=false but model.dtype=bfloat16 needs FSDP2 .* set dist.fsdp=auto",
+    ),
+    (
+        ["model.dtype=bfloat16", "device=cuda:1"],
+        r"device=cuda:1: with FSDP2 each rank uses cuda:LOCAL_RANK; set device=cuda",
+    ),
+    (  # the update then failed on every iteration with a KeyError (no loss_critic)
+        ["algo=grpo", "algo.critic_warmup_iters=2"],
+        r"algo.critic_warmup_iters=2 trains only the value head, which algo.critic_coeff=0.0",
+    ),
+    (
         ["model.warm_start.correct_fraction=1.5"],
         r"config: model.warm_start.correct_fraction must be >= 0 and <= 1",
     ),
@@ -231,3 +254,46 @@ def test_resumable_changes_exist_in_the_schema():
     for key in dapo_ppo.RESUMABLE_CHANGES:
         section, leaf = key.split(".")
         assert leaf in cfg[section].keys(), key
+
+
+def test_dist_group_and_when_the_recipe_shards(monkeypatch):
+    """FSDP2 when torchrun starts several processes or the compute dtype is not float32; the CPU
+    default stays one plain process (same code path, same numbers)."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    cfg = typed()
+    assert cfg.dist == C.DistConfig(backend="auto", fsdp="auto", reshard_after_forward=True,
+                                    timeout_s=1800.0)  # fmt: skip
+    assert (cfg.model.dtype, cfg.model.gradient_checkpointing, cfg.sharded) == (
+        "float32",
+        False,
+        False,
+    )
+    assert typed(["model.dtype=bfloat16"]).sharded and typed(["dist.fsdp=true"]).sharded
+    gpu = typed(name="qwen3_4b_base_dapo_sglang")
+    assert (gpu.dist.backend, gpu.model.dtype, gpu.model.gradient_checkpointing) == ("nccl", "bfloat16", True)  # fmt: skip
+    assert gpu.sharded and gpu.device == "cuda" and gpu.dist.timeout_s >= 1800
+    monkeypatch.setenv("WORLD_SIZE", "2")  # under torchrun --nproc-per-node 2
+    assert typed().sharded
+    with pytest.raises(ValueError, match="dist.fsdp=false but WORLD_SIZE=2 needs FSDP2"):
+        typed(["dist.fsdp=false"])
+
+
+def test_weight_sync_options_are_the_senders_options():
+    """``backend.weight_sync_options`` reach the sender (e.g. the address remote servers reach rank
+    0 at, for ``distributed`` across machines); the schema's table is each sender's signature."""
+    import inspect
+
+    from ar_torchrl.backends import SGLangBackend
+    from ar_torchrl.weight_sync.registry import SYNC_METHODS
+
+    for method, options in C.SYNC_OPTIONS.items():
+        params = inspect.signature(SYNC_METHODS[method].factory).parameters.values()
+        assert tuple(p.name for p in params if p.kind is p.KEYWORD_ONLY) == options, method
+    b = typed(["backend=sglang", "backend.weight_sync=distributed",
+               "+backend.weight_sync_options.master_address=10.0.0.7"]).backend  # fmt: skip
+    backend = SGLangBackend(["http://127.0.0.1:9"], weight_sync=b.weight_sync,
+                            weight_sync_options=dict(b.weight_sync_options))  # fmt: skip
+    try:
+        assert backend.sender.master_address == "10.0.0.7"
+    finally:
+        backend.close()

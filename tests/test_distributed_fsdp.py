@@ -121,20 +121,21 @@ def test_world_size_1_bf16_first_update_ratio_is_one_and_masters_stay_fp32():
 def test_weight_push_in_one_process_and_a_failing_sender():
     model = build_tiny_qwen3(99, hidden_size=16, num_heads=2)
     rec = Recorder()
-    push_weights(model, DistContext(), rec, 2, dtype=torch.bfloat16)
+    push_weights(model, DistContext(), rec.sync(2), dtype=torch.bfloat16)
     assert rec.version == 2 and list(rec.tensors) == list(model.state_dict())
     assert all(t.dtype == torch.bfloat16 for t in rec.tensors.values())
     with pytest.raises(ConnectionError, match="went away"):
-        push_weights(model, DistContext(), Recorder(fail_after=1), 3)
+        push_weights(model, DistContext(), Recorder(fail_after=1).sync(3))
 
-    class TakesTwo:
-        def send(self, named_tensors, version):
-            next(named_tensors), next(named_tensors)
+    def takes_two(named_tensors):
+        next(named_tensors), next(named_tensors)
 
-    with pytest.raises(RuntimeError, match=r"the sender stopped with \d+ tensors unread"):
-        push_weights(model, DistContext(), TakesTwo(), 4)
-    with pytest.raises(ValueError, match="rank 0 needs a sender, got None"):
-        push_weights(model, DistContext(), None, 5)
+    with pytest.raises(RuntimeError, match=r"the consumer stopped with \d+ tensors unread"):
+        push_weights(model, DistContext(), takes_two)
+    with pytest.raises(
+        ValueError, match=r"rank 0 needs a consumer of the weights \(sync\), got None"
+    ):
+        push_weights(model, DistContext(), None)
 
 
 def test_meta_model_loads_like_from_pretrained_without_a_process_group(tmp_path):

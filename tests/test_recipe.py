@@ -294,7 +294,10 @@ def test_find_checkpoint(tmp_path):
     with pytest.raises(ValueError, match="is at step 6, train.iterations=6: nothing left to do"):
         dapo_ppo.find_checkpoint(C.validate_config(done), done, here)
     missing = load([f"train.resume_from={tmp_path / 'nope'}"])
-    with pytest.raises(FileNotFoundError, match="neither a checkpoint file nor a run directory"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"neither a checkpoint nor a run directory with checkpoints/step_<N>\.pt ",
+    ):
         dapo_ppo.find_checkpoint(C.validate_config(missing), missing, here)
     plain = load()  # no resume_from: the run directory's own checkpoints (hydra.run.dir=<it>)
     assert dapo_ppo.find_checkpoint(C.validate_config(plain), plain, runs / "a").name == "step_4.pt"

@@ -27,18 +27,18 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Literal
 
 from tensordict import TensorDict, TensorDictBase
-from torch import nn
+from torch import Tensor, nn
 from torchrl.collectors import BaseCollector
 
 from ar_torchrl.collectors.sampling import batch_policy_version, gather_batch
 from ar_torchrl.envs.llm_env import LLMEnv
 from ar_torchrl.weight_sync.errors import WeightSyncError
-from ar_torchrl.weight_sync.names import named_policy_tensors
+from ar_torchrl.weight_sync.names import as_named_tensors
 
 __all__ = ["WeightSyncCollector", "batch_policy_version"]
 
@@ -179,48 +179,54 @@ class WeightSyncCollector(BaseCollector):
             yield batch
 
     # ------------------------------------------------------------------ weights
-    def update_policy_weights_(self, policy_or_weights: nn.Module | None = None, **kwargs) -> None:
-        """Push ``named_policy_tensors(policy_model)`` to the backend as version ``policy_version + 1``.
+    def update_policy_weights_(
+        self, policy_or_weights: nn.Module | Iterable[tuple[str, Tensor]] | None = None, **kwargs
+    ) -> None:
+        """Push the policy to the backend as version ``policy_version + 1``.
 
         Waits for an in-flight background generation first. The backend changes its version only
         if the sync succeeded.
 
         Args:
-            policy_or_weights: a model to send instead of ``policy_model`` (optional).
+            policy_or_weights: ``None`` (``policy_model``), another model, or the weights
+                themselves: ``(hf_name, tensor)`` pairs (or a name -> tensor mapping), consumed
+                lazily, e.g. the :class:`~ar_torchrl.distributed.FullTensorStream` an FSDP rank 0
+                passes (:func:`~ar_torchrl.distributed.push_weights`). Converted on the fly to the
+                backend's ``weight_dtype``.
             **kwargs: TorchRL's other arguments (``worker_ids``, ...) are not supported.
 
         Raises:
             WeightSyncError: the backend rejected or failed the sync; ``policy_version`` is unchanged.
+            TypeError: ``policy_or_weights`` is none of the above, or an FSDP-sharded model.
         """
         if kwargs:
             raise TypeError(
                 f"WeightSyncCollector.update_policy_weights_: unsupported {sorted(kwargs)}"
             )
-        model = self.policy_model if policy_or_weights is None else policy_or_weights
-        if not isinstance(model, nn.Module):
-            raise TypeError(
-                "WeightSyncCollector.update_policy_weights_: pass the trainer's nn.Module (or nothing), "
-                f"got {type(model).__name__}"
-            )
+        source = self.policy_model if policy_or_weights is None else policy_or_weights
         with self._lock:
-            self._push(model, self.policy_version + 1)
+            self._push(source, self.policy_version + 1)
 
-    def resync_policy_weights_(self) -> None:
+    def resync_policy_weights_(
+        self, weights: nn.Module | Iterable[tuple[str, Tensor]] | None = None
+    ) -> None:
         """Push the trainer's weights again without a new version number.
 
         After :meth:`load_state_dict` (resume) this pushes the restored weights under the restored
         version, so the backend serves what the checkpoint holds (iteration does it by itself if it
         was not called); otherwise it re-sends the current version (e.g. after a failed sync).
+        ``weights``: as ``policy_or_weights`` of :meth:`update_policy_weights_`.
         """
         version = self.policy_version if self._restored_version is None else self._restored_version
         with self._lock:
-            self._push(self.policy_model, version)
+            self._push(self.policy_model if weights is None else weights, version)
         self._restored_version = None
 
-    def _push(self, model: nn.Module, version: int) -> None:
+    def _push(self, source: nn.Module | Iterable, version: int) -> None:
         backend = self.env.backend
+        named = as_named_tensors(source, dtype=backend.weight_dtype, where=type(self).__name__)
         try:
-            backend.sync_weights(named_policy_tensors(model, dtype=backend.weight_dtype), version)
+            backend.sync_weights(named, version)
         except WeightSyncError as err:
             logger.error("WeightSyncCollector: %s", err)
             raise

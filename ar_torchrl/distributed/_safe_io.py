@@ -10,6 +10,7 @@ keep only tensors in DCP), and everything else (RNG states, optimizer hyper-para
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import os
@@ -27,11 +28,16 @@ __all__ = ["SafeReader", "TensorsOnlyPlanner", "decode", "encode", "restore_rng"
 
 
 def encode(obj: Any) -> Any:
-    """JSON-ready copy of ``obj`` (dicts with str keys, lists, numbers, strings, CPU tensors)."""
+    """JSON-ready copy of ``obj`` (dicts with str keys, lists, numbers, strings, CPU tensors).
+
+    A tensor is stored as base64 of its raw bytes (a rollout batch of an async run, 512 x 8k
+    tokens, is ~4/3 of its size, not ~10x as decimal lists).
+    """
     if isinstance(obj, torch.Tensor):
-        t = obj.detach().cpu()
-        return {"__tensor__": t.flatten().tolist(), "dtype": str(t.dtype).removeprefix("torch."),
-                "shape": list(t.shape)}  # fmt: skip
+        t = obj.detach().cpu().contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        return {"__tensor__": base64.b64encode(raw).decode("ascii"),
+                "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}  # fmt: skip
     if isinstance(obj, dict):
         if not all(isinstance(k, str) for k in obj):
             raise TypeError(f"checkpoint extra: dict keys must be str, got {list(obj)[:4]}")
@@ -49,8 +55,16 @@ def encode(obj: Any) -> Any:
 def decode(obj: Any) -> Any:
     if isinstance(obj, dict):
         if "__tensor__" in obj:
-            dtype = getattr(torch, obj["dtype"])
-            return torch.tensor(obj["__tensor__"], dtype=dtype).reshape(obj["shape"])
+            dtype, data = getattr(torch, obj["dtype"]), obj["__tensor__"]
+            if isinstance(data, list):  # the first format: decimal lists
+                return torch.tensor(data, dtype=dtype).reshape(obj["shape"])
+            raw = bytearray(base64.b64decode(data))
+            flat = (
+                torch.frombuffer(raw, dtype=torch.uint8)
+                if raw
+                else torch.empty(0, dtype=torch.uint8)
+            )
+            return flat.view(dtype).reshape(obj["shape"]).clone()
         return {k: decode(v) for k, v in obj.items()}
     if isinstance(obj, list):
         return [decode(v) for v in obj]

@@ -1,22 +1,23 @@
-"""The weight push from sharded training: full tensors gathered one at a time, for rank 0's sender.
+"""The weight push from sharded training: full tensors gathered one at a time, for rank 0's engine.
 
 A rollout engine loads whole HF tensors. Under FSDP2 every parameter is a DTensor sharded over the
 ranks, so each tensor is all-gathered (``DTensor.full_tensor()``, every rank taking part in the same
 order), cast to the engine's dtype *before* the gather (half the traffic for bf16), handed to rank 0's
-sender and dropped: at most one full tensor exists at a time beyond what the sender buffers, never
+consumer and dropped: at most one full tensor exists at a time beyond what the sender buffers, never
 the whole model twice. ``value_head.*`` is never sent
 (:func:`~ar_torchrl.weight_sync.named_policy_tensors`).
 
-The sender is any object with ``send(named_tensors, version)`` that consumes the iterable lazily,
-bucket by bucket (the ``WeightSender`` protocol). If it fails half-way, rank 0 still gathers the
-remaining tensors so that no rank is left waiting in a collective, then every rank raises.
+Rank 0's consumer is the rollout engine's own entry point, so the engine keeps owning its weight
+version: ``collector.update_policy_weights_`` (which calls ``backend.sync_weights(stream,
+version + 1)``) or ``lambda stream: backend.sync_weights(stream, version)``. It consumes the stream
+lazily, bucket by bucket (the ``WeightSender`` protocol). If it fails half-way, rank 0 still gathers
+the remaining tensors so that no rank is left waiting in a collective, then every rank raises.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from typing import Protocol
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -32,8 +33,7 @@ __all__ = ["FullTensorStream", "push_weights"]
 logger = logging.getLogger(__name__)
 
 
-class _Sender(Protocol):
-    def send(self, named_tensors, version: int) -> None: ...
+NamedTensors = Iterable[tuple[str, Tensor]]
 
 
 class FullTensorStream:
@@ -98,49 +98,49 @@ class FullTensorStream:
 def push_weights(
     model: nn.Module,
     ctx: DistContext,
-    sender: _Sender | None,
-    version: int,
+    sync: Callable[[NamedTensors], object] | None,
     *,
     dtype: torch.dtype | None = None,
 ) -> None:
-    """Every rank: gather the policy tensor by tensor; rank 0 feeds them to ``sender.send``.
+    """Every rank: gather the policy tensor by tensor; rank 0 feeds them to ``sync``.
 
     Args:
         model: the (sharded) policy, as for :class:`FullTensorStream`.
         ctx: this process's :class:`DistContext`.
-        sender: rank 0's weight sender (ignored elsewhere; pass ``None``).
-        version: the weight version to stamp.
-        dtype: the rollout engine's dtype (e.g. ``torch.bfloat16``).
+        sync: rank 0's consumer of the ``(name, tensor)`` stream (ignored elsewhere; pass
+            ``None``): ``collector.update_policy_weights_``, ``collector.resync_policy_weights_``
+            or ``lambda s: backend.sync_weights(s, version)``; the engine stamps the version.
+        dtype: the rollout engine's dtype (e.g. ``torch.bfloat16``), the same on every rank.
 
     Raises:
-        RuntimeError: on every rank when rank 0's sender failed (rank 0 re-raises its own error).
+        RuntimeError: on every rank when rank 0's consumer failed (rank 0 re-raises its own error).
 
     Example:
         >>> from ar_torchrl.assets import build_tiny_qwen3
-        >>> class Recorder:
-        ...     def send(self, named_tensors, version):
-        ...         self.got = [(n, t.dtype) for n, t in named_tensors]; self.version = version
-        >>> rec = Recorder()
-        >>> push_weights(build_tiny_qwen3(99), DistContext(), rec, 3, dtype=torch.bfloat16)
-        >>> rec.version, len(rec.got), rec.got[0]
-        (3, 25, ('model.embed_tokens.weight', torch.bfloat16))
+        >>> from ar_torchrl.backends import TransformersBackend
+        >>> trainer, engine = build_tiny_qwen3(99, seed=0), TransformersBackend(build_tiny_qwen3(99, seed=1))
+        >>> push_weights(trainer, DistContext(), lambda s: engine.sync_weights(s, 3), dtype=torch.float32)
+        >>> engine.weight_version, torch.equal(engine.model.lm_head.weight, trainer.lm_head.weight)
+        (3, True)
     """
     stream = FullTensorStream(model, dtype=dtype, keep=ctx.is_main)
     error: BaseException | None = None
     if ctx.is_main:
-        if sender is None:
-            raise ValueError("push_weights: rank 0 needs a sender, got None")
+        if sync is None:
+            raise ValueError(
+                "push_weights: rank 0 needs a consumer of the weights (sync), got None"
+            )
         try:
-            sender.send(stream, version)
+            sync(stream)
         except Exception as err:  # noqa: BLE001 - re-raised below, after the other ranks are free
             error = err
         left = stream.drain()
         if left and error is None:
-            error = RuntimeError(f"push_weights: the sender stopped with {left} tensors unread")
+            error = RuntimeError(f"push_weights: the consumer stopped with {left} tensors unread")
     else:
         stream.drain()
     failed = ctx.all_reduce(torch.tensor([float(error is not None)]), op="max").item()
     if error is not None:
         raise error
     if failed:
-        raise RuntimeError(f"push_weights: rank 0 failed to send weight version {version}")
+        raise RuntimeError("push_weights: rank 0 failed to push the weights to its rollout engine")

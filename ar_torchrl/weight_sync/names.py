@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-__all__ = ["VALUE_HEAD_PREFIX", "named_policy_tensors"]
+__all__ = ["VALUE_HEAD_PREFIX", "as_named_tensors", "named_policy_tensors"]
 
 VALUE_HEAD_PREFIX = "value_head."
 
@@ -46,3 +47,39 @@ def named_policy_tensors(
         if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
             tensor = tensor.to(dtype)
         yield name, tensor
+
+
+def as_named_tensors(
+    source: nn.Module | Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+    *,
+    dtype: torch.dtype | None = None,
+    where: str = "weight sync",
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, tensor)`` pairs of a model (:func:`named_policy_tensors`) or of given weights
+    (pairs or a mapping, consumed lazily), floating-point tensors converted to ``dtype`` on the fly.
+
+    Raises:
+        TypeError: ``source`` is none of these, or an FSDP-sharded model (its parameters are shards:
+            gather them with :func:`ar_torchrl.distributed.push_weights`).
+
+    Example:
+        >>> pairs = as_named_tensors({"w": torch.ones(2), "step": torch.tensor(3)}, dtype=torch.bfloat16)
+        >>> [(n, t.dtype) for n, t in pairs]
+        [('w', torch.bfloat16), ('step', torch.int64)]
+    """
+    if isinstance(source, nn.Module):
+        if any(isinstance(p, DTensor) for p in source.parameters()):
+            raise TypeError(
+                f"{where}: the policy is FSDP-sharded; push it from every rank with "
+                "ar_torchrl.distributed.push_weights(model, ctx, collector.update_policy_weights_)"
+            )
+        return named_policy_tensors(source, dtype=dtype)
+    if isinstance(source, Mapping):
+        source = source.items()
+    if isinstance(source, (str, bytes, torch.Tensor)) or not isinstance(source, Iterable):
+        raise TypeError(
+            f"{where}: pass the trainer's nn.Module, (name, tensor) pairs or a name -> tensor "
+            f"mapping, got {type(source).__name__}"
+        )
+    return ((n, t.to(dtype) if dtype is not None and t.is_floating_point() else t)
+            for n, t in source)  # fmt: skip
