@@ -11,10 +11,12 @@ weights, float32) against a real local SGLang server:
 * ``distributed``: buckets broadcast over a gloo (CPU) / nccl (GPU) group +
   ``/update_weights_from_distributed``;
 * ``raw_safetensors``: the reference, in the same run: ``safetensors.torch.save_file`` of the same
-  tensors to the same temp filesystem, then ``load_file`` (write + read of the same bytes).
+  tensors in shards of ``--bucket-mib`` to the same temp filesystem, then ``load_file`` and a copy
+  into preallocated tensors (write + read of the same bytes; ``--profile`` splits the two).
 
 Each method syncs once untimed (first-sync costs: process group, server warm-up), then the methods run
-round-robin ``--repeats`` times (median reported; this box is shared). ``--profile`` splits each
+round-robin ``--repeats`` times, each round starting one method later (median reported; this box is
+shared, and a write right after another sync's can wait for the page cache). ``--profile`` splits each
 SGLang sync into its parts (flatten, pickling into shared memory, shard writing, each HTTP call:
 the server's unpickle + load is inside its POST) by timing the library's own functions.
 
@@ -51,6 +53,7 @@ from safetensors.torch import load_file, save_file
 from ar_torchrl.backends import TransformersBackend
 from ar_torchrl.models import load_hf_model, load_smollm2_135m
 from ar_torchrl.weight_sync import disk, distributed, named_policy_tensors, sglang_base, tensor
+from ar_torchrl.weight_sync.base import iter_buckets
 
 RESULTS = Path(__file__).resolve().parent / "results"
 METHODS = ("copy", "share", "disk", "tensor", "distributed")
@@ -120,6 +123,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cache-dir", type=Path, default=None, help="load_smollm2_135m's cache")
     p.add_argument("--bucket-mib", type=int, default=256, help="bucket / shard size")
     p.add_argument("--profile", action="store_true", help="split each SGLang sync into its parts")
+    p.add_argument("--server-args", default="--mem-fraction-static 0.3",
+                   help="extra sglang.launch_server flags (0.1, the CPU default, leaves SmolLM2 no KV cache)")  # fmt: skip
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="the tiny model, 1 round")
     p.add_argument("--out", type=Path, default=None)
@@ -170,31 +175,50 @@ def policy_bytes(model, dtype: torch.dtype | None = None) -> int:
 
 
 class RawSafetensors:
-    """The reference: write the policy tensors to one safetensors file, read it back into place.
+    """The reference: write the policy tensors as safetensors files, read them back into place.
 
-    "Into place" = copied into preallocated tensors (what an engine does with loaded weights;
-    ``load_file`` alone maps the file lazily and would read nothing). Tied tensors are written once
-    per name, as the senders send them.
+    Written in shards of ``bucket_bytes`` (as the disk sender writes them) to the same temp
+    filesystem; "into place" = copied into preallocated tensors (what an engine does with loaded
+    weights; ``load_file`` alone maps the file lazily and would read nothing). Tied tensors are
+    written once per name, as the senders send them. ``parts``: seconds of writing / reading summed
+    over the calls.
     """
 
-    def __init__(self, model, workdir: Path) -> None:
-        self.model, self.path = model, workdir / "raw.safetensors"
+    def __init__(self, model, workdir: Path, bucket_bytes: int) -> None:
+        self.model, self.workdir, self.bucket_bytes = model, workdir, bucket_bytes
         self.dest = {n: t.to("cpu", copy=True) for n, t in named_policy_tensors(model)}
+        self.parts, self.calls = {"save_file": 0.0, "load_file + copy": 0.0}, 0
 
-    def __call__(self, version: int) -> float:
+    def _host_tensors(self) -> dict[str, torch.Tensor]:
         tensors, seen = {}, set()
         for name, t in named_policy_tensors(self.model):
             t = t.to("cpu").contiguous()
             key = (t.untyped_storage().data_ptr(), t.storage_offset())
             tensors[name] = t.clone() if key in seen else t  # safetensors refuses shared storage
             seen.add(key)
+        return tensors
+
+    def __call__(self, version: int) -> float:
+        tensors = self._host_tensors()
         start = time.perf_counter()
-        save_file(tensors, str(self.path))
-        for name, t in load_file(str(self.path)).items():
-            self.dest[name].copy_(t)
-        elapsed = time.perf_counter() - start
-        self.path.unlink()
-        return elapsed
+        paths = []
+        for k, bucket in enumerate(iter_buckets(tensors.items(), self.bucket_bytes)):
+            paths.append(self.workdir / f"raw-{k:05d}.safetensors")
+            save_file(dict(bucket), str(paths[-1]))
+        written = time.perf_counter()
+        for path in paths:
+            for name, t in load_file(str(path)).items():
+                self.dest[name].copy_(t)
+        end = time.perf_counter()
+        for path in paths:
+            path.unlink()
+        self.parts["save_file"] += written - start
+        self.parts["load_file + copy"] += end - written
+        self.calls += 1
+        return end - start
+
+    def mean_parts(self) -> dict[str, float]:
+        return {k: v / max(self.calls, 1) for k, v in self.parts.items()}
 
 
 def make_syncs(model, args, url: str | None, stack: contextlib.ExitStack) -> dict:
@@ -229,16 +253,17 @@ def _timed_sync(backend, model):
 
 def bench(args, model, url, workdir: Path, stack) -> dict:
     syncs = make_syncs(model, args, url, stack)
-    syncs["raw_safetensors"] = RawSafetensors(model, workdir)
+    raw_ref = syncs["raw_safetensors"] = RawSafetensors(model, workdir, args.bucket_mib << 20)
     version = int(time.time()) % 100_000 * 100  # fresh versions on a shared server
     first, timed = {}, {m: [] for m in syncs}
     for method, fn in syncs.items():
         version += 1
         first[method] = fn(version)
-    profile = SyncProfile()
-    for _ in range(args.repeats):
-        for method, fn in syncs.items():
-            version += 1
+    profile, raw_ref.parts, raw_ref.calls = SyncProfile(), dict.fromkeys(raw_ref.parts, 0.0), 0
+    names = list(syncs)
+    for i in range(args.repeats):  # round-robin, each round starting one method later
+        for method in names[i % len(names) :] + names[: i % len(names)]:
+            fn, version = syncs[method], version + 1
             with profile.method(method) if args.profile else contextlib.nullcontext():
                 timed[method].append(fn(version))
     nbytes = policy_bytes(model)
@@ -248,7 +273,8 @@ def bench(args, model, url, workdir: Path, stack) -> dict:
              gb_per_s=nbytes / statistics.median(v) / 1e9, vs_raw=statistics.median(v) / raw)
         for m, v in timed.items()
     ]  # fmt: skip
-    return {"bytes": nbytes, "results": rows, "profile": profile.summary() if args.profile else {}}
+    parts = {**profile.summary(), "raw_safetensors": raw_ref.mean_parts()} if args.profile else {}
+    return {"bytes": nbytes, "results": rows, "profile": parts}
 
 
 def report(out: dict, args) -> None:
@@ -278,7 +304,8 @@ def main(argv: list[str] | None = None) -> None:
             from ar_torchrl.backends.sglang import launch_sglang_server
 
             server = stack.enter_context(launch_sglang_server(
-                model_dir, device=args.device, log_file=workdir / "server.log", timeout_s=600))  # fmt: skip
+                model_dir, device=args.device, extra_args=args.server_args.split(),
+                log_file=workdir / "server.log", timeout_s=600))  # fmt: skip
             url = server.url
         out = bench(args, model, url, workdir, stack)
     out["config"] = dict(

@@ -36,7 +36,7 @@ def test_bench_step_breakdown_runs_the_recipe_on_tiny_sizes(tmp_path):
     assert sum(result["stages"].values()) == pytest.approx(result["wall_s"])
     parts = result["parts"]
     for key in ("generate/model_forward", "anchors/forward", "update/forward", "update/backward",
-                "update/optimizer", "generate/reward"):  # fmt: skip
+                "update/grad_clip", "update/optimizer", "generate/reward"):  # fmt: skip
         assert parts[key] > 0, key
     assert 0 < result["model_compute_s"] < result["wall_s"]
 
@@ -46,14 +46,14 @@ def test_summarize_splits_stages_and_computes_the_outside_fraction():
     it = {"time/iteration": 10.0, "time/generate": 4.0, "time/generate/model_forward": 3.0,
           "time/generate/reward": 0.5, "time/anchors": 1.0, "time/anchors/forward": 0.8,
           "time/advantage": 0.1, "time/update": 3.0, "time/update/forward": 1.0,
-          "time/update/backward": 1.5, "time/update/optimizer": 0.2, "time/sync": 0.4}  # fmt: skip
+          "time/update/backward": 1.5, "time/update/optimizer": 0.2, "time/update/grad_clip": 0.1, "time/sync": 0.4}  # fmt: skip
     slower = {**it, "time/iteration": 30.0}
     out = bench.summarize([it, slower, it])  # medians: the odd one out is ignored
     assert out["wall_s"] == 10.0
     assert out["stages"]["generation"] == pytest.approx(3.5)
-    assert out["stages"]["train fwd/bwd"] == pytest.approx(2.8)
+    assert out["stages"]["train fwd/bwd"] == pytest.approx(2.7)
     assert out["stages"]["logging/other"] == pytest.approx(10.0 - 8.5)
-    assert out["model_compute_s"] == pytest.approx(3.0 + 0.8 + 1.0 + 1.5 + 0.2)
-    assert out["outside_model_compute"] == pytest.approx(1 - 6.5 / 10.0)
+    assert out["model_compute_s"] == pytest.approx(3.0 + 0.8 + 1.0 + 1.5 + 0.1 + 0.2)
+    assert out["outside_model_compute"] == pytest.approx(1 - 6.6 / 10.0)
     with pytest.raises(ValueError, match="no timed iteration: use --iterations >= 2"):
         bench.summarize([])

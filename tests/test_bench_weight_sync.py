@@ -40,7 +40,9 @@ def check_rows(result: dict, methods: set[str]) -> None:
 def test_bench_weight_sync_trainside_senders(tmp_path):
     result = run_quick(tmp_path, "--methods", "copy,share")
     check_rows(result, {"copy", "share"})
-    assert result["profile"] == {}  # no SGLang step was called
+    assert set(result["profile"]) == {"raw_safetensors"}  # no SGLang step was called
+    parts = result["profile"]["raw_safetensors"]
+    assert set(parts) == {"save_file", "load_file + copy"} and all(v > 0 for v in parts.values())
 
 
 @pytest.mark.sglang

@@ -102,3 +102,13 @@ def test_flatten_bucket_offsets():
     flat, meta = flatten_bucket(bucket)
     assert [(m.start_idx, m.end_idx) for m in meta] == [(0, 8), (8, 16), (16, 22)]
     assert torch.equal(flat[8:16].view(torch.float32), torch.ones(2))
+
+
+def test_flatten_bucket_into_shared_memory_equals_the_plain_one():
+    """shared=True concatenates straight into a shared-memory segment (pickling copies nothing)."""
+    bucket = [("a", torch.randn(3, 5)), ("b", torch.arange(7, dtype=torch.int64))]
+    plain, meta = flatten_bucket(bucket)
+    shared, shared_meta = flatten_bucket(bucket, shared=True)
+    assert shared.is_shared() and not plain.is_shared()
+    assert torch.equal(shared, plain) and shared.shape == (3 * 5 * 4 + 7 * 8,)
+    assert [vars(m) for m in shared_meta] == [vars(m) for m in meta]

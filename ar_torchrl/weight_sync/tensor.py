@@ -35,11 +35,20 @@ from ar_torchrl.weight_sync.sglang_base import (
 __all__ = ["TensorWeightSender", "flatten_bucket", "serialize_for_sglang"]
 
 
-def flatten_bucket(bucket: NamedTensors) -> tuple[torch.Tensor, list[SimpleNamespace]]:
+def flatten_bucket(
+    bucket: NamedTensors, *, shared: bool = False
+) -> tuple[torch.Tensor, list[SimpleNamespace]]:
     """Concatenate a bucket as raw bytes, with SGLang's ``FlattenedTensorMetadata`` fields.
 
     The metadata are ``types.SimpleNamespace`` objects (name, shape, dtype, start_idx, end_idx,
     numel): SGLang reads them by attribute and its safe unpickler allows ``SimpleNamespace``.
+
+    Args:
+        bucket: ``(name, tensor)`` pairs, all on one device.
+        shared: CPU tensors only: concatenate straight into a new shared-memory segment, so that
+            pickling it for a server copies nothing (without it the pickler moves the buffer into
+            shared memory: a second full copy of the bucket, measured by
+            ``benchmarks/bench_weight_sync.py``).
 
     Returns:
         ``flat`` ``[total_bytes]`` uint8 and one metadata entry per tensor.
@@ -48,6 +57,8 @@ def flatten_bucket(bucket: NamedTensors) -> tuple[torch.Tensor, list[SimpleNames
         >>> flat, meta = flatten_bucket([("w", torch.ones(2, 3)), ("b", torch.zeros(3))])
         >>> flat.dtype, flat.numel(), (meta[1].name, meta[1].start_idx, meta[1].end_idx)
         (torch.uint8, 36, ('b', 24, 36))
+        >>> flatten_bucket([("w", torch.ones(2, 3))], shared=True)[0].is_shared()
+        True
     """
     chunks, meta, offset = [], [], 0
     for name, t in bucket:
@@ -56,7 +67,10 @@ def flatten_bucket(bucket: NamedTensors) -> tuple[torch.Tensor, list[SimpleNames
         meta.append(SimpleNamespace(name=name, shape=t.shape, dtype=t.dtype, start_idx=offset,
                                     end_idx=offset + raw.numel(), numel=raw.numel()))  # fmt: skip
         offset += raw.numel()
-    return torch.cat(chunks), meta
+    if not shared or chunks[0].device.type != "cpu":
+        return torch.cat(chunks), meta
+    flat = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(offset))
+    return torch.cat(chunks, out=flat), meta
 
 
 def serialize_for_sglang(obj: Any) -> str:
@@ -111,7 +125,7 @@ class TensorWeightSender(SGLangSender):
         with weight_update_session(self.client):
             for bucket, last in with_last(iter_buckets(named_tensors, self.bucket_bytes)):
                 self.check_bucket(bucket, served)
-                flat, meta = flatten_bucket(bucket)
+                flat, meta = flatten_bucket(bucket, shared=True)
                 # Every server gets its own copy in its own shared-memory segment, pickled here in
                 # one thread: a segment read by two servers was seen to vanish before the second
                 # one opened it (SGLang 0.5.23 + torch's file_system strategy).
