@@ -20,16 +20,20 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_weight_sync
 def run_quick(tmp_path: Path, *args: str) -> dict:
     out = tmp_path / "bench_weight_sync.json"
     cmd = [sys.executable, str(SCRIPT), "--quick", "--profile", "--out", str(out), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=os.environ.copy())
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "x raw" in proc.stdout
+    # Output to files, not pipes: the tensor sender's file_system sharing starts torch_shm_manager,
+    # which inherits the script's stdout/stderr and lives as long as the server holds its segments.
+    log, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    with log.open("w") as stdout, err.open("w") as stderr:
+        proc = subprocess.run(cmd, stdout=stdout, stderr=stderr, timeout=600, env=os.environ.copy())
+    assert proc.returncode == 0, err.read_text()[-3000:]
+    assert "x raw" in log.read_text()
     return json.loads(out.read_text())
 
 
-def check_rows(result: dict, methods: set[str]) -> None:
+def check_rows(result: dict, methods: set[str], model: str = "tiny") -> None:
     rows = {r["method"]: r for r in result["results"]}
     assert set(rows) == methods | {"raw_safetensors"}
-    assert result["config"]["model"] == "tiny" and result["bytes"] > 0
+    assert result["config"]["model"] == model and result["bytes"] > 0
     raw = rows["raw_safetensors"]["seconds"]
     for r in rows.values():
         assert r["seconds"] > 0 and len(r["runs"]) == 1
@@ -57,7 +61,7 @@ def test_bench_weight_sync_sglang_senders(tmp_path, sglang_server, sglang_model_
         "--model-dir",
         str(sglang_model_dir),
     )
-    check_rows(result, set(methods.split(",")))
+    check_rows(result, set(methods.split(",")), model=sglang_model_dir.name)
     assert "write shards" in result["profile"]["disk"]
     assert "POST /update_weights_from_tensor" in result["profile"]["tensor"]
     assert "POST /update_weights_from_distributed" in result["profile"]["distributed"]
