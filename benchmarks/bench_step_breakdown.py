@@ -34,9 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -45,6 +43,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from _common import machine_info, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -259,15 +258,12 @@ def main(argv: list[str] | None = None) -> None:
     load_before = os.getloadavg()[0]
     results = [run_scenario(name, args) for name in args.scenarios]
     meta = dict(device=args.device, iterations=args.iterations, extra_overrides=args.set,
-                load_average=[load_before, os.getloadavg()[0]], torch=torch.__version__,
-                python=platform.python_version(), machine=platform.machine(), cpu_count=os.cpu_count(),
-                gpu=torch.cuda.get_device_name() if args.device == "cuda" else None)  # fmt: skip
+                load_average=[load_before, os.getloadavg()[0]], **machine_info())  # fmt: skip
     sys.stdout.write(report(results))
     sys.stdout.write(
         f"load average {meta['load_average'][0]:.1f} -> {meta['load_average'][1]:.1f}\n"
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"config": meta, "results": results}, indent=2) + "\n")
+    write_json({"config": meta, "results": results}, args.out)
     sys.stdout.write(f"wrote {args.out}\n")
 
 

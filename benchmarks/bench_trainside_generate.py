@@ -38,9 +38,7 @@ Prints a table and writes ``benchmarks/results/bench_trainside_generate[_cuda].j
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -48,6 +46,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from _common import machine_info, write_json
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from ar_torchrl.assets import build_char_tokenizer, build_tiny_qwen3
@@ -305,13 +304,10 @@ def main(argv: list[str] | None = None) -> None:
     meta = dict(
         device=args.device, dtype=args.dtype, prompts=args.prompts, samples=args.samples,
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, threads=args.threads,
-        quick=args.quick, load_average=[load_before, load_after], torch=torch.__version__,
-        transformers=transformers.__version__, python=platform.python_version(),
-        machine=platform.machine(), cpu_count=os.cpu_count(),
-        gpu=torch.cuda.get_device_name() if args.device == "cuda" else None,
+        quick=args.quick, load_average=[load_before, load_after],
+        transformers=transformers.__version__, **machine_info(),
     )  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"config": meta, "results": results}, indent=2) + "\n")
+    write_json({"config": meta, "results": results}, args.out)
     sys.stdout.write(f"wrote {args.out}\n")
 
 

@@ -37,9 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -48,6 +46,7 @@ import time
 from pathlib import Path
 
 import torch
+from _common import machine_info, write_json
 from safetensors.torch import load_file, save_file
 
 from ar_torchrl.backends import TransformersBackend
@@ -311,12 +310,10 @@ def main(argv: list[str] | None = None) -> None:
     out["config"] = dict(
         model=name, device=args.device, repeats=args.repeats, bucket_mib=args.bucket_mib,
         threads=args.threads, quick=args.quick, load_average=[load_before, os.getloadavg()[0]],
-        torch=torch.__version__, python=platform.python_version(), cpu_count=os.cpu_count(),
-        gpu=torch.cuda.get_device_name() if args.device == "cuda" else None,
+        **machine_info(),
     )  # fmt: skip
     report(out, args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    write_json(out, args.out)
     sys.stdout.write(f"wrote {args.out}\n")
 
 

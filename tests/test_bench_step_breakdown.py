@@ -15,7 +15,10 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_step_breakd
 TINY = ("model.warm_start.enabled=false", "rollout.prompts_per_iter=2", "logger=none")
 
 
-def load_bench():
+def load_bench(monkeypatch):
+    monkeypatch.syspath_prepend(
+        str(SCRIPT.parent)
+    )  # its ``_common`` import, as when run as a script
     spec = importlib.util.spec_from_file_location("bench_step_breakdown", SCRIPT)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -41,8 +44,8 @@ def test_bench_step_breakdown_runs_the_recipe_on_tiny_sizes(tmp_path):
     assert 0 < result["model_compute_s"] < result["wall_s"]
 
 
-def test_summarize_splits_stages_and_computes_the_outside_fraction():
-    bench = load_bench()
+def test_summarize_splits_stages_and_computes_the_outside_fraction(monkeypatch):
+    bench = load_bench(monkeypatch)
     it = {"time/iteration": 10.0, "time/generate": 4.0, "time/generate/model_forward": 3.0,
           "time/generate/reward": 0.5, "time/anchors": 1.0, "time/anchors/forward": 0.8,
           "time/advantage": 0.1, "time/update": 3.0, "time/update/forward": 1.0,
