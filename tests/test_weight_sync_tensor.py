@@ -112,3 +112,13 @@ def test_flatten_bucket_into_shared_memory_equals_the_plain_one():
     assert shared.is_shared() and not plain.is_shared()
     assert torch.equal(shared, plain) and shared.shape == (3 * 5 * 4 + 7 * 8,)
     assert [vars(m) for m in shared_meta] == [vars(m) for m in meta]
+
+
+def test_flatten_bucket_refills_a_buffer_that_fits_and_replaces_one_that_does_not():
+    bucket = [("a", torch.randn(3, 5)), ("b", torch.arange(7, dtype=torch.int64))]
+    first, _ = flatten_bucket(bucket)
+    bucket = [("a", torch.randn(3, 5)), ("b", torch.arange(7, dtype=torch.int64) + 1)]
+    again, _ = flatten_bucket(bucket, out=first)
+    assert again.data_ptr() == first.data_ptr() and torch.equal(again, flatten_bucket(bucket)[0])
+    other, _ = flatten_bucket(bucket[:1], out=first)  # another size: a new buffer
+    assert other.data_ptr() != first.data_ptr() and other.numel() == 60

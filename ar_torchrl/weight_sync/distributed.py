@@ -136,6 +136,9 @@ class DistributedWeightSender(SGLangSender):
         self.master_address, self.master_port = master_address, master_port
         self.group_name, self.bucket_bytes, self.timeout_s = group_name, bucket_bytes, timeout_s
         self._group = self._store = None
+        self._buffers: dict[
+            int, torch.Tensor
+        ] = {}  # bucket index -> flat buffer, refilled each sync
 
     @property
     def _device(self) -> torch.device:
@@ -169,10 +172,11 @@ class DistributedWeightSender(SGLangSender):
     def _send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str) -> None:
         self._ensure_group()
         with weight_update_session(self.client):
-            for bucket, last in with_last(iter_buckets(named_tensors, self.bucket_bytes)):
-                self._broadcast(bucket, version if last else None)
+            buckets = with_last(iter_buckets(named_tensors, self.bucket_bytes))
+            for k, (bucket, last) in enumerate(buckets):
+                self._broadcast(k, bucket, version if last else None)
 
-    def _broadcast(self, bucket: NamedTensors, version: str | None) -> None:
+    def _broadcast(self, k: int, bucket: NamedTensors, version: str | None) -> None:
         body = {
             "names": [n for n, _ in bucket],
             "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
@@ -183,7 +187,10 @@ class DistributedWeightSender(SGLangSender):
         }
         if version is not None:
             body["weight_version"] = version
-        flat, _ = flatten_bucket([(n, t.to(self._device)) for n, t in bucket])
+        flat, _ = flatten_bucket(
+            [(n, t.to(self._device)) for n, t in bucket], out=self._buffers.get(k)
+        )
+        self._buffers[k] = flat  # the broadcast below has finished before the next sync refills it
         with ThreadPoolExecutor(len(self.client.urls)) as pool:
             futures = [pool.submit(post_checked, self.client, u, "/update_weights_from_distributed", body,
                                    retry=False) for u in self.client.urls]  # fmt: skip
@@ -204,11 +211,13 @@ class DistributedWeightSender(SGLangSender):
 
     def _drop_group(self) -> None:
         group, self._group, self._store = self._group, None, None
+        self._buffers.clear()  # a failed broadcast may still read its buffer
         if group is not None:
             with contextlib.suppress(Exception):
                 torch.distributed.destroy_process_group(group)
 
     def close(self) -> None:
+        self._buffers.clear()
         if self._group is None:
             return
         for url in self.client.urls:

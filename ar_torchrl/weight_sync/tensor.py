@@ -36,7 +36,7 @@ __all__ = ["TensorWeightSender", "flatten_bucket", "serialize_for_sglang"]
 
 
 def flatten_bucket(
-    bucket: NamedTensors, *, shared: bool = False
+    bucket: NamedTensors, *, shared: bool = False, out: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, list[SimpleNamespace]]:
     """Concatenate a bucket as raw bytes, with SGLang's ``FlattenedTensorMetadata`` fields.
 
@@ -49,6 +49,10 @@ def flatten_bucket(
             pickling it for a server copies nothing (without it the pickler moves the buffer into
             shared memory: a second full copy of the bucket, measured by
             ``benchmarks/bench_weight_sync.py``).
+        out: a ``uint8`` buffer from an earlier call (``shared=False``) to write into when its size
+            and device fit (a fresh CPU buffer costs a page fault per 4 KiB: ~6x the copy itself);
+            else a new one is made. Never a buffer a server may still open by name (a reused
+            shared-memory segment crashed SGLang 0.5.23: the tensor sender makes a new one each time).
 
     Returns:
         ``flat`` ``[total_bytes]`` uint8 and one metadata entry per tensor.
@@ -67,7 +71,10 @@ def flatten_bucket(
         meta.append(SimpleNamespace(name=name, shape=t.shape, dtype=t.dtype, start_idx=offset,
                                     end_idx=offset + raw.numel(), numel=raw.numel()))  # fmt: skip
         offset += raw.numel()
-    if not shared or chunks[0].device.type != "cpu":
+    device = chunks[0].device
+    if out is not None and (out.numel(), out.device, out.dtype) == (offset, device, torch.uint8):
+        return torch.cat(chunks, out=out), meta
+    if not shared or device.type != "cpu":
         return torch.cat(chunks), meta
     flat = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(offset))
     return torch.cat(chunks, out=flat), meta
