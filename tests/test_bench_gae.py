@@ -67,7 +67,10 @@ def test_bench_gae_quick_numbers_are_consistent(quick_result: dict) -> None:
     assert t["x_bound_met"] == (t["worst_x_bound"] <= 10.0)
 
 
-def test_bench_gae_check_rejects_a_wrong_torchrl_result() -> None:
+def test_bench_gae_check_rejects_a_wrong_torchrl_result(monkeypatch) -> None:
+    monkeypatch.syspath_prepend(
+        str(SCRIPT.parent)
+    )  # its ``_common`` import, as when run as a script
     spec = importlib.util.spec_from_file_location("bench_gae", SCRIPT)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
