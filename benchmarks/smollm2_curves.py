@@ -1,0 +1,113 @@
+"""Learning curves of SmolLM2-135M-Instruct runs of the recipe: PPO and GRPO over seeds, one figure.
+
+Reads the ``metrics.jsonl`` of finished runs of ``configs/smollm2_arithmetic.yaml`` (one run
+directory per seed and algorithm), plots the sampled training reward (mean over the 32 samples of
+each iteration, and a 5-iteration moving average) and the greedy held-out accuracy, and writes a
+JSON summary: per run, the mean reward of the first and last 20 % of iterations, held-out accuracy
+at step 0 and at the end, and seconds per iteration by stage.
+
+Run (after the runs of the README):
+    .venv/bin/python benchmarks/smollm2_curves.py --run ppo:outputs/smollm2/ppo_s0 \
+        --run ppo:outputs/smollm2/ppo_s1 --run grpo:outputs/smollm2/grpo_s0 \
+        --run grpo:outputs/smollm2/grpo_s1 --png docs/smollm2_curves.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+RESULTS = Path(__file__).resolve().parent / "results" / "smollm2_curves.json"
+STAGES = ("time/generate", "time/anchors", "time/update", "time/sync")
+COLORS = {"ppo": "tab:blue", "grpo": "tab:orange"}
+
+
+def load_run(path: Path) -> list[dict]:
+    lines = (path / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(x) for x in lines if x.strip()]
+
+
+def summarize(history: list[dict]) -> dict:
+    train = [h for h in history if "rollout/reward_mean" in h]
+    evals = [(h["step"], h["eval/accuracy"]) for h in history if "eval/accuracy" in h]
+    k = max(1, len(train) // 5)
+    rewards = [h["rollout/reward_mean"] for h in train]
+    return {
+        "iterations": len(train),
+        "reward_first20": float(np.mean(rewards[:k])),
+        "reward_last20": float(np.mean(rewards[-k:])),
+        "reward_rise": float(np.mean(rewards[-k:]) - np.mean(rewards[:k])),
+        "sampled_accuracy_first20": float(np.mean([h["rollout/accuracy"] for h in train[:k]])),
+        "sampled_accuracy_last20": float(np.mean([h["rollout/accuracy"] for h in train[-k:]])),
+        "eval_accuracy": evals,
+        "seconds_per_iteration": {
+            s: float(np.mean([h[s] for h in train if s in h])) for s in STAGES
+        },
+    }
+
+
+def moving_average(values: list[float], width: int = 5) -> np.ndarray:
+    kernel = np.ones(width) / width
+    padded = np.concatenate([np.full(width - 1, values[0]), values])
+    return np.convolve(padded, kernel, mode="valid")
+
+
+def plot(runs: list[tuple[str, str, list[dict]]], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for algo, name, history in runs:
+        train = [h for h in history if "rollout/reward_mean" in h]
+        steps = [h["step"] for h in train]
+        rewards = [h["rollout/reward_mean"] for h in train]
+        color = COLORS.get(algo)
+        left.plot(steps, rewards, color=color, alpha=0.25, lw=0.8)
+        left.plot(steps, moving_average(rewards), color=color, lw=1.6, label=name)
+        evals = [(h["step"], h["eval/accuracy"]) for h in history if "eval/accuracy" in h]
+        right.plot(*zip(*evals), color=color, marker="o", ms=3, lw=1.2, label=name)
+    left.set(title="sampled reward (T=1; line: 5-iteration mean)", xlabel="iteration",
+             ylabel="DAPO reward (+1/-1)")  # fmt: skip
+    right.set(title="greedy accuracy, held-out problems", xlabel="iteration", ylim=(0, 1))
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=80)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run", action="append", required=True,
+                        help="ALGO:RUN_DIR (ALGO is the legend group, e.g. ppo or grpo)")  # fmt: skip
+    parser.add_argument("--png", type=Path, default=Path("docs/smollm2_curves.png"))
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
+    args = parser.parse_args()
+    runs, summary = [], {}
+    for spec in args.run:
+        algo, _, path = spec.partition(":")
+        name = f"{algo} {Path(path).name}"
+        history = load_run(Path(path))
+        runs.append((algo, name, history))
+        summary[name] = summarize(history)
+    plot(runs, args.png)
+    print("| run | iterations | reward first 20 % | last 20 % | rise | held-out greedy accuracy |")
+    print("|---|---|---|---|---|---|")
+    for name, s in summary.items():
+        acc = " -> ".join(f"{a:.0%} ({step})" for step, a in s["eval_accuracy"])
+        print(f"| {name} | {s['iterations']} | {s['reward_first20']:+.3f} | "
+              f"{s['reward_last20']:+.3f} | {s['reward_rise']:+.3f} | {acc} |")  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(summary, indent=2))
+    print(f"wrote {args.png} and {args.out}")
+
+
+if __name__ == "__main__":
+    main()
