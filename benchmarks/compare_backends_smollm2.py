@@ -7,9 +7,9 @@ reward: one-shot arithmetic prompts (:mod:`ar_torchrl.data.tasks`) scored by DAP
 advantages (token-level GAE over a zero-initialised value head) are non-zero without UniRL's
 "alternating reward" trick. The same seed, prompts and starting weights are run once with the
 trainside backend and once with a real local SGLang server (weights pushed from disk after each
-update). Per rollout and backend: loss (objective + value), mean ratio, mean and max
-|rollout - trainer| log-prob over generated tokens (before the update), pre-clip gradient norm, mean
-reward. Prints a markdown table and writes ``benchmarks/results/compare_backends_smollm2.json``.
+update). Per rollout and backend: loss (objective + value), mean PPO ratio, mean
+``exp(trainer - rollout)`` log-prob ratio, mean and max |rollout - trainer| log-prob over generated
+tokens (before the update), pre-clip gradient norm, mean reward. Prints a markdown table and writes ``benchmarks/results/compare_backends_smollm2.json``.
 
 Run:  .venv/bin/python benchmarks/compare_backends_smollm2.py          (needs .venv-sglang, ~10 min)
       .venv/bin/python benchmarks/compare_backends_smollm2.py --url http://127.0.0.1:30000
@@ -40,14 +40,21 @@ from ar_torchrl.training import ppo_update
 from ar_torchrl.weight_sync import named_policy_tensors
 
 RESULTS = Path(__file__).resolve().parent / "results" / "compare_backends_smollm2.json"
-METRICS = ("loss", "ratio_mean", "drift_mean", "drift_max", "grad_norm", "reward_mean")
+METRICS = ("loss", "ratio_mean", "rollout_ratio_mean", "drift_mean", "drift_max", "grad_norm",
+           "reward_mean")  # fmt: skip
 
 
-def drift(td) -> tuple[float, float]:
-    """Mean and max |rollout - trainer| log-prob over generated tokens (anchors, before the update)."""
+def drift(td) -> dict[str, float]:
+    """Trainer (anchor, before the update) vs rollout engine log-probs over generated tokens.
+
+    ``drift_mean`` / ``drift_max``: mean / max ``|rollout - trainer|``; ``rollout_ratio_mean``: mean
+    ``exp(trainer - rollout)``, the PPO ratio an update would start from if it took the engine's
+    log-probs as the old policy (the recipe recomputes anchors, so its own ratio starts at 1).
+    """
     mask = td["loss_mask"]
-    diff = (td["rollout_log_prob"] - td["sample_log_prob"]).abs()[mask]
-    return float(diff.mean()), float(diff.max())
+    delta = (td["sample_log_prob"] - td["rollout_log_prob"])[mask]
+    return {"drift_mean": float(delta.abs().mean()), "drift_max": float(delta.abs().max()),
+            "rollout_ratio_mean": float(delta.exp().mean())}  # fmt: skip
 
 
 def run(backend_name: str, args, stack: contextlib.ExitStack) -> list[dict]:
@@ -71,7 +78,7 @@ def run(backend_name: str, args, stack: contextlib.ExitStack) -> list[dict]:
         td = env.rollout()
         plan = plan_micro_batches(td, token_budget=4096)
         recompute_anchors(ac, td, plan)
-        drift_mean, drift_max = drift(td)
+        gaps = drift(td)
         td = gae(td)
         out = ppo_update(loss_fn, optimizer, td, plan, epochs=1, num_minibatches=1, grad_clip=1.0)
         env.policy_version += 1
@@ -80,7 +87,7 @@ def run(backend_name: str, args, stack: contextlib.ExitStack) -> list[dict]:
             "rollout": i,
             "loss": out["train/loss_objective"] + out["train/loss_critic"],
             "ratio_mean": out["train/ratio_mean"],
-            "drift_mean": drift_mean, "drift_max": drift_max,
+            **gaps,
             "grad_norm": out["train/grad_norm"],
             "reward_mean": float(td["next", "reward"].sum((-2, -1)).mean()),
             "advantage_abs_mean": float(td["advantage"].squeeze(-1)[td["loss_mask"]].abs().mean()),
@@ -140,7 +147,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-5, help="policy learning rate (AdamW)")
-    parser.add_argument("--value-lr", type=float, default=1e-3, help="value-head learning rate")
+    parser.add_argument("--value-lr", type=float, default=1e-4, help="value-head learning rate")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
     parser.add_argument("--cache", type=Path, default=Path(os.environ.get(
         "AR_TORCHRL_CACHE", Path.home() / ".cache" / "ar_torchrl")))  # fmt: skip
