@@ -81,8 +81,7 @@ def run(backend_name: str, args, stack: contextlib.ExitStack) -> list[dict]:
         gaps = drift(td)
         td = gae(td)
         out = ppo_update(loss_fn, optimizer, td, plan, epochs=1, num_minibatches=1, grad_clip=1.0)
-        env.policy_version += 1
-        backend.sync_weights(named_policy_tensors(model), version=env.policy_version)
+        backend.sync_weights(named_policy_tensors(model), version=backend.weight_version + 1)
         rows.append({
             "rollout": i,
             "loss": out["train/loss_objective"] + out["train/loss_critic"],
@@ -110,7 +109,8 @@ def make_backend(name: str, model, tok, args, stack: contextlib.ExitStack):
         model_dir = save_policy(model, tmp / "model", tok)
         server = launch_sglang_server(model_dir, timeout_s=900, log_file=tmp / "server.log")
         url = stack.enter_context(server).url
-    backend = SGLangBackend(url, weight_sync="disk", show_progress=False)
+    backend = SGLangBackend(url, weight_sync="disk", vocab_size=model.config.vocab_size,
+                            show_progress=False)  # fmt: skip
     stack.callback(backend.close)
     if args.url is not None:  # a running server holds other weights: push the starting policy
         backend.sync_weights(named_policy_tensors(model), version=0)

@@ -203,7 +203,9 @@ class FewshotArithmeticDataConfig:
     def check(self) -> None:
         check_count("data.num_rows", self.num_rows)
         if not self.ops or any(op not in ("+", "-", "*") for op in self.ops):
-            raise ValueError(f"config: data.ops must be a non-empty list of +, -, *; got {self.ops}")
+            raise ValueError(
+                f"config: data.ops must be a non-empty list of +, -, *; got {self.ops}"
+            )
         check_count("data.min_operand", self.min_operand, ge=0)
         check_count("data.max_operand", self.max_operand, ge=self.min_operand)
         check_count("data.shots", self.shots, ge=0)

@@ -59,5 +59,7 @@ def test_curve_summary_and_plot(tmp_path):
     assert s["reward_first20"] == pytest.approx(0.15) and s["reward_last20"] == pytest.approx(0.95)
     assert s["reward_rise"] == pytest.approx(0.8)
     assert s["seconds_per_iteration"]["time/update"] == 3.0
-    curves.plot([("ppo", "ppo s0", history)], tmp_path / "c.png")
+    assert s["reward_curve"][:2] == [(1, 0.1), (2, 0.2)] and len(s["reward_curve"]) == 10
+    assert curves.seed_mean([s["eval_accuracy"], [(0, 0.0), (5, 1.0)]]) == ([0], [0.25])
+    curves.plot([("ppo", "ppo s0", history), ("ppo", "ppo s1", history[:4])], tmp_path / "c.png")
     assert (tmp_path / "c.png").stat().st_size > 5_000
