@@ -17,6 +17,7 @@ import torch
 from dapo_ppo_config import (
     ArithmeticDataConfig,
     Config,
+    FewshotArithmeticDataConfig,
     SmolLM2ModelConfig,
     TinyModelConfig,
     TrainsideBackendConfig,
@@ -24,6 +25,7 @@ from dapo_ppo_config import (
 
 from ar_torchrl.backends import SamplingParams, TransformersBackend
 from ar_torchrl.data.datasets import arithmetic_dataset, load_dapo_math, train_holdout_split
+from ar_torchrl.data.tasks import arithmetic_task_split
 from ar_torchrl.envs import LLMEnv
 from ar_torchrl.models import build_tiny_model, check_tokenizer, load_hf_model, load_smollm2_135m
 from ar_torchrl.modules import save_policy
@@ -43,6 +45,12 @@ def seed_everything(seed: int) -> None:
 def build_datasets(cfg: Config) -> tuple[list[dict], list[dict]]:
     """Training rows and held-out evaluation rows (DAPO-Math schema)."""
     d = cfg.data
+    if isinstance(d, FewshotArithmeticDataConfig):  # disjoint train/held-out problems
+        train_rows, eval_rows = arithmetic_task_split(
+            d.num_rows, d.holdout, ops=list(d.ops), min_operand=d.min_operand,
+            max_operand=d.max_operand, shots=d.shots, seed=d.seed,
+        )  # fmt: skip
+        return list(train_rows), list(eval_rows)[: cfg.train.eval_prompts]
     if isinstance(d, ArithmeticDataConfig):
         rows = arithmetic_dataset(d.num_rows, seed=d.seed, template=d.template, max_operand=d.max_operand)  # fmt: skip
     else:

@@ -188,6 +188,38 @@ class ArithmeticDataConfig:
 
 
 @dataclass
+class FewshotArithmeticDataConfig:
+    """``data=fewshot_arithmetic``: one-shot chat arithmetic for pretrained chat models, train and
+    held-out rows over disjoint problems (``ar_torchrl.data.tasks.arithmetic_task_split``)."""
+
+    num_rows: int = MISSING
+    ops: list[str] = field(default_factory=lambda: ["+"])
+    min_operand: int = 0
+    max_operand: int = 9
+    shots: int = 1
+    holdout: int = MISSING
+    seed: int = 0
+
+    def check(self) -> None:
+        check_count("data.num_rows", self.num_rows)
+        if not self.ops or any(op not in ("+", "-", "*") for op in self.ops):
+            raise ValueError(
+                f"config: data.ops must be a non-empty list of +, -, *; got {self.ops}"
+            )
+        check_count("data.min_operand", self.min_operand, ge=0)
+        check_count("data.max_operand", self.max_operand, ge=self.min_operand)
+        check_count("data.shots", self.shots, ge=0)
+        check_count("data.holdout", self.holdout)
+        problems = len(set(self.ops)) * (self.max_operand - self.min_operand + 1) ** 2
+        if self.holdout >= problems:
+            raise ValueError(
+                f"config: data.holdout={self.holdout} must be < {problems}, the number of distinct "
+                f"problems of data.ops={self.ops} with operands in [data.min_operand, "
+                "data.max_operand] (the rest are the training problems)"
+            )
+
+
+@dataclass
 class DapoMathDataConfig:
     """``data=dapo_math``: DAPO-Math-17k (or any file in its schema) from a local parquet/jsonl."""
 
@@ -302,6 +334,7 @@ SCHEMAS = (
     ("backend", "schema_trainside", TrainsideBackendConfig),
     ("backend", "schema_sglang", SGLangBackendConfig),
     ("data", "schema_arithmetic", ArithmeticDataConfig),
+    ("data", "schema_fewshot_arithmetic", FewshotArithmeticDataConfig),
     ("data", "schema_dapo_math", DapoMathDataConfig),
 )
 

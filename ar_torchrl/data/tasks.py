@@ -1,0 +1,152 @@
+"""Generated verifiable tasks for pretrained chat models: arithmetic with one-shot chat examples.
+
+A small instruct model (SmolLM2-135M-Instruct) ignores a written instruction to end with an
+``Answer:`` line (0 % format rate with DAPO's prompt or the short one), but copies the format of an
+earlier chat turn: each row's prompt is ``shots`` solved examples as user/assistant turns, then the
+question::
+
+    [{"role": "user", "content": "What is 3 + 8?"}, {"role": "assistant", "content": "Answer: 11"},
+     {"role": "user", "content": "What is 6 + 1?"}]
+
+The rows are in the DAPO-Math schema (see :mod:`ar_torchrl.data.datasets`), so the DAPO reward
+(+1/-1 on the last ``Answer:`` line) scores them unchanged. :func:`arithmetic_task_split` splits the
+*problems* (operand pairs), not the rows, so no held-out question is ever seen in training, with any
+shot around it.
+"""
+
+from __future__ import annotations
+
+import operator
+import random
+from collections.abc import Sequence
+from typing import Literal
+
+from ar_torchrl.data.datasets import MathDataset
+
+__all__ = ["OPS", "arithmetic_task_split", "fewshot_rows", "problem_space"]
+
+Op = Literal["+", "-", "*"]
+OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+Problem = tuple[int, Op, int]
+
+
+def problem_space(ops: Sequence[Op], min_operand: int, max_operand: int) -> list[Problem]:
+    """Every ``(a, op, b)`` with both operands in ``[min_operand, max_operand]``, in a fixed order.
+
+    Example:
+        >>> len(problem_space(["+", "*"], 0, 9)), problem_space(["+"], 1, 2)
+        (200, [(1, '+', 1), (1, '+', 2), (2, '+', 1), (2, '+', 2)])
+    """
+    unknown = sorted(set(ops) - set(OPS))
+    if unknown or not ops:
+        raise ValueError(f"problem_space: ops must be a non-empty subset of {list(OPS)}, got {ops}")
+    if not 0 <= min_operand <= max_operand:
+        raise ValueError(
+            f"problem_space: need 0 <= min_operand <= max_operand, got {min_operand}, {max_operand}"
+        )
+    span = range(min_operand, max_operand + 1)
+    return [(a, op, b) for op in ops for a in span for b in span]
+
+
+def _question(problem: Problem) -> str:
+    a, op, b = problem
+    return f"What is {a} {op} {b}?"
+
+
+def _answer(problem: Problem) -> str:
+    a, op, b = problem
+    return str(OPS[op](a, b))
+
+
+def fewshot_rows(
+    problems: Sequence[Problem],
+    shot_pool: Sequence[Problem],
+    *,
+    shots: int = 1,
+    seed: int = 0,
+    data_source: str = "fewshot_arithmetic",
+) -> list[dict]:
+    """One DAPO-schema row per problem, its prompt led by ``shots`` solved examples from ``shot_pool``.
+
+    The examples are drawn (seeded) from ``shot_pool`` and never equal the row's own problem.
+
+    Example:
+        >>> rows = fewshot_rows([(6, "+", 1)], [(3, "+", 8), (6, "+", 1)], shots=1)
+        >>> [m["content"] for m in rows[0]["prompt"]], rows[0]["reward_model"]["ground_truth"]
+        (['What is 3 + 8?', 'Answer: 11', 'What is 6 + 1?'], '7')
+    """
+    if shots < 0:
+        raise ValueError(f"fewshot_rows: shots must be >= 0, got {shots}")
+    rng = random.Random(seed)
+    rows = []
+    for i, problem in enumerate(problems):
+        pool = [p for p in shot_pool if p != problem]
+        if len(pool) < shots:
+            raise ValueError(
+                f"fewshot_rows: shot_pool has {len(pool)} problems other than {problem}, "
+                f"need shots={shots}"
+            )
+        messages = []
+        for shot in rng.sample(pool, shots):
+            messages += [
+                {"role": "user", "content": _question(shot)},
+                {"role": "assistant", "content": f"Answer: {_answer(shot)}"},
+            ]
+        messages.append({"role": "user", "content": _question(problem)})
+        rows.append({
+            "data_source": data_source, "prompt": messages, "ability": "MATH",
+            "reward_model": {"ground_truth": _answer(problem), "style": "rule"},
+            "extra_info": {"index": i, "problem": " ".join(map(str, problem))},
+        })  # fmt: skip
+    return rows
+
+
+def arithmetic_task_split(
+    num_rows: int,
+    holdout: int,
+    *,
+    ops: Sequence[Op] = ("+",),
+    min_operand: int = 0,
+    max_operand: int = 9,
+    shots: int = 1,
+    seed: int = 0,
+) -> tuple[MathDataset, MathDataset]:
+    """Training and held-out one-shot arithmetic rows over *disjoint problems*.
+
+    The problem space (:func:`problem_space`) is shuffled with ``seed``; the first ``holdout``
+    problems are the evaluation rows (one row each), the rest are sampled with replacement into
+    ``num_rows`` training rows. Shots are drawn from the training problems only.
+
+    Args:
+        num_rows: training rows.
+        holdout: held-out problems (= evaluation rows).
+        ops: operations to draw from.
+        min_operand: smallest operand.
+        max_operand: largest operand.
+        shots: solved examples before each question.
+        seed: shuffle / sampling seed.
+
+    Returns:
+        ``(train, holdout)`` datasets.
+
+    Example:
+        >>> train, test = arithmetic_task_split(50, 10, max_operand=9, seed=0)
+        >>> len(train), len(test)
+        (50, 10)
+        >>> {r["extra_info"]["problem"] for r in train}.isdisjoint(
+        ...     r["extra_info"]["problem"] for r in test)
+        True
+    """
+    space = problem_space(ops, min_operand, max_operand)
+    if not 0 < holdout < len(space) or num_rows < 1:
+        raise ValueError(
+            f"arithmetic_task_split: holdout={holdout} must be in (0, {len(space)}) (the number of "
+            f"distinct problems) and num_rows={num_rows} >= 1"
+        )
+    rng = random.Random(seed)
+    rng.shuffle(space)
+    test_problems, train_problems = space[:holdout], space[holdout:]
+    train_draw = [rng.choice(train_problems) for _ in range(num_rows)]
+    train = fewshot_rows(train_draw, train_problems, shots=shots, seed=seed + 1)
+    test = fewshot_rows(test_problems, train_problems, shots=shots, seed=seed + 2)
+    return MathDataset(train, name="train"), MathDataset(test, name="holdout")
