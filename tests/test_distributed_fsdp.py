@@ -183,3 +183,19 @@ def test_argument_errors():
         init_distributed("tpu")
     with pytest.raises(ValueError, match="rank 0 \\(the source\\) must pass the batch"):
         broadcast_batch(None, DistContext())
+
+
+def test_sharded_value_head_returns_no_view_and_global_warning_filters_are_untouched():
+    """FSDP2 warns when a wrapped module returns a view; the value head returns a copy instead of
+    the library installing a process-wide warnings filter."""
+    import warnings
+
+    filters = list(warnings.filters)
+    td = batch()
+    with distributed("cpu", process_group=True) as ctx:
+        ac = shard_actor_critic(actor_critic(seed=1), ctx, compute_dtype="float32")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ac(td.clone())
+    assert not [w for w in caught if "returned a view" in str(w.message)]
+    assert warnings.filters == filters

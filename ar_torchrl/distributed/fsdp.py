@@ -24,7 +24,6 @@ computes a third variant (fp32 norms and residuals). fp32 single-process runs st
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Literal
 
 import torch
@@ -150,17 +149,7 @@ def shard_actor_critic(
             # Sum, not average, over ranks; plain SUM collectives (gloo has no PREMUL_SUM).
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
-    _quiet_value_head_view_warning()
     return actor_critic
-
-
-@functools.cache
-def _quiet_value_head_view_warning() -> None:
-    # nn.Linear on [B, L, H] returns a view; FSDP2 warns that an in-place op on it would skip its
-    # pre-backward hook. LMActorCritic only slices and concatenates the values (out of place).
-    warnings.filterwarnings(
-        "ignore", message=r"FSDP2-wrapped module \(FSDPValueHead\) returned a view"
-    )
 
 
 def reshard(module: nn.Module) -> None:

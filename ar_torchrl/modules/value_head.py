@@ -47,7 +47,10 @@ class ValueHead(nn.Linear):
         nn.init.zeros_(self.bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return super().forward(hidden.to(self.weight.dtype))
+        out = super().forward(hidden.to(self.weight.dtype))
+        # nn.Linear on [B, L, H] returns a view of a [B*L, 1] matmul; FSDP2 warns on every call that
+        # an in-place op on a view would skip its pre-backward hook. A [B, L, 1] copy avoids it.
+        return out.clone() if out._is_view() else out
 
 
 def _hidden_size(model: nn.Module) -> int:
