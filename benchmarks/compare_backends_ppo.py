@@ -13,27 +13,20 @@ Run:  .venv/bin/python benchmarks/compare_backends_ppo.py          (needs .venv-
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import math
 import os
-import platform
-import tempfile
-import time
 from pathlib import Path
 
 import torch
+from _compare import make_backend, ppo_step, run_both, write_result
 
-from ar_torchrl.backends import SamplingParams, TransformersBackend
-from ar_torchrl.data import plan_micro_batches
+from ar_torchrl.backends import SamplingParams
 from ar_torchrl.data.datasets import arithmetic_dataset
 from ar_torchrl.envs import LLMEnv
 from ar_torchrl.models import build_tiny_model
-from ar_torchrl.modules import LMActorCritic, attach_value_head, save_policy
-from ar_torchrl.objectives import TokenGAE, TokenPPOLoss, recompute_anchors
-from ar_torchrl.training import ppo_update
+from ar_torchrl.modules import LMActorCritic, attach_value_head
+from ar_torchrl.objectives import TokenGAE, TokenPPOLoss
 from ar_torchrl.warmstart import cached_warm_start
-from ar_torchrl.weight_sync import named_policy_tensors
 
 RESULTS = Path(__file__).resolve().parent / "results" / "compare_backends_ppo.json"
 ROLLOUTS, PROMPTS, MAX_NEW = 3, 16, 12
@@ -50,9 +43,9 @@ def starting_policy(cache: Path, seed: int):
     return attach_value_head(model), tok
 
 
-def run(backend_name: str, args, stack: contextlib.ExitStack) -> list[dict]:
+def run(backend_name: str, args, stack) -> list[dict]:
     model, tok = starting_policy(args.cache, args.seed)
-    backend = make_backend(backend_name, model, tok, args, stack)
+    backend = make_backend(backend_name, model, tok, stack, seed=args.seed, url=args.url)
     env = LLMEnv(arithmetic_dataset(200, seed=args.seed), tok, backend, num_samples=1,
                  prompts_per_batch=PROMPTS, sampling=SamplingParams(max_new_tokens=MAX_NEW,
                  temperature=0.0), seed=args.seed)  # fmt: skip
@@ -62,39 +55,10 @@ def run(backend_name: str, args, stack: contextlib.ExitStack) -> list[dict]:
     gae = TokenGAE(gamma=1.0, lmbda=0.95, normalize_advantage=True)
     rows = []
     for i in range(ROLLOUTS):
-        td = env.rollout()
-        plan = plan_micro_batches(td, token_budget=4096)
-        recompute_anchors(ac, td, plan)
-        td = gae(td)
-        out = ppo_update(loss_fn, optimizer, td, plan, epochs=1, num_minibatches=1, grad_clip=1.0)
-        backend.sync_weights(named_policy_tensors(model), version=backend.weight_version + 1)
-        rows.append({
-            "rollout": i,
-            "loss": out["train/loss_objective"] + out["train/loss_critic"],
-            "ratio_mean": out["train/ratio_mean"],
-            "logprob_abs_diff": out["train/rollout_log_prob_abs_diff"],
-            "grad_norm": out["train/grad_norm"],
-            "reward_mean": float(td["next", "reward"].sum((-2, -1)).mean()),
-            "response_tokens": int(td["loss_mask"].sum()),
-            "tokens": td["tokens"][td["loss_mask"]].tolist(),
-        })  # fmt: skip
+        _, out, row = ppo_step(env, ac, loss_fn, optimizer, gae, backend)
+        rows.append({"rollout": i, **row,
+                     "logprob_abs_diff": out["train/rollout_log_prob_abs_diff"]})  # fmt: skip
     return rows
-
-
-def make_backend(name: str, model, tok, args, stack: contextlib.ExitStack):
-    if name == "trainside":
-        return TransformersBackend(model, seed=args.seed)
-    from ar_torchrl.backends.sglang import SGLangBackend, launch_sglang_server
-
-    url = args.url
-    if url is None:
-        model_dir = save_policy(model, Path(tempfile.mkdtemp(prefix="cmp-sglang-")), tok)
-        url = stack.enter_context(launch_sglang_server(model_dir, timeout_s=600)).url
-    backend = SGLangBackend(url, weight_sync="disk", show_progress=False)
-    stack.callback(backend.close)
-    if args.url is not None:  # a running server holds other weights: push the starting policy
-        backend.sync_weights(named_policy_tensors(model), version=0)
-    return backend
 
 
 def table(results: dict[str, list[dict]]) -> str:
@@ -121,13 +85,7 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=Path(os.environ.get(
         "AR_TORCHRL_CACHE", Path.home() / ".cache" / "ar_torchrl")))  # fmt: skip
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    results, seconds = {}, {}
-    for name in ("trainside", "sglang"):
-        start = time.perf_counter()
-        with contextlib.ExitStack() as stack:
-            results[name] = run(name, args, stack)
-        seconds[name] = time.perf_counter() - start
+    results, seconds = run_both(run, args)
     same_tokens = [
         a["tokens"] == b["tokens"] for a, b in zip(results["trainside"], results["sglang"])
     ]
@@ -139,16 +97,8 @@ def main() -> None:
     print(table(results))
     print(f"same greedy tokens per rollout: {same_tokens}; max |loss diff| = {max_loss_diff:.3e}; "
           f"all finite: {finite}; wall s: {seconds}")  # fmt: skip
-    for rows in results.values():
-        for r in rows:
-            r.pop("tokens")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "rollouts": results, "same_tokens": same_tokens, "max_loss_abs_diff": max_loss_diff,
-        "all_finite": finite, "wall_s": seconds, "seed": args.seed,
-        "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}",
-    }, indent=2))  # fmt: skip
-    print(f"wrote {args.out}")
+    write_result(args.out, results, same_tokens=same_tokens, max_loss_abs_diff=max_loss_diff,
+                 all_finite=finite, wall_s=seconds, seed=args.seed)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -18,26 +18,19 @@ Run:  .venv/bin/python benchmarks/compare_backends_smollm2.py          (needs .v
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import math
 import os
-import platform
-import tempfile
-import time
 from pathlib import Path
 
 import torch
+from _compare import make_backend, ppo_step, run_both, write_result
 
-from ar_torchrl.backends import SamplingParams, TransformersBackend
-from ar_torchrl.data import plan_micro_batches
+from ar_torchrl.backends import SamplingParams
 from ar_torchrl.data.tasks import arithmetic_task_split
 from ar_torchrl.envs import LLMEnv
 from ar_torchrl.models import load_smollm2_135m
-from ar_torchrl.modules import LMActorCritic, attach_value_head, save_policy
-from ar_torchrl.objectives import TokenGAE, TokenPPOLoss, recompute_anchors
-from ar_torchrl.training import ppo_update
-from ar_torchrl.weight_sync import named_policy_tensors
+from ar_torchrl.modules import LMActorCritic, attach_value_head
+from ar_torchrl.objectives import TokenGAE, TokenPPOLoss
 
 RESULTS = Path(__file__).resolve().parent / "results" / "compare_backends_smollm2.json"
 METRICS = ("loss", "ratio_mean", "rollout_ratio_mean", "drift_mean", "drift_max", "grad_norm",
@@ -57,11 +50,12 @@ def drift(td) -> dict[str, float]:
             "rollout_ratio_mean": float(delta.exp().mean())}  # fmt: skip
 
 
-def run(backend_name: str, args, stack: contextlib.ExitStack) -> list[dict]:
+def run(backend_name: str, args, stack) -> list[dict]:
     model, tok = load_smollm2_135m(args.cache)
     torch.manual_seed(args.seed)
     model = attach_value_head(model)
-    backend = make_backend(backend_name, model, tok, args, stack)
+    backend = make_backend(backend_name, model, tok, stack, seed=args.seed, url=args.url,
+                           vocab_size=model.config.vocab_size, timeout_s=900)  # fmt: skip
     train_rows, _ = arithmetic_task_split(2000, 64, max_operand=19, seed=0)
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
     env = LLMEnv(train_rows, tok, backend, num_samples=args.samples, prompts_per_batch=args.prompts,
@@ -75,46 +69,10 @@ def run(backend_name: str, args, stack: contextlib.ExitStack) -> list[dict]:
     gae = TokenGAE(gamma=1.0, lmbda=0.95, normalize_advantage=True)
     rows = []
     for i in range(args.rollouts):
-        td = env.rollout()
-        plan = plan_micro_batches(td, token_budget=4096)
-        recompute_anchors(ac, td, plan)
-        gaps = drift(td)
-        td = gae(td)
-        out = ppo_update(loss_fn, optimizer, td, plan, epochs=1, num_minibatches=1, grad_clip=1.0)
-        backend.sync_weights(named_policy_tensors(model), version=backend.weight_version + 1)
-        rows.append({
-            "rollout": i,
-            "loss": out["train/loss_objective"] + out["train/loss_critic"],
-            "ratio_mean": out["train/ratio_mean"],
-            **gaps,
-            "grad_norm": out["train/grad_norm"],
-            "reward_mean": float(td["next", "reward"].sum((-2, -1)).mean()),
-            "advantage_abs_mean": float(td["advantage"].squeeze(-1)[td["loss_mask"]].abs().mean()),
-            "response_tokens": int(td["loss_mask"].sum()),
-            "tokens": td["tokens"][td["loss_mask"]].tolist(),
-        })  # fmt: skip
+        td, _, row = ppo_step(env, ac, loss_fn, optimizer, gae, backend, on_anchors=drift)
+        advantage = float(td["advantage"].squeeze(-1)[td["loss_mask"]].abs().mean())
+        rows.append({"rollout": i, **row, "advantage_abs_mean": advantage})
     return rows
-
-
-def make_backend(name: str, model, tok, args, stack: contextlib.ExitStack):
-    if name == "trainside":
-        backend = TransformersBackend(model, mode="copy", seed=args.seed)
-        stack.callback(backend.close)
-        return backend
-    from ar_torchrl.backends.sglang import SGLangBackend, launch_sglang_server
-
-    url = args.url
-    if url is None:
-        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="cmp-smollm2-")))
-        model_dir = save_policy(model, tmp / "model", tok)
-        server = launch_sglang_server(model_dir, timeout_s=900, log_file=tmp / "server.log")
-        url = stack.enter_context(server).url
-    backend = SGLangBackend(url, weight_sync="disk", vocab_size=model.config.vocab_size,
-                            show_progress=False)  # fmt: skip
-    stack.callback(backend.close)
-    if args.url is not None:  # a running server holds other weights: push the starting policy
-        backend.sync_weights(named_policy_tensors(model), version=0)
-    return backend
 
 
 def table(results: dict[str, list[dict]]) -> str:
@@ -152,28 +110,14 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=Path(os.environ.get(
         "AR_TORCHRL_CACHE", Path.home() / ".cache" / "ar_torchrl")))  # fmt: skip
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    results, seconds = {}, {}
-    for name in ("trainside", "sglang"):
-        start = time.perf_counter()
-        with contextlib.ExitStack() as stack:
-            results[name] = run(name, args, stack)
-        seconds[name] = time.perf_counter() - start
+    results, seconds = run_both(run, args)
     stats = summary(results)
     print(table(results))
     print(f"same greedy tokens per rollout: {stats['same_tokens']}; max |diff|: "
           f"{ {k: f'{v:.2e}' for k, v in stats['max_abs_diff'].items()} }; all finite: "
           f"{stats['all_finite']}; wall s: {seconds}")  # fmt: skip
-    for rows in results.values():
-        for r in rows:
-            r.pop("tokens")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "rollouts": results, **stats, "wall_s": seconds, "settings": {
-            k: v for k, v in vars(args).items() if k not in ("out", "cache", "url")},
-        "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}",
-    }, indent=2))  # fmt: skip
-    print(f"wrote {args.out}")
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "cache", "url")}
+    write_result(args.out, results, **stats, wall_s=seconds, settings=settings)
 
 
 if __name__ == "__main__":

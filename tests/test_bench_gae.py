@@ -7,13 +7,13 @@ passed that check, and the JSON numbers are checked for consistency here.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from bench_helpers import load_benchmark
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_gae.py"
 PATHS = {"token_gae", "torchrl_loop", "torchrl_vec"}
@@ -67,13 +67,8 @@ def test_bench_gae_quick_numbers_are_consistent(quick_result: dict) -> None:
     assert t["x_bound_met"] == (t["worst_x_bound"] <= 10.0)
 
 
-def test_bench_gae_check_rejects_a_wrong_torchrl_result(monkeypatch) -> None:
-    monkeypatch.syspath_prepend(
-        str(SCRIPT.parent)
-    )  # its ``_common`` import, as when run as a script
-    spec = importlib.util.spec_from_file_location("bench_gae", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+def test_bench_gae_check_rejects_a_wrong_torchrl_result() -> None:
+    bench = load_benchmark("bench_gae")
     data = bench.make_batch(4, 32, 8, seed=0)
     trl = bench.torchrl_inputs(data, 8)
     paths = bench.make_paths(data, trl, 0.95)

@@ -4,22 +4,12 @@ smollm2_curves.py, each against numbers worked out by hand."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
+from bench_helpers import load_benchmark
 from tensordict import TensorDict
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def script(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_drift_counts_generated_tokens_only():
@@ -28,7 +18,7 @@ def test_drift_counts_generated_tokens_only():
         "sample_log_prob": torch.tensor([[5.0, -1.1, -1.8], [0.0, -0.5, 0.0]]),
         "loss_mask": torch.tensor([[False, True, True], [False, True, False]]),
     }, [2, 3])  # fmt: skip
-    gaps = script("compare_backends_smollm2").drift(td)
+    gaps = load_benchmark("compare_backends_smollm2").drift(td)
     assert gaps["drift_mean"] == pytest.approx((0.1 + 0.2 + 0.0) / 3)
     assert gaps["drift_max"] == pytest.approx(0.2)
     expected_ratio = (math.exp(-0.1) + math.exp(0.2) + 1.0) / 3
@@ -36,7 +26,7 @@ def test_drift_counts_generated_tokens_only():
 
 
 def test_backend_table_and_summary():
-    bench = script("compare_backends_smollm2")
+    bench = load_benchmark("compare_backends_smollm2")
     row = dict.fromkeys(bench.METRICS, 1.0)
     results = {"trainside": [{**row, "rollout": 0, "tokens": [1, 2]}],
                "sglang": [{**row, "rollout": 0, "loss": 1.5, "tokens": [1, 2]}]}  # fmt: skip
@@ -48,7 +38,7 @@ def test_backend_table_and_summary():
 
 
 def test_curve_summary_and_plot(tmp_path):
-    curves = script("smollm2_curves")
+    curves = load_benchmark("smollm2_curves")
     history = [{"step": 0, "eval/accuracy": 0.5}]
     history += [{"step": i, "rollout/reward_mean": i / 10, "rollout/accuracy": i / 20,
                  "time/generate": 2.0, "time/anchors": 1.0, "time/update": 3.0, "time/sync": 0.0}

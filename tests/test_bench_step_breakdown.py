@@ -3,26 +3,16 @@ consistent JSON (so it can't rot); no timings are asserted. ``summarize`` is che
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from bench_helpers import load_benchmark
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_step_breakdown.py"
 TINY = ("model.warm_start.enabled=false", "rollout.prompts_per_iter=2", "logger=none")
-
-
-def load_bench(monkeypatch):
-    monkeypatch.syspath_prepend(
-        str(SCRIPT.parent)
-    )  # its ``_common`` import, as when run as a script
-    spec = importlib.util.spec_from_file_location("bench_step_breakdown", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
 
 
 @pytest.mark.slow
@@ -44,8 +34,8 @@ def test_bench_step_breakdown_runs_the_recipe_on_tiny_sizes(tmp_path):
     assert 0 < result["model_compute_s"] < result["wall_s"]
 
 
-def test_summarize_splits_stages_and_computes_the_outside_fraction(monkeypatch):
-    bench = load_bench(monkeypatch)
+def test_summarize_splits_stages_and_computes_the_outside_fraction():
+    bench = load_benchmark("bench_step_breakdown")
     it = {"time/iteration": 10.0, "time/generate": 4.0, "time/generate/model_forward": 3.0,
           "time/generate/reward": 0.5, "time/anchors": 1.0, "time/anchors/forward": 0.8,
           "time/advantage": 0.1, "time/update": 3.0, "time/update/forward": 1.0,

@@ -6,19 +6,16 @@ history, the block and its insertion are checked on a synthetic result.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+from bench_helpers import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def module():
-    spec = importlib.util.spec_from_file_location("readme_figures", ROOT / "benchmarks" / "readme_figures.py")  # fmt: skip
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("readme_figures")
 
 
 def history(rise: float) -> list[dict]:
