@@ -191,8 +191,11 @@ def remove_partial_checkpoints(directory: str | os.PathLike) -> list[Path]:
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    removed = sorted(p for p in directory.iterdir()
-                     if _PARTIAL.match(p.name) or (p.is_dir() and _DCP_PARTIAL.match(p.name)))  # fmt: skip
+    removed = sorted(
+        p
+        for p in directory.iterdir()
+        if _PARTIAL.match(p.name) or (p.is_dir() and _DCP_PARTIAL.match(p.name))
+    )
     for path in removed:
         logger.warning("removing %s: a checkpoint save that did not finish", path)
         if path.is_dir():

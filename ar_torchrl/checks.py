@@ -323,7 +323,7 @@ def check_ppo_loss_args(
                 gt=0,
                 allow_none=True,
                 hint="None disables value clipping",
-            )  # fmt: skip
+            )
         ),
         "entropy_coeff": float(check_number(owner, "entropy_coeff", entropy_coeff, ge=0)),
         "critic_coeff": _opt_float(
@@ -398,7 +398,7 @@ def check_actor_args(
         "temperature": float(
             check_number(
                 owner, "temperature", temperature, gt=0, hint="log-probs of greedy decoding use 1.0"
-            )  # fmt: skip
+            )
         ),
         "logits_chunk_tokens": check_number(
             owner, "logits_chunk_tokens", logits_chunk_tokens, ge=1, integer=True, allow_none=True

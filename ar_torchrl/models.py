@@ -136,8 +136,9 @@ def load_hf_tokenizer(path: str | os.PathLike):
         >>> load_hf_tokenizer(save_tiny_model(tempfile.mkdtemp())).pad_token_id
         0
     """
-    tok = AutoTokenizer.from_pretrained(check_hf_dir(path, where="load_hf_tokenizer"),
-                                        local_files_only=True)  # fmt: skip
+    tok = AutoTokenizer.from_pretrained(
+        check_hf_dir(path, where="load_hf_tokenizer"), local_files_only=True
+    )
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok

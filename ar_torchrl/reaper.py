@@ -44,8 +44,10 @@ def _send(message: dict) -> None:
         if _proc is None or _proc.poll() is not None:
             _proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", str(Path(__file__).resolve())],
-                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True,
-            )  # fmt: skip
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         _proc.stdin.write((json.dumps(message) + "\n").encode())
         _proc.stdin.flush()
 

@@ -209,10 +209,17 @@ def ppo_update(
     for _ in range(epochs):
         for group in plan.minibatches(num_minibatches, generator):
             metrics, ok = _minibatch_step(
-                loss_fn, optimizer, [(plan.crop(td, mb), mb.padding) for mb in group],
-                normalizer=normalizer, params=params, trainable=keep, grad_clip=grad_clip,
-                loss_keys=loss_keys, mask_key=mask_key, sharded=sharded,
-            )  # fmt: skip
+                loss_fn,
+                optimizer,
+                [(plan.crop(td, mb), mb.padding) for mb in group],
+                normalizer=normalizer,
+                params=params,
+                trainable=keep,
+                grad_clip=grad_clip,
+                loss_keys=loss_keys,
+                mask_key=mask_key,
+                sharded=sharded,
+            )
             steps, skipped = steps + ok, skipped + (not ok)
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + value

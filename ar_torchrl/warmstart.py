@@ -136,8 +136,14 @@ def supervised_warm_start(
         >>> losses[-1] < losses[0]
         True
     """
-    check_warm_start_args(steps=steps, batch_size=batch_size, lr=lr, final_lr_ratio=final_lr_ratio,
-                          correct_fraction=correct_fraction, grad_clip=grad_clip)  # fmt: skip
+    check_warm_start_args(
+        steps=steps,
+        batch_size=batch_size,
+        lr=lr,
+        final_lr_ratio=final_lr_ratio,
+        correct_fraction=correct_fraction,
+        grad_clip=grad_clip,
+    )
     _check_warm_start_args(tokenizer, rows)
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)

@@ -29,8 +29,17 @@ from ar_torchrl.weight_sync import named_policy_tensors
 BACKENDS = ("trainside", "sglang")
 
 
-def make_backend(name: str, model, tok, stack: contextlib.ExitStack, *, seed: int,
-                 url: str | None = None, vocab_size: int | None = None, timeout_s: float = 600):  # fmt: skip
+def make_backend(
+    name: str,
+    model,
+    tok,
+    stack: contextlib.ExitStack,
+    *,
+    seed: int,
+    url: str | None = None,
+    vocab_size: int | None = None,
+    timeout_s: float = 600,
+):
     """The backend ``name`` over ``model``, closed by ``stack``.
 
     ``sglang`` without ``url`` launches a local server on the saved policy (removed with the stack);
@@ -49,16 +58,24 @@ def make_backend(name: str, model, tok, stack: contextlib.ExitStack, *, seed: in
         url_to_use = stack.enter_context(server).url
     else:
         url_to_use = url
-    backend = SGLangBackend(url_to_use, weight_sync="disk", vocab_size=vocab_size,
-                            show_progress=False)  # fmt: skip
+    backend = SGLangBackend(
+        url_to_use, weight_sync="disk", vocab_size=vocab_size, show_progress=False
+    )
     stack.callback(backend.close)
     if url is not None:
         backend.sync_weights(named_policy_tensors(model), version=0)
     return backend
 
 
-def ppo_step(env, actor_critic, loss_fn, optimizer, gae, backend,
-             on_anchors: Callable[[Any], dict] | None = None) -> tuple[Any, dict, dict]:  # fmt: skip
+def ppo_step(
+    env,
+    actor_critic,
+    loss_fn,
+    optimizer,
+    gae,
+    backend,
+    on_anchors: Callable[[Any], dict] | None = None,
+) -> tuple[Any, dict, dict]:
     """One rollout, its anchors, GAE, one PPO update (one mini-batch, grad clip 1), the weight push.
 
     ``on_anchors(td)`` measures the batch right after the anchor pass (before the update).
@@ -98,8 +115,10 @@ def run_both(run: Callable[[str, Any, contextlib.ExitStack], list[dict]], args):
 
 def write_result(out: Path, results: dict[str, list[dict]], **fields) -> None:
     """The JSON result: the rows (without their sampled tokens), ``fields`` and the machine."""
-    rollouts = {name: [{k: v for k, v in r.items() if k != "tokens"} for r in rows]
-                for name, rows in results.items()}  # fmt: skip
+    rollouts = {
+        name: [{k: v for k, v in r.items() if k != "tokens"} for r in rows]
+        for name, rows in results.items()
+    }
     machine = f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"rollouts": rollouts, **fields, "machine": machine}, indent=2))

@@ -260,9 +260,14 @@ def run(args: argparse.Namespace) -> dict:
             check_errors[f"lambda={lmbda}"] = check_equal(data, paths, args.prompt)
             for name, t in time_paths(paths, args.reps, args.budget_s).items():
                 rows.append(
-                    {"path": name, "lmbda": lmbda, "threads": threads, **t,
-                     "x_bandwidth_bound": t["ms"] / bound_ms}
-                )  # fmt: skip
+                    {
+                        "path": name,
+                        "lmbda": lmbda,
+                        "threads": threads,
+                        **t,
+                        "x_bandwidth_bound": t["ms"] / bound_ms,
+                    }
+                )
             print(f"  threads={threads} lambda={lmbda} done", file=sys.stderr, flush=True)
     add_speedups(rows)
     cfg = config_dict(args, gae_bytes, copy_bytes)
@@ -348,13 +353,17 @@ def _git_describe() -> str | None:
 def print_table(result: dict) -> None:
     cfg = result["config"]
     load = cfg["load_avg_1m"]
-    print(f"\nGAE benchmark: B={cfg['batch']} L={cfg['length']} (TorchRL on the response "
-          f"segment, T={cfg['torchrl_time_steps']}), gamma={cfg['gamma']}, 1-min load average "
-          f"{load['before']:.1f} -> {load['after']:.1f} on {cfg['cpu_count']} cores, device "
-          f"{cfg['gpu'] or 'cpu'}")  # fmt: skip
+    print(
+        f"\nGAE benchmark: B={cfg['batch']} L={cfg['length']} (TorchRL on the response "
+        f"segment, T={cfg['torchrl_time_steps']}), gamma={cfg['gamma']}, 1-min load average "
+        f"{load['before']:.1f} -> {load['after']:.1f} on {cfg['cpu_count']} cores, device "
+        f"{cfg['gpu'] or 'cpu'}"
+    )
     for threads, bw in result["bandwidth"].items():
-        print(f"  threads={threads}: copy bandwidth {bw['copy_gbs']:.1f} GB/s -> "
-              f"bound {bw['bound_ms']:.2f} ms for {cfg['gae_bytes'] / 1e6:.1f} MB")  # fmt: skip
+        print(
+            f"  threads={threads}: copy bandwidth {bw['copy_gbs']:.1f} GB/s -> "
+            f"bound {bw['bound_ms']:.2f} ms for {cfg['gae_bytes'] / 1e6:.1f} MB"
+        )
     header = f"{'path':<14}| {'lambda':>6} | {'threads':>7} | {'ms':>9} | "
     header += f"{'speed-up vs TorchRL fastest':>27} | {'x of bandwidth bound':>20} | {'cpu ms':>9}"
     print(header)

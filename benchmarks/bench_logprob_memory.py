@@ -60,11 +60,19 @@ TARGET_X_LESS = 8.0
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                   help="hidden states / LM head dtype (default: float32 cpu, bfloat16 cuda)")  # fmt: skip
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default=None,
+        help="hidden states / LM head dtype (default: float32 cpu, bfloat16 cuda)",
+    )
     p.add_argument("--vocab", type=int, default=151_936)
-    p.add_argument("--hidden", type=int, default=128,
-                   help="sets only the LM head's own V x H gradient (Qwen3-0.6B: 1024)")  # fmt: skip
+    p.add_argument(
+        "--hidden",
+        type=int,
+        default=128,
+        help="sets only the LM head's own V x H gradient (Qwen3-0.6B: 1024)",
+    )
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--length", type=int, default=1024)
     p.add_argument("--budget-mib", type=float, default=LOGITS_MEMORY_BUDGET / 2**20)
@@ -99,8 +107,9 @@ def _log_probs(path: str, hidden, tokens, head, args) -> torch.Tensor:
         return lp
     chunk = 4096 if path == "chunk_4096" else None
     budget = int(args.budget_mib * 2**20)
-    lp, ent = token_log_probs(hidden, tokens, head, chunk_tokens=chunk, memory_budget=budget,
-                              with_entropy=args.entropy)  # fmt: skip
+    lp, ent = token_log_probs(
+        hidden, tokens, head, chunk_tokens=chunk, memory_budget=budget, with_entropy=args.entropy
+    )
     return lp[:, 1:] if ent is None else lp[:, 1:] + 0.0 * ent[:, 1:]
 
 
@@ -134,17 +143,40 @@ def child(args: argparse.Namespace) -> None:
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
     seconds = time.perf_counter() - start
-    torch.save({"log_prob": lp.detach().float().cpu(),
-                "hidden_grad": hidden.grad.float().cpu() if grad else None}, save)  # fmt: skip
+    torch.save(
+        {
+            "log_prob": lp.detach().float().cpu(),
+            "hidden_grad": hidden.grad.float().cpu() if grad else None,
+        },
+        save,
+    )
     print(json.dumps({"peak_bytes": peak, "seconds": seconds}))
 
 
 # ----------------------------------------------------------------------------- parent
 def measure(args: argparse.Namespace, path: str, pass_: str, save: Path) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", path, pass_, str(save),
-           "--device", args.device, "--dtype", args.dtype, "--vocab", str(args.vocab),
-           "--hidden", str(args.hidden), "--batch", str(args.batch), "--length", str(args.length),
-           "--budget-mib", str(args.budget_mib)] + (["--entropy"] if args.entropy else [])  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--child",
+        path,
+        pass_,
+        str(save),
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--vocab",
+        str(args.vocab),
+        "--hidden",
+        str(args.hidden),
+        "--batch",
+        str(args.batch),
+        "--length",
+        str(args.length),
+        "--budget-mib",
+        str(args.budget_mib),
+    ] + (["--entropy"] if args.entropy else [])
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if proc.returncode != 0:
@@ -162,9 +194,14 @@ def run(args: argparse.Namespace) -> dict:
                 save = Path(tmp) / f"{path}_{pass_}.pt"
                 res = measure(args, path, pass_, save)
                 outputs[path, pass_] = torch.load(save)
-                rows.append({"path": path, "pass": pass_,
-                             "chunk_tokens": {"naive": None, "chunk_4096": 4096}.get(path, chunk),
-                             **res})  # fmt: skip
+                rows.append(
+                    {
+                        "path": path,
+                        "pass": pass_,
+                        "chunk_tokens": {"naive": None, "chunk_4096": 4096}.get(path, chunk),
+                        **res,
+                    }
+                )
                 print(f"  {pass_} {path}: {res['peak_bytes'] / 2**20:.0f} MiB", file=sys.stderr)
     diffs = compare(outputs, atol=1e-4 if args.dtype == "float32" else None)
     for row in rows:
@@ -175,9 +212,12 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "config": config_dict(args, budget, chunk),
         "results": rows,
-        "target": {"x_less": TARGET_X_LESS, "worst_budget_x_less": worst,
-                   "met": worst >= TARGET_X_LESS},
-    }  # fmt: skip
+        "target": {
+            "x_less": TARGET_X_LESS,
+            "worst_budget_x_less": worst,
+            "met": worst >= TARGET_X_LESS,
+        },
+    }
 
 
 def compare(outputs: dict, atol: float | None) -> dict:
@@ -214,19 +254,25 @@ def config_dict(args: argparse.Namespace, budget: int, chunk: int) -> dict:
 
 def print_table(result: dict) -> None:
     cfg = result["config"]
-    print(f"\nLog-prob peak memory: V={cfg['vocab']}, H={cfg['hidden']}, B={cfg['batch']}, "
-          f"L={cfg['length']} ({cfg['positions']} positions), {cfg['dtype']} on "
-          f"{cfg['gpu'] or 'cpu'}, budget {cfg['budget_bytes'] / 2**20:.0f} MiB -> "
-          f"{cfg['budget_chunk_tokens']} tokens per chunk{', with entropy' if cfg['entropy'] else ''}")  # fmt: skip
-    header = (f"{'pass':<15}| {'path':<11}| {'chunk':>6} | {'peak MiB':>9} | "
-              f"{'x less than naive':>17} | {'max |diff|':>10} | {'s (cold)':>8}")  # fmt: skip
+    print(
+        f"\nLog-prob peak memory: V={cfg['vocab']}, H={cfg['hidden']}, B={cfg['batch']}, "
+        f"L={cfg['length']} ({cfg['positions']} positions), {cfg['dtype']} on "
+        f"{cfg['gpu'] or 'cpu'}, budget {cfg['budget_bytes'] / 2**20:.0f} MiB -> "
+        f"{cfg['budget_chunk_tokens']} tokens per chunk{', with entropy' if cfg['entropy'] else ''}"
+    )
+    header = (
+        f"{'pass':<15}| {'path':<11}| {'chunk':>6} | {'peak MiB':>9} | "
+        f"{'x less than naive':>17} | {'max |diff|':>10} | {'s (cold)':>8}"
+    )
     print(header)
     print("-" * len(header))
     for r in result["results"]:
         chunk = "-" if r["chunk_tokens"] is None else str(r["chunk_tokens"])
-        print(f"{r['pass']:<15}| {r['path']:<11}| {chunk:>6} | {r['peak_bytes'] / 2**20:>9.1f} | "
-              f"{r['x_less_than_naive']:>17.1f} | {r['max_abs_diff_vs_naive']:>10.2e} | "
-              f"{r['seconds']:>8.2f}")  # fmt: skip
+        print(
+            f"{r['pass']:<15}| {r['path']:<11}| {chunk:>6} | {r['peak_bytes'] / 2**20:>9.1f} | "
+            f"{r['x_less_than_naive']:>17.1f} | {r['max_abs_diff_vs_naive']:>10.2e} | "
+            f"{r['seconds']:>8.2f}"
+        )
     t = result["target"]
     print(
         f"budget path: worst {t['worst_budget_x_less']:.1f}x less than naive "

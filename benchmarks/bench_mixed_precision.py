@@ -38,8 +38,15 @@ from ar_torchrl.objectives import TokenGAE, TokenPPOLoss, recompute_anchors
 from ar_torchrl.training import ppo_update
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_mixed_precision.json"
-SMALL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=64, intermediate_size=768, vocab_size=2048)  # fmt: skip
+SMALL = dict(
+    hidden_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    intermediate_size=768,
+    vocab_size=2048,
+)
 MODES = ("fp32", "bf16_storage", "autocast", "fsdp_ws1")
 
 
@@ -66,8 +73,11 @@ def run_mode(mode: str, args, ctx, batch) -> tuple[dict, torch.Tensor]:
     opt = torch.optim.AdamW(ac.parameters(), lr=1e-6, weight_decay=0.0)
     td = batch.clone().to(ctx.device)
     plan = plan_micro_batches(td, args.token_budget)
-    amp = (torch.autocast(ctx.device.type, dtype=torch.bfloat16) if mode == "autocast"
-           else contextlib.nullcontext())  # fmt: skip
+    amp = (
+        torch.autocast(ctx.device.type, dtype=torch.bfloat16)
+        if mode == "autocast"
+        else contextlib.nullcontext()
+    )
     policy = [p for n, p in ac.named_parameters() if "value_head" not in n]
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
@@ -87,10 +97,15 @@ def run_mode(mode: str, args, ctx, batch) -> tuple[dict, torch.Tensor]:
     peak = (
         torch.cuda.max_memory_allocated(ctx.device) / 2**30 if ctx.device.type == "cuda" else None
     )
-    row = {"mode": mode, "seconds": seconds, "changed_fraction": changed / sum(b.numel() for b in before),
-           "ratio_exactly_one": all(r == (1.0, 1.0) for r in loss.ratios), "peak_memory_gib": peak,
-           "param_dtype": str(policy[0].dtype).removeprefix("torch."),
-           "value_dtype": str(td["state_value"].dtype).removeprefix("torch.")}  # fmt: skip
+    row = {
+        "mode": mode,
+        "seconds": seconds,
+        "changed_fraction": changed / sum(b.numel() for b in before),
+        "ratio_exactly_one": all(r == (1.0, 1.0) for r in loss.ratios),
+        "peak_memory_gib": peak,
+        "param_dtype": str(policy[0].dtype).removeprefix("torch."),
+        "value_dtype": str(td["state_value"].dtype).removeprefix("torch."),
+    }
     return row, td["sample_log_prob"].float().cpu()
 
 
@@ -117,18 +132,28 @@ def main() -> None:
         for ref in ("fp32", "bf16_storage"):
             diff = (log_probs[row["mode"]] - log_probs[ref]).abs()
             row[f"logprob_abs_diff_vs_{ref}"] = float(masked_mean(diff, mask))
-    header = (f"{'mode':<14}{'s':>8}{'changed':>10}{'ratio==1':>10}{'|dlogp| fp32':>14}"
-              f"{'|dlogp| bf16':>14}{'peak GiB':>10}")  # fmt: skip
+    header = (
+        f"{'mode':<14}{'s':>8}{'changed':>10}{'ratio==1':>10}{'|dlogp| fp32':>14}"
+        f"{'|dlogp| bf16':>14}{'peak GiB':>10}"
+    )
     print(header)
     for r in rows:
         peak = "n/a" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.2f}"
-        print(f"{r['mode']:<14}{r['seconds']:>8.2f}{100 * r['changed_fraction']:>9.2f}%"
-              f"{str(r['ratio_exactly_one']):>10}{r['logprob_abs_diff_vs_fp32']:>14.2e}"
-              f"{r['logprob_abs_diff_vs_bf16_storage']:>14.2e}{peak:>10}")  # fmt: skip
+        print(
+            f"{r['mode']:<14}{r['seconds']:>8.2f}{100 * r['changed_fraction']:>9.2f}%"
+            f"{str(r['ratio_exactly_one']):>10}{r['logprob_abs_diff_vs_fp32']:>14.2e}"
+            f"{r['logprob_abs_diff_vs_bf16_storage']:>14.2e}{peak:>10}"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    config = {"device": args.device, "shape": args.shape, **args.shape_dict, "rows": args.rows,
-              "tokens": int(batch["attention_mask"].sum()), "torch": torch.__version__,
-              "load_avg_1m": {"before": load_before, "after": os.getloadavg()[0]}}  # fmt: skip
+    config = {
+        "device": args.device,
+        "shape": args.shape,
+        **args.shape_dict,
+        "rows": args.rows,
+        "tokens": int(batch["attention_mask"].sum()),
+        "torch": torch.__version__,
+        "load_avg_1m": {"before": load_before, "after": os.getloadavg()[0]},
+    }
     args.out.write_text(json.dumps({"config": config, "results": rows}, indent=2) + "\n")
     print(f"wrote {args.out}")
 

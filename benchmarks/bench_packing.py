@@ -60,12 +60,25 @@ from ar_torchrl.objectives import recompute_anchors
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODELS = {
-    "small": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=32, intermediate_size=384, vocab_size=8192),
-    "qwen3-0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, intermediate_size=3072,
-                       vocab_size=151_936),
-}  # fmt: skip
+    "small": dict(
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=384,
+        vocab_size=8192,
+    ),
+    "qwen3-0.6b": dict(
+        hidden_size=1024,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=3072,
+        vocab_size=151_936,
+    ),
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -73,8 +86,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--model", choices=sorted(MODELS), default="small")
     p.add_argument("--attn", default="sdpa", help="attention implementation")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                   help="default: float32 on cpu, bfloat16 on cuda")  # fmt: skip
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default=None,
+        help="default: float32 on cpu, bfloat16 on cuda",
+    )
     p.add_argument("--dist", choices=("lognormal", "uniform"), default="lognormal")
     p.add_argument("--batch", type=int, default=32, help="rows B")
     p.add_argument("--prompt", type=int, default=64, help="longest prompt P")
@@ -254,34 +271,47 @@ def config_dict(args: argparse.Namespace, td: TensorDict) -> dict:
     lengths = td["loss_mask"].sum(-1).float()
     cfg.update(
         batch_length=td.shape[1],
-        response_length={"mean": float(lengths.mean()), "median": float(lengths.median()),
-                         "max": int(lengths.max()), "min": int(lengths.min())},
-        transformers=transformers.__version__, **machine_info(),
-    )  # fmt: skip
+        response_length={
+            "mean": float(lengths.mean()),
+            "median": float(lengths.median()),
+            "max": int(lengths.max()),
+            "min": int(lengths.min()),
+        },
+        transformers=transformers.__version__,
+        **machine_info(),
+    )
     return cfg
 
 
 def print_table(result: dict) -> None:
     cfg, auto = result["config"], result["auto"]
     r = cfg["response_length"]
-    print(f"\nPacking benchmark: model {cfg['model']} ({cfg['dtype']}, {cfg['attn']}) on "
-          f"{cfg['gpu'] or 'cpu'}, B={cfg['batch']} rows, responses {cfg['dist']} "
-          f"(median {r['median']:.0f}, mean {r['mean']:.0f}, max {r['max']}), "
-          f"token budget {cfg['token_budget']}, load {cfg['load_avg_1m']:.1f}")  # fmt: skip
-    header = (f"{'mode':<7}| {'micro-batches':>13} | {'computed':>9} | {'padding %':>9} | "
-              f"{'anchor tok/s':>12} | {'x':>5} | {'train tok/s':>11} | {'x':>5}")  # fmt: skip
+    print(
+        f"\nPacking benchmark: model {cfg['model']} ({cfg['dtype']}, {cfg['attn']}) on "
+        f"{cfg['gpu'] or 'cpu'}, B={cfg['batch']} rows, responses {cfg['dist']} "
+        f"(median {r['median']:.0f}, mean {r['mean']:.0f}, max {r['max']}), "
+        f"token budget {cfg['token_budget']}, load {cfg['load_avg_1m']:.1f}"
+    )
+    header = (
+        f"{'mode':<7}| {'micro-batches':>13} | {'computed':>9} | {'padding %':>9} | "
+        f"{'anchor tok/s':>12} | {'x':>5} | {'train tok/s':>11} | {'x':>5}"
+    )
     print(header)
     print("-" * len(header))
     for row in result["results"]:
-        print(f"{row['mode']:<7}| {row['micro_batches']:>13} | {row['computed_tokens']:>9} | "
-              f"{100 * row['padding_fraction']:>9.1f} | {row['anchor_tokens_per_s']:>12.0f} | "
-              f"{row['anchor_speedup']:>5.2f} | {row['train_tokens_per_s']:>11.0f} | "
-              f"{row['train_speedup']:>5.2f}")  # fmt: skip
+        print(
+            f"{row['mode']:<7}| {row['micro_batches']:>13} | {row['computed_tokens']:>9} | "
+            f"{100 * row['padding_fraction']:>9.1f} | {row['anchor_tokens_per_s']:>12.0f} | "
+            f"{row['anchor_speedup']:>5.2f} | {row['train_tokens_per_s']:>11.0f} | "
+            f"{row['train_speedup']:>5.2f}"
+        )
     diffs = result["check_max_abs_diff"]
-    print(f"packed vs padded max |diff|: log_prob {diffs['log_prob']:.2e}, state_value "
-          f"{diffs['state_value']:.2e}; auto: {auto['choice']} (padded plan: "
-          f"{100 * auto['padded_padding']:.1f} % padding, threshold {100 * auto['min_padding']:.0f} %; "
-          f"packing saves {100 * auto['token_saving']:.1f} % of the backbone tokens)")  # fmt: skip
+    print(
+        f"packed vs padded max |diff|: log_prob {diffs['log_prob']:.2e}, state_value "
+        f"{diffs['state_value']:.2e}; auto: {auto['choice']} (padded plan: "
+        f"{100 * auto['padded_padding']:.1f} % padding, threshold {100 * auto['min_padding']:.0f} %; "
+        f"packing saves {100 * auto['token_saving']:.1f} % of the backbone tokens)"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

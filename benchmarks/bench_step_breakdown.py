@@ -50,16 +50,29 @@ RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT / "examples"))
 
 COMMON = ("train.mode=sync", "train.eval_every=0", "train.checkpoint_every=0", "train.plot=false")
-SMOLLM2 = ("model=smollm2_135m", "data.template=dapo", "algo.lr=1e-6", "algo.value_lr=1e-4",
-           "rollout.prompts_per_iter=2", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=32")  # fmt: skip
+SMOLLM2 = (
+    "model=smollm2_135m",
+    "data.template=dapo",
+    "algo.lr=1e-6",
+    "algo.value_lr=1e-4",
+    "rollout.prompts_per_iter=2",
+    "rollout.samples_per_prompt=4",
+    "rollout.max_new_tokens=32",
+)
 SCENARIOS = {
     "cpu_default": (),
     "smollm2_trainside": SMOLLM2,
     "smollm2_sglang": (*SMOLLM2, "backend=sglang"),
 }
 STAGES = ("generate", "anchors", "advantage", "update", "sync")
-COMPUTE = ("generate/model_forward", "anchors/forward", "update/forward", "update/backward",
-           "update/grad_clip", "update/optimizer")  # fmt: skip
+COMPUTE = (
+    "generate/model_forward",
+    "anchors/forward",
+    "update/forward",
+    "update/backward",
+    "update/grad_clip",
+    "update/optimizer",
+)
 
 
 class ProfilingTimer:
@@ -137,13 +150,20 @@ def instrument(run, recipe):
 
     timer = run.timer = ProfilingTimer()
     backend = run.collector.env.backend
-    patches = [(LMActorCritic, "forward", "forward"), (LLMEnv, "score", "reward"),
-               (torch.autograd, "backward", "backward"),
-               (torch.nn.utils, "clip_grad_norm_", "grad_clip")]  # fmt: skip
+    patches = [
+        (LMActorCritic, "forward", "forward"),
+        (LLMEnv, "score", "reward"),
+        (torch.autograd, "backward", "backward"),
+        (torch.nn.utils, "clip_grad_norm_", "grad_clip"),
+    ]
     if not isinstance(backend, TransformersBackend):
         patches.append((type(backend), "_generate", "model_forward"))  # the server's compute
     saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patches]
-    handles = hook_forward(backend.model, timer, "model_forward") if isinstance(backend, TransformersBackend) else []  # fmt: skip
+    handles = (
+        hook_forward(backend.model, timer, "model_forward")
+        if isinstance(backend, TransformersBackend)
+        else []
+    )
     for owner, attr, part in patches:
         setattr(owner, attr, timed(getattr(owner, attr), timer, part))
     step = run.optimizer.step
@@ -164,11 +184,20 @@ def compose_config(name: str, args, runs_dir: Path):
     from dapo_ppo_config import validate_config
     from hydra import compose, initialize_config_dir
 
-    overrides = [*COMMON, *SCENARIOS[name], f"train.iterations={args.iterations}",
-                 f"device={args.device}", f"runs_dir={runs_dir}", *args.set]  # fmt: skip
+    overrides = [
+        *COMMON,
+        *SCENARIOS[name],
+        f"train.iterations={args.iterations}",
+        f"device={args.device}",
+        f"runs_dir={runs_dir}",
+        *args.set,
+    ]
     if name.endswith("sglang"):  # on CPU, SGLang's default 0.1 leaves SmolLM2 no KV cache
-        overrides.append("backend.device=cuda" if args.device == "cuda" else
-                         "backend.extra_args=['--mem-fraction-static','0.3']")  # fmt: skip
+        overrides.append(
+            "backend.device=cuda"
+            if args.device == "cuda"
+            else "backend.extra_args=['--mem-fraction-static','0.3']"
+        )
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         return validate_config(compose(config_name="dapo_ppo", overrides=overrides)), overrides
 
@@ -197,7 +226,10 @@ def summarize(iterations: list[dict]) -> dict:
     if not iterations:
         raise ValueError("bench_step_breakdown: no timed iteration: use --iterations >= 2")
     keys = sorted({k for it in iterations for k in it})
-    med = {k.removeprefix("time/"): statistics.median(it.get(k, 0.0) for it in iterations) for k in keys}  # fmt: skip
+    med = {
+        k.removeprefix("time/"): statistics.median(it.get(k, 0.0) for it in iterations)
+        for k in keys
+    }
     wall = med["iteration"]
     get = lambda k: med.get(k, 0.0)  # noqa: E731
     rows = {
@@ -211,14 +243,21 @@ def summarize(iterations: list[dict]) -> dict:
         "logging/other": wall - sum(get(s) for s in STAGES),
     }
     compute = sum(get(k) for k in COMPUTE)
-    return dict(wall_s=wall, stages=rows, parts=med, model_compute_s=compute,
-                outside_model_compute=1.0 - compute / wall)  # fmt: skip
+    return dict(
+        wall_s=wall,
+        stages=rows,
+        parts=med,
+        model_compute_s=compute,
+        outside_model_compute=1.0 - compute / wall,
+    )
 
 
 def report(results: list[dict]) -> str:
     lines = []
     for r in results:
-        header = f"{r['scenario']}: {r['wall_s']:.3f} s per iteration (median of {len(r['iterations'])})"  # fmt: skip
+        header = (
+            f"{r['scenario']}: {r['wall_s']:.3f} s per iteration (median of {len(r['iterations'])})"
+        )
         lines += [header, f"  {'stage':<32} {'s/iter':>8} {'% wall':>7}"]
         for stage, s in r["stages"].items():
             lines.append(f"  {stage:<32} {s:>8.3f} {100 * s / r['wall_s']:>6.1f}%")
@@ -233,8 +272,11 @@ def report(results: list[dict]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--scenarios", default="cpu_default,smollm2_trainside",
-                   help=f"comma-separated of {list(SCENARIOS)}")  # fmt: skip
+    p.add_argument(
+        "--scenarios",
+        default="cpu_default,smollm2_trainside",
+        help=f"comma-separated of {list(SCENARIOS)}",
+    )
     p.add_argument(
         "--iterations", type=int, default=4, help="PPO iterations (the first is a warm-up)"
     )
@@ -257,8 +299,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     load_before = os.getloadavg()[0]
     results = [run_scenario(name, args) for name in args.scenarios]
-    meta = dict(device=args.device, iterations=args.iterations, extra_overrides=args.set,
-                load_average=[load_before, os.getloadavg()[0]], **machine_info())  # fmt: skip
+    meta = dict(
+        device=args.device,
+        iterations=args.iterations,
+        extra_overrides=args.set,
+        load_average=[load_before, os.getloadavg()[0]],
+        **machine_info(),
+    )
     sys.stdout.write(report(results))
     sys.stdout.write(
         f"load average {meta['load_average'][0]:.1f} -> {meta['load_average'][1]:.1f}\n"

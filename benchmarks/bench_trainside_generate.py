@@ -57,29 +57,55 @@ from ar_torchrl.data import arithmetic_dataset
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODELS = ("tiny_h64_l2", "h256_l4", "smollm2_135m", "qwen3-0.6b")
-SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                     num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
-                     bos_token_id=1, eos_token_id=2, pad_token_id=2)  # fmt: skip
-QWEN3_06B_SHAPE = dict(vocab_size=151_936, hidden_size=1024, intermediate_size=3072,
-                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                       head_dim=128, tie_word_embeddings=True, eos_token_id=2, pad_token_id=0)  # fmt: skip
+SMOLLM2_SHAPE = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+)
+QWEN3_06B_SHAPE = dict(
+    vocab_size=151_936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    tie_word_embeddings=True,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 PATHS = ("backend", "backend_legacy", "hf_generate", "hf_generate_logprobs")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                   help="default: float32 on CPU, bfloat16 on CUDA")  # fmt: skip
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default=None,
+        help="default: float32 on CPU, bfloat16 on CUDA",
+    )
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="round-robin rounds (median reported)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--models", default="tiny_h64_l2,h256_l4", help=f"comma-separated of {MODELS}")
-    p.add_argument("--cache-dir", type=Path, default=None,
-                   help="where load_smollm2_135m keeps the converted model (default: $AR_TORCHRL_CACHE "
-                        "or ~/.cache/ar_torchrl)")  # fmt: skip
+    p.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="where load_smollm2_135m keeps the converted model (default: $AR_TORCHRL_CACHE "
+        "or ~/.cache/ar_torchrl)",
+    )
     p.add_argument(
         "--quick", action="store_true", help="4 prompts x 2 samples, 16 new tokens, 1 round"
     )
@@ -117,8 +143,13 @@ class LegacyBackend(TransformersBackend):
         return tokens, log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
     def _forward_legacy(self, ids, mask, positions, cache):
-        out = self.model(input_ids=ids, attention_mask=mask.long(), position_ids=positions,
-                         use_cache=True, **{self._cache_kwarg: cache})  # fmt: skip
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask.long(),
+            position_ids=positions,
+            use_cache=True,
+            **{self._cache_kwarg: cache},
+        )
         return out.logits[:, -1]
 
     @torch.no_grad()
@@ -126,7 +157,9 @@ class LegacyBackend(TransformersBackend):
         ids, mask = self._left_pad(prompts, room=0)
         mask = mask.bool()
         bsz, device, max_new = len(prompts), ids.device, sampling.max_new_tokens
-        stop_ids = torch.tensor(sorted(set(self.eos_token_ids) | set(sampling.stop_token_ids)), device=device)  # fmt: skip
+        stop_ids = torch.tensor(
+            sorted(set(self.eos_token_ids) | set(sampling.stop_token_ids)), device=device
+        )
         tokens = torch.zeros((bsz, max_new), dtype=torch.long, device=device)
         log_probs = torch.zeros((bsz, max_new), dtype=torch.float32, device=device)
         lengths = torch.zeros(bsz, dtype=torch.long, device=device)
@@ -159,7 +192,11 @@ def build(name: str, args):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         if name in ("tiny_h64_l2", "h256_l4"):
-            size = dict(hidden_size=64, num_layers=2) if name == "tiny_h64_l2" else dict(hidden_size=256, num_layers=4)  # fmt: skip
+            size = (
+                dict(hidden_size=64, num_layers=2)
+                if name == "tiny_h64_l2"
+                else dict(hidden_size=256, num_layers=4)
+            )
             model = build_tiny_qwen3(len(tok), max_position_embeddings=1024, **size)
         elif name == "smollm2_135m":
             model, tok, source = smollm2(args)
@@ -215,12 +252,20 @@ def check_greedy_agreement(model, prompts, max_new: int, eos: int, pad: int) -> 
     legacy = LegacyBackend(model, mode="share", eos_token_id=eos, pad_token_id=pad)
     new, old = ours.generate(prompts, 1, greedy), legacy.generate(prompts, 1, greedy)
     ids, mask = left_pad(prompts, pad, model.device)
-    ref = model.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
-                         eos_token_id=eos, pad_token_id=pad)[:, ids.shape[1] :]  # fmt: skip
+    ref = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=max_new,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=pad,
+    )[:, ids.shape[1] :]
     for a, b, row in zip(new, old, ref):
         if not a.token_ids == b.token_ids == row[: len(a)].tolist():
-            raise AssertionError(f"greedy mismatch on prompt {a.prompt_index}: {a.token_ids} / "
-                                 f"{b.token_ids} / {row.tolist()}")  # fmt: skip
+            raise AssertionError(
+                f"greedy mismatch on prompt {a.prompt_index}: {a.token_ids} / "
+                f"{b.token_ids} / {row.tolist()}"
+            )
 
 
 # ----------------------------------------------------------------------------- timed paths
@@ -241,8 +286,15 @@ def run_backend(cls, model, prompts, args, eos, pad) -> tuple[float, int]:
 
 def run_hf(model, prompts, args, eos, pad, *, logprobs: bool) -> tuple[float, int]:
     ids, mask = left_pad([p for p in prompts for _ in range(args.samples)], pad, model.device)
-    kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=eos,
-                  pad_token_id=pad, max_new_tokens=args.max_new_tokens)  # fmt: skip
+    kwargs = dict(
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        max_new_tokens=args.max_new_tokens,
+    )
     if logprobs:
         kwargs.update(output_scores=True, return_dict_in_generate=True)
     torch.manual_seed(0)
@@ -270,8 +322,13 @@ def bench_model(name: str, args) -> list[dict]:
     model, prompts, eos, pad, source = build(name, args)
     with torch.no_grad():
         check_greedy_agreement(model, prompts[:4], min(args.max_new_tokens, 32), eos, pad)
-        runs = paths(model, prompts[:2], argparse.Namespace(**{**vars(args), "samples": 1,
-                                                               "max_new_tokens": 4}), eos, pad)  # fmt: skip
+        runs = paths(
+            model,
+            prompts[:2],
+            argparse.Namespace(**{**vars(args), "samples": 1, "max_new_tokens": 4}),
+            eos,
+            pad,
+        )
         for warm in runs.values():
             warm()
         timed: dict[str, list[tuple[float, int]]] = {p: [] for p in PATHS}
@@ -281,11 +338,18 @@ def bench_model(name: str, args) -> list[dict]:
                 timed[path].append(fn())
     rates = {p: statistics.median(tok / s for s, tok in v) for p, v in timed.items()}
     return [
-        dict(model=name, weights=source, path=p, seconds=statistics.median(s for s, _ in v),
-             tokens=statistics.median(tok for _, tok in v), tokens_per_s=rates[p],
-             backend_ratio=rates["backend"] / rates[p], runs=[dict(seconds=s, tokens=tok) for s, tok in v])
+        dict(
+            model=name,
+            weights=source,
+            path=p,
+            seconds=statistics.median(s for s, _ in v),
+            tokens=statistics.median(tok for _, tok in v),
+            tokens_per_s=rates[p],
+            backend_ratio=rates["backend"] / rates[p],
+            runs=[dict(seconds=s, tokens=tok) for s, tok in v],
+        )
         for p, v in timed.items()
-    ]  # fmt: skip
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -297,16 +361,27 @@ def main(argv: list[str] | None = None) -> None:
     header = f"{'model':<13} {'path':<21} {'tokens':>7} {'seconds':>8} {'tokens/s':>9} {'backend/path':>12}"
     lines = [header, "-" * len(header)]
     for r in results:
-        lines.append(f"{r['model']:<13} {r['path']:<21} {r['tokens']:>7.0f} {r['seconds']:>8.3f} "
-                     f"{r['tokens_per_s']:>9.0f} {r['backend_ratio']:>12.2f}")  # fmt: skip
-    lines.append(f"median of {args.repeats} round-robin runs; load average {load_before:.1f} -> {load_after:.1f}")  # fmt: skip
+        lines.append(
+            f"{r['model']:<13} {r['path']:<21} {r['tokens']:>7.0f} {r['seconds']:>8.3f} "
+            f"{r['tokens_per_s']:>9.0f} {r['backend_ratio']:>12.2f}"
+        )
+    lines.append(
+        f"median of {args.repeats} round-robin runs; load average {load_before:.1f} -> {load_after:.1f}"
+    )
     sys.stdout.write("\n".join(lines) + "\n")
     meta = dict(
-        device=args.device, dtype=args.dtype, prompts=args.prompts, samples=args.samples,
-        max_new_tokens=args.max_new_tokens, repeats=args.repeats, threads=args.threads,
-        quick=args.quick, load_average=[load_before, load_after],
-        transformers=transformers.__version__, **machine_info(),
-    )  # fmt: skip
+        device=args.device,
+        dtype=args.dtype,
+        prompts=args.prompts,
+        samples=args.samples,
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
+        threads=args.threads,
+        quick=args.quick,
+        load_average=[load_before, load_after],
+        transformers=transformers.__version__,
+        **machine_info(),
+    )
     write_json({"config": meta, "results": results}, args.out)
     sys.stdout.write(f"wrote {args.out}\n")
 

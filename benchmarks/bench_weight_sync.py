@@ -74,13 +74,14 @@ class SyncProfile:
         self.counts: dict[str, int] = {}
         self._current = "?"
         self._targets = [
-            (tensor, "flatten_bucket", "flatten (cat)"), (distributed, "flatten_bucket", "flatten (cat)"),
+            (tensor, "flatten_bucket", "flatten (cat)"),
+            (distributed, "flatten_bucket", "flatten (cat)"),
             (tensor, "serialize_for_sglang", "pickle to shared memory"),
             (disk.DiskWeightSender, "_write", "write shards"),
             (sglang_base.SGLangSender, "served_shapes", "served shapes"),
             (sglang_base.SGLangSender, "_check_versions", "version check"),
             (SGLangBackend, "post", None),
-        ]  # fmt: skip
+        ]
 
     def _wrap(self, fn, label):
         def timed(*a, **kw):
@@ -108,8 +109,11 @@ class SyncProfile:
 
     def summary(self) -> dict[str, dict[str, float]]:
         """Mean seconds per sync of each part, per method (methods that called none: left out)."""
-        return {m: {k: v / self.counts[m] for k, v in parts.items()}
-                for m, parts in self.totals.items() if parts}  # fmt: skip
+        return {
+            m: {k: v / self.counts[m] for k, v in parts.items()}
+            for m, parts in self.totals.items()
+            if parts
+        }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -122,8 +126,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cache-dir", type=Path, default=None, help="load_smollm2_135m's cache")
     p.add_argument("--bucket-mib", type=int, default=256, help="bucket / shard size")
     p.add_argument("--profile", action="store_true", help="split each SGLang sync into its parts")
-    p.add_argument("--server-args", default="--mem-fraction-static 0.3",
-                   help="extra sglang.launch_server flags (0.1, the CPU default, leaves SmolLM2 no KV cache)")  # fmt: skip
+    p.add_argument(
+        "--server-args",
+        default="--mem-fraction-static 0.3",
+        help="extra sglang.launch_server flags (0.1, the CPU default, leaves SmolLM2 no KV cache)",
+    )
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="the tiny model, 1 round")
     p.add_argument("--out", type=Path, default=None)
@@ -230,8 +237,13 @@ def make_syncs(model, args, url: str | None, stack: contextlib.ExitStack) -> dic
             backend = TransformersBackend(model, mode=method)
         else:
             options = {"bucket_bytes": args.bucket_mib << 20}
-            backend = SGLangBackend(url, weight_sync=method, weight_sync_options=options,
-                                    sync_timeout_s=900, show_progress=False)  # fmt: skip
+            backend = SGLangBackend(
+                url,
+                weight_sync=method,
+                weight_sync_options=options,
+                sync_timeout_s=900,
+                show_progress=False,
+            )
         stack.callback(backend.close)
         syncs[method] = _timed_sync(backend, model)
     return syncs
@@ -268,25 +280,38 @@ def bench(args, model, url, workdir: Path, stack) -> dict:
     nbytes = policy_bytes(model)
     raw = statistics.median(timed["raw_safetensors"])
     rows = [
-        dict(method=m, seconds=statistics.median(v), first_sync_s=first[m], runs=v,
-             gb_per_s=nbytes / statistics.median(v) / 1e9, vs_raw=statistics.median(v) / raw)
+        dict(
+            method=m,
+            seconds=statistics.median(v),
+            first_sync_s=first[m],
+            runs=v,
+            gb_per_s=nbytes / statistics.median(v) / 1e9,
+            vs_raw=statistics.median(v) / raw,
+        )
         for m, v in timed.items()
-    ]  # fmt: skip
+    ]
     parts = {**profile.summary(), "raw_safetensors": raw_ref.mean_parts()} if args.profile else {}
     return {"bytes": nbytes, "results": rows, "profile": parts}
 
 
 def report(out: dict, args) -> None:
     header = f"{'method':<16} {'s/sync':>8} {'first':>8} {'GB/s':>7} {'x raw':>6}"
-    lines = [f"{out['config']['model']}: {out['bytes'] / 1e6:.2f} MB per sync", header,
-             "-" * len(header)]  # fmt: skip
+    lines = [
+        f"{out['config']['model']}: {out['bytes'] / 1e6:.2f} MB per sync",
+        header,
+        "-" * len(header),
+    ]
     for r in out["results"]:
-        lines.append(f"{r['method']:<16} {r['seconds']:>8.3f} {r['first_sync_s']:>8.3f} "
-                     f"{r['gb_per_s']:>7.2f} {r['vs_raw']:>6.2f}")  # fmt: skip
+        lines.append(
+            f"{r['method']:<16} {r['seconds']:>8.3f} {r['first_sync_s']:>8.3f} "
+            f"{r['gb_per_s']:>7.2f} {r['vs_raw']:>6.2f}"
+        )
     for method, parts in out["profile"].items():
         lines.append(f"{method}: " + ", ".join(f"{k} {v:.3f}s" for k, v in parts.items()))
     load = out["config"]["load_average"]
-    lines.append(f"median of {args.repeats} round-robin runs; load average {load[0]:.1f} -> {load[1]:.1f}")  # fmt: skip
+    lines.append(
+        f"median of {args.repeats} round-robin runs; load average {load[0]:.1f} -> {load[1]:.1f}"
+    )
     sys.stdout.write("\n".join(lines) + "\n")
 
 
@@ -302,16 +327,27 @@ def main(argv: list[str] | None = None) -> None:
         if needs_server(args):
             from ar_torchrl.backends.sglang import launch_sglang_server
 
-            server = stack.enter_context(launch_sglang_server(
-                model_dir, device=args.device, extra_args=args.server_args.split(),
-                log_file=workdir / "server.log", timeout_s=600))  # fmt: skip
+            server = stack.enter_context(
+                launch_sglang_server(
+                    model_dir,
+                    device=args.device,
+                    extra_args=args.server_args.split(),
+                    log_file=workdir / "server.log",
+                    timeout_s=600,
+                )
+            )
             url = server.url
         out = bench(args, model, url, workdir, stack)
     out["config"] = dict(
-        model=name, device=args.device, repeats=args.repeats, bucket_mib=args.bucket_mib,
-        threads=args.threads, quick=args.quick, load_average=[load_before, os.getloadavg()[0]],
+        model=name,
+        device=args.device,
+        repeats=args.repeats,
+        bucket_mib=args.bucket_mib,
+        threads=args.threads,
+        quick=args.quick,
+        load_average=[load_before, os.getloadavg()[0]],
         **machine_info(),
-    )  # fmt: skip
+    )
     report(out, args)
     write_json(out, args.out)
     sys.stdout.write(f"wrote {args.out}\n")

@@ -77,8 +77,11 @@ def timed_generate(backend, prompts, n, sampling, repeats: int) -> tuple[list, l
 
 def drift_stats(diffs: list[torch.Tensor]) -> dict:
     flat = torch.cat([d.abs() for d in diffs]) if diffs else torch.zeros(0)
-    return {"tokens": int(flat.numel()), "max_abs": float(flat.max()) if flat.numel() else 0.0,
-            "mean_abs": float(flat.mean()) if flat.numel() else 0.0}  # fmt: skip
+    return {
+        "tokens": int(flat.numel()),
+        "max_abs": float(flat.max()) if flat.numel() else 0.0,
+        "mean_abs": float(flat.mean()) if flat.numel() else 0.0,
+    }
 
 
 def compare(model, prompts, sgl_out, tf_out) -> dict:
@@ -110,23 +113,38 @@ def compare(model, prompts, sgl_out, tf_out) -> dict:
 
 def print_table(result: dict) -> None:
     rows = [
-        ("backend", "tokens", "seconds", "tokens/s", "max|dlogp| vs trainer", "mean|dlogp| vs trainer"),
+        (
+            "backend",
+            "tokens",
+            "seconds",
+            "tokens/s",
+            "max|dlogp| vs trainer",
+            "mean|dlogp| vs trainer",
+        ),
         *[
-            (name, str(r["tokens"]), f"{r['seconds']:.2f}", f"{r['tokens_per_s']:.1f}",
-             f"{result['drift'][key]['max_abs']:.2e}", f"{result['drift'][key]['mean_abs']:.2e}")
+            (
+                name,
+                str(r["tokens"]),
+                f"{r['seconds']:.2f}",
+                f"{r['tokens_per_s']:.1f}",
+                f"{result['drift'][key]['max_abs']:.2e}",
+                f"{result['drift'][key]['mean_abs']:.2e}",
+            )
             for name, r, key in (
                 ("sglang", result["sglang"], "drift_sglang_vs_trainer"),
                 ("trainside", result["trainside"], "drift_trainside_vs_trainer"),
             )
         ],
-    ]  # fmt: skip
+    ]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
     d = result["drift"]
-    print(f"token-identical completions: {d['token_identical']}/{d['completions']}; "
-          f"sglang vs trainside drift: max {d['drift_sglang_vs_trainside']['max_abs']:.2e}, "
-          f"mean {d['drift_sglang_vs_trainside']['mean_abs']:.2e} over {d['drift_sglang_vs_trainside']['tokens']} tokens")  # fmt: skip
+    print(
+        f"token-identical completions: {d['token_identical']}/{d['completions']}; "
+        f"sglang vs trainside drift: max {d['drift_sglang_vs_trainside']['max_abs']:.2e}, "
+        f"mean {d['drift_sglang_vs_trainside']['mean_abs']:.2e} over {d['drift_sglang_vs_trainside']['tokens']} tokens"
+    )
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -137,8 +155,12 @@ def run(args: argparse.Namespace) -> dict:
     with contextlib.ExitStack() as stack:
         url = args.url
         if url is None:
-            model_dir = save_tiny_model(Path(stack.enter_context(tempfile.TemporaryDirectory())) / "model",
-                                        seed=args.seed, hidden_size=args.hidden, num_layers=args.layers)  # fmt: skip
+            model_dir = save_tiny_model(
+                Path(stack.enter_context(tempfile.TemporaryDirectory())) / "model",
+                seed=args.seed,
+                hidden_size=args.hidden,
+                num_layers=args.layers,
+            )
             url = stack.enter_context(launch_sglang_server(model_dir, timeout_s=600)).url
         sgl = stack.enter_context(SGLangBackend(url, show_progress=False))
         if args.url is not None:  # an external server: make sure it serves these weights
@@ -147,10 +169,14 @@ def run(args: argparse.Namespace) -> dict:
         trainside = TransformersBackend(model, mode="copy", seed=args.seed)
         tf_out, tf_s = timed_generate(trainside, prompts, args.n, sampling, args.repeats)
     side = {
-        name: {"tokens": sum(map(len, out)), "seconds": min(times), "seconds_all": times,
-               "tokens_per_s": sum(map(len, out)) / min(times)}
+        name: {
+            "tokens": sum(map(len, out)),
+            "seconds": min(times),
+            "seconds_all": times,
+            "tokens_per_s": sum(map(len, out)) / min(times),
+        }
         for name, out, times in (("sglang", sgl_out, sgl_s), ("trainside", tf_out, tf_s))
-    }  # fmt: skip
+    }
     return {
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "env": {
@@ -159,7 +185,7 @@ def run(args: argparse.Namespace) -> dict:
             "cpus": os.cpu_count(),
             "load_avg": os.getloadavg(),
             "machine": platform.machine(),
-        },  # fmt: skip
+        },
         **side,
         "drift": compare(model, prompts, sgl_out, tf_out),
     }

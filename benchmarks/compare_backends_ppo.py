@@ -36,9 +36,18 @@ def starting_policy(cache: Path, seed: int):
     """The recipe's warm-started tiny model (cached), a fresh value head and its tokenizer."""
     model, tok = build_tiny_model()
     rows = list(arithmetic_dataset(1000, seed=1234))
-    model, _ = cached_warm_start(model, tok, rows, cache_dir=cache / "warmstart", steps=300,
-                                 batch_size=32, lr=3e-3, final_lr_ratio=0.1,
-                                 correct_fraction=0.3, seed=1234)  # fmt: skip
+    model, _ = cached_warm_start(
+        model,
+        tok,
+        rows,
+        cache_dir=cache / "warmstart",
+        steps=300,
+        batch_size=32,
+        lr=3e-3,
+        final_lr_ratio=0.1,
+        correct_fraction=0.3,
+        seed=1234,
+    )
     torch.manual_seed(seed)
     return attach_value_head(model), tok
 
@@ -46,9 +55,15 @@ def starting_policy(cache: Path, seed: int):
 def run(backend_name: str, args, stack) -> list[dict]:
     model, tok = starting_policy(args.cache, args.seed)
     backend = make_backend(backend_name, model, tok, stack, seed=args.seed, url=args.url)
-    env = LLMEnv(arithmetic_dataset(200, seed=args.seed), tok, backend, num_samples=1,
-                 prompts_per_batch=PROMPTS, sampling=SamplingParams(max_new_tokens=MAX_NEW,
-                 temperature=0.0), seed=args.seed)  # fmt: skip
+    env = LLMEnv(
+        arithmetic_dataset(200, seed=args.seed),
+        tok,
+        backend,
+        num_samples=1,
+        prompts_per_batch=PROMPTS,
+        sampling=SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0),
+        seed=args.seed,
+    )
     ac = LMActorCritic(model)
     loss_fn = TokenPPOLoss(ac, clip_epsilon=0.2, clip_value=0.2, critic_coeff=1.0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -56,8 +71,9 @@ def run(backend_name: str, args, stack) -> list[dict]:
     rows = []
     for i in range(ROLLOUTS):
         _, out, row = ppo_step(env, ac, loss_fn, optimizer, gae, backend)
-        rows.append({"rollout": i, **row,
-                     "logprob_abs_diff": out["train/rollout_log_prob_abs_diff"]})  # fmt: skip
+        rows.append(
+            {"rollout": i, **row, "logprob_abs_diff": out["train/rollout_log_prob_abs_diff"]}
+        )
     return rows
 
 
@@ -82,8 +98,11 @@ def main() -> None:
     parser.add_argument("--url", default=None, help="an already running SGLang server")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
-    parser.add_argument("--cache", type=Path, default=Path(os.environ.get(
-        "AR_TORCHRL_CACHE", Path.home() / ".cache" / "ar_torchrl")))  # fmt: skip
+    parser.add_argument(
+        "--cache",
+        type=Path,
+        default=Path(os.environ.get("AR_TORCHRL_CACHE", Path.home() / ".cache" / "ar_torchrl")),
+    )
     args = parser.parse_args()
     results, seconds = run_both(run, args)
     same_tokens = [
@@ -92,13 +111,26 @@ def main() -> None:
     max_loss_diff = max(
         abs(a["loss"] - b["loss"]) for a, b in zip(results["trainside"], results["sglang"])
     )
-    finite = all(math.isfinite(r[k]) for rows in results.values() for r in rows
-                 for k in ("loss", "ratio_mean", "logprob_abs_diff", "grad_norm"))  # fmt: skip
+    finite = all(
+        math.isfinite(r[k])
+        for rows in results.values()
+        for r in rows
+        for k in ("loss", "ratio_mean", "logprob_abs_diff", "grad_norm")
+    )
     print(table(results))
-    print(f"same greedy tokens per rollout: {same_tokens}; max |loss diff| = {max_loss_diff:.3e}; "
-          f"all finite: {finite}; wall s: {seconds}")  # fmt: skip
-    write_result(args.out, results, same_tokens=same_tokens, max_loss_abs_diff=max_loss_diff,
-                 all_finite=finite, wall_s=seconds, seed=args.seed)  # fmt: skip
+    print(
+        f"same greedy tokens per rollout: {same_tokens}; max |loss diff| = {max_loss_diff:.3e}; "
+        f"all finite: {finite}; wall s: {seconds}"
+    )
+    write_result(
+        args.out,
+        results,
+        same_tokens=same_tokens,
+        max_loss_abs_diff=max_loss_diff,
+        all_finite=finite,
+        wall_s=seconds,
+        seed=args.seed,
+    )
 
 
 if __name__ == "__main__":

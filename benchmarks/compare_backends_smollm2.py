@@ -33,8 +33,15 @@ from ar_torchrl.modules import LMActorCritic, attach_value_head
 from ar_torchrl.objectives import TokenGAE, TokenPPOLoss
 
 RESULTS = Path(__file__).resolve().parent / "results" / "compare_backends_smollm2.json"
-METRICS = ("loss", "ratio_mean", "rollout_ratio_mean", "drift_mean", "drift_max", "grad_norm",
-           "reward_mean")  # fmt: skip
+METRICS = (
+    "loss",
+    "ratio_mean",
+    "rollout_ratio_mean",
+    "drift_mean",
+    "drift_max",
+    "grad_norm",
+    "reward_mean",
+)
 
 
 def drift(td) -> dict[str, float]:
@@ -46,26 +53,45 @@ def drift(td) -> dict[str, float]:
     """
     mask = td["loss_mask"]
     delta = (td["sample_log_prob"] - td["rollout_log_prob"])[mask]
-    return {"drift_mean": float(delta.abs().mean()), "drift_max": float(delta.abs().max()),
-            "rollout_ratio_mean": float(delta.exp().mean())}  # fmt: skip
+    return {
+        "drift_mean": float(delta.abs().mean()),
+        "drift_max": float(delta.abs().max()),
+        "rollout_ratio_mean": float(delta.exp().mean()),
+    }
 
 
 def run(backend_name: str, args, stack) -> list[dict]:
     model, tok = load_smollm2_135m(args.cache)
     torch.manual_seed(args.seed)
     model = attach_value_head(model)
-    backend = make_backend(backend_name, model, tok, stack, seed=args.seed, url=args.url,
-                           vocab_size=model.config.vocab_size, timeout_s=900)  # fmt: skip
+    backend = make_backend(
+        backend_name,
+        model,
+        tok,
+        stack,
+        seed=args.seed,
+        url=args.url,
+        vocab_size=model.config.vocab_size,
+        timeout_s=900,
+    )
     train_rows, _ = arithmetic_task_split(2000, 64, max_operand=19, seed=0)
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
-    env = LLMEnv(train_rows, tok, backend, num_samples=args.samples, prompts_per_batch=args.prompts,
-                 sampling=sampling, seed=args.seed)  # fmt: skip
+    env = LLMEnv(
+        train_rows,
+        tok,
+        backend,
+        num_samples=args.samples,
+        prompts_per_batch=args.prompts,
+        sampling=sampling,
+        seed=args.seed,
+    )
     ac = LMActorCritic(model)
     loss_fn = TokenPPOLoss(ac, clip_epsilon=0.2, clip_value=0.2, critic_coeff=1.0)
     head = list(model.value_head.parameters())
     policy = [p for n, p in model.named_parameters() if not n.startswith("value_head.")]
-    optimizer = torch.optim.AdamW([{"params": policy, "lr": args.lr},
-                                   {"params": head, "lr": args.value_lr}], weight_decay=0.0)  # fmt: skip
+    optimizer = torch.optim.AdamW(
+        [{"params": policy, "lr": args.lr}, {"params": head, "lr": args.value_lr}], weight_decay=0.0
+    )
     gae = TokenGAE(gamma=1.0, lmbda=0.95, normalize_advantage=True)
     rows = []
     for i in range(args.rollouts):
@@ -92,7 +118,7 @@ def summary(results: dict[str, list[dict]]) -> dict:
         "max_abs_diff": {k: max(abs(a[k] - b[k]) for a, b in pairs) for k in METRICS},
         "all_finite": all(
             math.isfinite(r[k]) for rows in results.values() for r in rows for k in METRICS
-        ),  # fmt: skip
+        ),
     }
 
 
@@ -107,15 +133,20 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-5, help="policy learning rate (AdamW)")
     parser.add_argument("--value-lr", type=float, default=1e-4, help="value-head learning rate")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
-    parser.add_argument("--cache", type=Path, default=Path(os.environ.get(
-        "AR_TORCHRL_CACHE", Path.home() / ".cache" / "ar_torchrl")))  # fmt: skip
+    parser.add_argument(
+        "--cache",
+        type=Path,
+        default=Path(os.environ.get("AR_TORCHRL_CACHE", Path.home() / ".cache" / "ar_torchrl")),
+    )
     args = parser.parse_args()
     results, seconds = run_both(run, args)
     stats = summary(results)
     print(table(results))
-    print(f"same greedy tokens per rollout: {stats['same_tokens']}; max |diff|: "
-          f"{ {k: f'{v:.2e}' for k, v in stats['max_abs_diff'].items()} }; all finite: "
-          f"{stats['all_finite']}; wall s: {seconds}")  # fmt: skip
+    print(
+        f"same greedy tokens per rollout: {stats['same_tokens']}; max |diff|: "
+        f"{ {k: f'{v:.2e}' for k, v in stats['max_abs_diff'].items()} }; all finite: "
+        f"{stats['all_finite']}; wall s: {seconds}"
+    )
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "cache", "url")}
     write_result(args.out, results, **stats, wall_s=seconds, settings=settings)
 

@@ -47,14 +47,26 @@ QWEN3_0_6B = dict(
     intermediate_size=3072,
     vocab_size=151936,
 )
-TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, intermediate_size=128, vocab_size=512)  # fmt: skip
+TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    vocab_size=512,
+)
 
 
 def build_model(shape: dict, device: torch.device, seed: int) -> torch.nn.Module:
     """A random Qwen3 of ``shape`` with bf16 weights and a zero fp32 value head."""
-    config = Qwen3Config(**shape, max_position_embeddings=4096, tie_word_embeddings=True,
-                         rope_theta=1_000_000.0, attn_implementation="sdpa")  # fmt: skip
+    config = Qwen3Config(
+        **shape,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        rope_theta=1_000_000.0,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(seed)
     with torch.device(device):
         model = Qwen3ForCausalLM(config).to(torch.bfloat16)
@@ -75,9 +87,15 @@ def make_batch(rows: int, lengths: tuple[int, int], vocab: int, seed: int) -> Te
     done = (pos == last).unsqueeze(-1)
     sign = torch.where(torch.rand(rows, generator=g) < 0.5, -1.0, 1.0)
     reward = done.float() * sign.view(rows, 1, 1)
-    return TensorDict({"tokens": torch.where(attn, tokens, 0), "attention_mask": attn,
-                       "loss_mask": loss_mask, "next": {"reward": reward, "done": done,
-                       "terminated": done.clone()}}, [rows, width])  # fmt: skip
+    return TensorDict(
+        {
+            "tokens": torch.where(attn, tokens, 0),
+            "attention_mask": attn,
+            "loss_mask": loss_mask,
+            "next": {"reward": reward, "done": done, "terminated": done.clone()},
+        },
+        [rows, width],
+    )
 
 
 class RecordRatios:
@@ -105,15 +123,20 @@ def run(args) -> dict:
     with distributed(args.device, process_group=True) as ctx:
         shape = TINY if args.tiny else QWEN3_0_6B
         ac = LMActorCritic(build_model(shape, ctx.device, args.seed))
-        shard_actor_critic(ac, ctx, compute_dtype="bfloat16",
-                           activation_checkpointing=args.activation_checkpointing)  # fmt: skip
+        shard_actor_critic(
+            ac,
+            ctx,
+            compute_dtype="bfloat16",
+            activation_checkpointing=args.activation_checkpointing,
+        )
         optimizer = torch.optim.AdamW(ac.parameters(), lr=1e-6, weight_decay=0.0)
         lengths = (16 + 64, 48 + 64) if args.tiny else (200, 1000)
         td = make_batch(args.rows, lengths, shape["vocab_size"], args.seed) if ctx.is_main else None
         td = broadcast_batch(td, ctx)
         budget = 512 if args.tiny else args.token_budget
-        sharded = shard_plan(plan_micro_batches(td, budget), td, rank=ctx.rank,
-                             world_size=ctx.world_size)  # fmt: skip
+        sharded = shard_plan(
+            plan_micro_batches(td, budget), td, rank=ctx.rank, world_size=ctx.world_size
+        )
         if ctx.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(ctx.device)
         _sync(ctx.device)
@@ -140,13 +163,21 @@ def run(args) -> dict:
         padded = sum(mb.num_tokens for mb in sharded.plan.micro_batches)
         peak = torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else None
         return {
-            "config": {"model": "tiny" if args.tiny else "qwen3-0.6b-shape", **shape,
-                       "device": str(ctx.device), "world_size": ctx.world_size,
-                       "rows": args.rows, "token_budget": budget, "compute_dtype": "bfloat16",
-                       "activation_checkpointing": args.activation_checkpointing,
-                       "torch": torch.__version__, "python": platform.python_version(),
-                       "gpu": torch.cuda.get_device_name(ctx.device)
-                       if ctx.device.type == "cuda" else None},
+            "config": {
+                "model": "tiny" if args.tiny else "qwen3-0.6b-shape",
+                **shape,
+                "device": str(ctx.device),
+                "world_size": ctx.world_size,
+                "rows": args.rows,
+                "token_budget": budget,
+                "compute_dtype": "bfloat16",
+                "activation_checkpointing": args.activation_checkpointing,
+                "torch": torch.__version__,
+                "python": platform.python_version(),
+                "gpu": torch.cuda.get_device_name(ctx.device)
+                if ctx.device.type == "cuda"
+                else None,
+            },
             "micro_batches": len(sharded.plan),
             "tokens": real,
             "padded_tokens": padded,
@@ -162,22 +193,29 @@ def run(args) -> dict:
             "loss_objective": metrics["train/loss_objective"],
             "grad_norm": metrics["train/grad_norm"],
             "is_main": ctx.is_main,
-        }  # fmt: skip
+        }
 
 
 def print_table(result: dict) -> None:
     rows = [
-        ("model", f"{result['config']['model']} on {result['config']['device']} "
-                  f"x{result['config']['world_size']}"),
-        ("micro-batches / tokens (padded)",
-         f"{result['micro_batches']} / {result['tokens']} ({result['padded_tokens']})"),
+        (
+            "model",
+            f"{result['config']['model']} on {result['config']['device']} "
+            f"x{result['config']['world_size']}",
+        ),
+        (
+            "micro-batches / tokens (padded)",
+            f"{result['micro_batches']} / {result['tokens']} ({result['padded_tokens']})",
+        ),
         ("first-update ratio min / max", f"{result['ratio_min']!r} / {result['ratio_max']!r}"),
         ("anchor pass tokens/s", f"{result['anchor_tokens_per_s']:,.0f}"),
         ("PPO update tokens/s", f"{result['update_tokens_per_s']:,.0f}"),
-        ("peak memory (GiB)", "n/a" if result["peak_memory_gib"] is None
-         else f"{result['peak_memory_gib']:.2f}"),
+        (
+            "peak memory (GiB)",
+            "n/a" if result["peak_memory_gib"] is None else f"{result['peak_memory_gib']:.2f}",
+        ),
         ("fp32 masters changed (lr 1e-6)", f"{100 * result['masters_changed_fraction']:.2f} %"),
-    ]  # fmt: skip
+    ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")

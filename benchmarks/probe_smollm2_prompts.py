@@ -49,18 +49,24 @@ def probe(backend, tok, rows, fmt: str, temperature: float, max_new_tokens: int)
         prompts.append(tok(text, add_special_tokens=False)["input_ids"])
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=0)
     start = time.process_time()
-    done = [c for i in range(0, len(prompts), 32)
-            for c in backend.generate(prompts[i : i + 32], 1, sampling)]  # fmt: skip
+    done = [
+        c
+        for i in range(0, len(prompts), 32)
+        for c in backend.generate(prompts[i : i + 32], 1, sampling)
+    ]
     texts = [tok.decode(c.token_ids, skip_special_tokens=True) for c in done]
     truths = [r["reward_model"]["ground_truth"] for r in rows]
     return {
-        "format": fmt, "temperature": temperature, "prompts": len(rows),
+        "format": fmt,
+        "temperature": temperature,
+        "prompts": len(rows),
         "format_rate": sum(extract_answer(t) is not None for t in texts) / len(texts),
         "accuracy": sum(dapo_math_reward(t, g) > 0 for t, g in zip(texts, truths)) / len(texts),
         "response_tokens": sum(len(c) for c in done) / len(done),
         "prompt_tokens": sum(map(len, prompts)) / len(prompts),
-        "cpu_s": time.process_time() - start, "example": texts[0],
-    }  # fmt: skip
+        "cpu_s": time.process_time() - start,
+        "example": texts[0],
+    }
 
 
 def main() -> None:
@@ -69,8 +75,11 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--cache", type=Path, default=Path(os.environ.get(
-        "AR_TORCHRL_CACHE", Path.home() / ".cache" / "ar_torchrl")))  # fmt: skip
+    parser.add_argument(
+        "--cache",
+        type=Path,
+        default=Path(os.environ.get("AR_TORCHRL_CACHE", Path.home() / ".cache" / "ar_torchrl")),
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     model, tok = load_smollm2_135m(args.cache)
@@ -84,8 +93,11 @@ def main() -> None:
         for temperature in (0.0, 1.0):
             r = probe(backend, tok, list(train), fmt, temperature, args.max_new_tokens)
             results.append(r)
-            print(f"| {fmt} | {temperature:g} | {r['format_rate']:.0%} | {r['accuracy']:.0%} | "
-                  f"{r['response_tokens']:.1f} | {r['prompt_tokens']:.0f} |", flush=True)  # fmt: skip
+            print(
+                f"| {fmt} | {temperature:g} | {r['format_rate']:.0%} | {r['accuracy']:.0%} | "
+                f"{r['response_tokens']:.1f} | {r['prompt_tokens']:.0f} |",
+                flush=True,
+            )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
     print(f"wrote {args.out}")

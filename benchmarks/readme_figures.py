@@ -79,8 +79,13 @@ def run_recipe(run_dir: Path, cache: Path, *overrides: str) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {"overrides": list(overrides), "wall_s": wall, "load_avg_before": load_before,
-            "load_avg_after": os.getloadavg(), **figures(history)}  # fmt: skip
+    return {
+        "overrides": list(overrides),
+        "wall_s": wall,
+        "load_avg_before": load_before,
+        "load_avg_after": os.getloadavg(),
+        **figures(history),
+    }
 
 
 def figures(history: list[dict]) -> dict:
@@ -114,8 +119,9 @@ def figures(history: list[dict]) -> dict:
         "eval_accuracy_end": evals[-1]["eval/accuracy"] if evals else None,
         "stage_s_per_iteration": sum(
             v for h in steps for key, v in h.items() if key.startswith("time/")
-        ) / len(steps),
-    }  # fmt: skip
+        )
+        / len(steps),
+    }
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -130,8 +136,17 @@ def measure(args: argparse.Namespace) -> dict:
         default = [run_recipe(tmp / f"default_{s}", cache, its, f"seed={s}") for s in seeds]
         grpo = run_recipe(tmp / "grpo", cache, its, "algo=grpo")
         ci_its = f"train.iterations={args.ci_iterations}"
-        ci = [run_recipe(tmp / f"ci_{s}", cache, ci_its, f"train.eval_every={args.ci_iterations}",
-                         "train.checkpoint_every=0", f"seed={s}") for s in seeds]  # fmt: skip
+        ci = [
+            run_recipe(
+                tmp / f"ci_{s}",
+                cache,
+                ci_its,
+                f"train.eval_every={args.ci_iterations}",
+                "train.checkpoint_every=0",
+                f"seed={s}",
+            )
+            for s in seeds
+        ]
     return {
         "machine": machine(),
         "warm_start_s": cold["wall_s"] - warm["wall_s"],
@@ -145,9 +160,14 @@ def measure(args: argparse.Namespace) -> dict:
 def machine() -> dict:
     import torch
 
-    return {"platform": platform.platform(), "cpu_count": os.cpu_count(), "threads": 1,
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "python": platform.python_version(),
-            "torch": torch.__version__}  # fmt: skip
+    return {
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "threads": 1,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
 
 
 def readme_block(result: dict) -> str:
@@ -159,26 +179,31 @@ def readme_block(result: dict) -> str:
         "|---" * (len(d) + 1) + "|",
         "| reward rise | " + " | ".join(f"{r['reward_rise']:+.2f}" for r in d) + " |",
         "| sampled accuracy, first -> last 20 % | "
-        + " | ".join(f"{r['accuracy_first']:.0%} -> {r['accuracy_last']:.0%}" for r in d) + " |",
+        + " | ".join(f"{r['accuracy_first']:.0%} -> {r['accuracy_last']:.0%}" for r in d)
+        + " |",
         "| held-out greedy accuracy, step 0 -> end | "
-        + " | ".join(f"{r['eval_accuracy_start']:.1%} -> {r['eval_accuracy_end']:.1%}" for r in d) + " |",
+        + " | ".join(f"{r['eval_accuracy_start']:.1%} -> {r['eval_accuracy_end']:.1%}" for r in d)
+        + " |",
         "| wall time (min) | " + " | ".join(f"{r['wall_s'] / 60:.1f}" for r in d) + " |",
-    ]  # fmt: skip
+    ]
     per_it = sum(r["stage_s_per_iteration"] for r in d) / len(d)
     loads = [r["load_avg_before"][0] for r in (*d, g, *ci)] + [d[-1]["load_avg_after"][0]]
     ci_rises = ", ".join(f"{r['reward_rise']:+.2f}" for r in ci)
-    return "\n".join([
-        *rows, "",
-        f"One run of the README command takes {d[0]['wall_s'] / 60:.1f} minutes with the warm start "
-        f"cached ({per_it:.2f} s per iteration; the first run on a machine adds the warm start, "
-        f"{result['warm_start_s']:.0f} s). `algo=grpo` ({g['iterations']} iterations) rose by "
-        f"{g['reward_rise']:+.2f}. The CI version ({ci[0]['iterations']} iterations, "
-        f"`tests/test_recipe.py`) rose by {ci_rises} over seeds 0-{len(ci) - 1}.",
-        "",
-        f"Measured by `benchmarks/readme_figures.py`: {m['threads']} thread, {m['cpu_count']} "
-        f"cores, 1-minute load average {min(loads):.1f}-{max(loads):.1f} during the runs, "
-        f"torch {m['torch']}.",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            *rows,
+            "",
+            f"One run of the README command takes {d[0]['wall_s'] / 60:.1f} minutes with the warm start "
+            f"cached ({per_it:.2f} s per iteration; the first run on a machine adds the warm start, "
+            f"{result['warm_start_s']:.0f} s). `algo=grpo` ({g['iterations']} iterations) rose by "
+            f"{g['reward_rise']:+.2f}. The CI version ({ci[0]['iterations']} iterations, "
+            f"`tests/test_recipe.py`) rose by {ci_rises} over seeds 0-{len(ci) - 1}.",
+            "",
+            f"Measured by `benchmarks/readme_figures.py`: {m['threads']} thread, {m['cpu_count']} "
+            f"cores, 1-minute load average {min(loads):.1f}-{max(loads):.1f} during the runs, "
+            f"torch {m['torch']}.",
+        ]
+    )
 
 
 def write_readme(block: str, readme: Path = ROOT / "README.md") -> None:

@@ -84,10 +84,15 @@ def plot(runs: list[tuple[str, str, list[dict]]], png: Path) -> None:
     for algo, group in groups.items():
         label = f"{algo} (mean of {len(group['reward'])} seeds)"
         left.plot(*seed_mean(group["reward"]), color=COLORS.get(algo), lw=2, label=label)
-        right.plot(*seed_mean(group["eval"]), color=COLORS.get(algo), lw=2, marker="o", ms=4,
-                   label=label)  # fmt: skip
-    left.set(title="sampled reward (T=1, 8 prompts x 4)", xlabel="iteration",
-             ylabel="DAPO reward (+1/-1)", ylim=(-1.05, 1.05))  # fmt: skip
+        right.plot(
+            *seed_mean(group["eval"]), color=COLORS.get(algo), lw=2, marker="o", ms=4, label=label
+        )
+    left.set(
+        title="sampled reward (T=1, 8 prompts x 4)",
+        xlabel="iteration",
+        ylabel="DAPO reward (+1/-1)",
+        ylim=(-1.05, 1.05),
+    )
     right.set(title="greedy accuracy, 64 held-out problems", xlabel="iteration", ylim=(0, 1.02))
     for ax in (left, right):
         ax.grid(alpha=0.3)
@@ -100,8 +105,12 @@ def plot(runs: list[tuple[str, str, list[dict]]], png: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--run", action="append", required=True,
-                        help="ALGO:RUN_DIR (ALGO is the legend group, e.g. ppo or grpo)")  # fmt: skip
+    parser.add_argument(
+        "--run",
+        action="append",
+        required=True,
+        help="ALGO:RUN_DIR (ALGO is the legend group, e.g. ppo or grpo)",
+    )
     parser.add_argument("--png", type=Path, default=RESULTS.with_suffix(".png"))
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
     args = parser.parse_args()
@@ -117,8 +126,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for name, s in summary.items():
         acc = " -> ".join(f"{a:.0%} ({step})" for step, a in s["eval_accuracy"])
-        print(f"| {name} | {s['iterations']} | {s['reward_first20']:+.3f} | "
-              f"{s['reward_last20']:+.3f} | {s['reward_rise']:+.3f} | {acc} |")  # fmt: skip
+        print(
+            f"| {name} | {s['iterations']} | {s['reward_first20']:+.3f} | "
+            f"{s['reward_last20']:+.3f} | {s['reward_rise']:+.3f} | {acc} |"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=2))
     print(f"wrote {args.png} and {args.out}")

@@ -53,16 +53,32 @@ def main(iterations: int, epochs: int = 2, minibatch_rows: int = 32, seed: int =
     # Policy: the tiny Qwen3, warm-started on the answer format (cached), plus a value head.
     model, tok = build_tiny_model()
     rows = list(arithmetic_dataset(1000, seed=1234))
-    model, _ = cached_warm_start(model, tok, rows, cache_dir=cache / "warmstart", steps=300,
-                                 batch_size=32, lr=3e-3, final_lr_ratio=0.1,
-                                 correct_fraction=0.3, seed=1234)  # fmt: skip
+    model, _ = cached_warm_start(
+        model,
+        tok,
+        rows,
+        cache_dir=cache / "warmstart",
+        steps=300,
+        batch_size=32,
+        lr=3e-3,
+        final_lr_ratio=0.1,
+        correct_fraction=0.3,
+        seed=1234,
+    )
     model = attach_value_head(model)
     actor_critic = LMActorCritic(model)
 
     # Env: prompts in, scored [B, L] token trajectories out (16 prompts x 4 samples).
     backend = TransformersBackend(model, seed=seed)
-    env = LLMEnv(arithmetic_dataset(2000, seed=seed), tok, backend, num_samples=4,
-                 prompts_per_batch=16, sampling=SamplingParams(max_new_tokens=12), seed=seed)  # fmt: skip
+    env = LLMEnv(
+        arithmetic_dataset(2000, seed=seed),
+        tok,
+        backend,
+        num_samples=4,
+        prompts_per_batch=16,
+        sampling=SamplingParams(max_new_tokens=12),
+        seed=seed,
+    )
 
     # Advantage (a TorchRL ValueEstimatorBase) and loss (a ClipPPOLoss subclass), TorchRL style.
     advantage_module = TokenGAE(gamma=1.0, lmbda=0.95, normalize_advantage=True)
@@ -76,8 +92,11 @@ def main(iterations: int, epochs: int = 2, minibatch_rows: int = 32, seed: int =
         advantage_module(data)  # writes "advantage" and "value_target"
 
         # As in TorchRL's PPO example: a buffer of this batch, sampled without replacement.
-        buffer = ReplayBuffer(storage=LazyTensorStorage(data.shape[0]),
-                              sampler=SamplerWithoutReplacement(), batch_size=minibatch_rows)  # fmt: skip
+        buffer = ReplayBuffer(
+            storage=LazyTensorStorage(data.shape[0]),
+            sampler=SamplerWithoutReplacement(),
+            batch_size=minibatch_rows,
+        )
         buffer.extend(data)
         for _ in range(epochs):
             for _ in range(data.shape[0] // minibatch_rows):
@@ -91,8 +110,10 @@ def main(iterations: int, epochs: int = 2, minibatch_rows: int = 32, seed: int =
 
         backend.sync_weights(named_policy_tensors(model), version=backend.weight_version + 1)
         reward = data["next", "reward"].sum(dim=(-2, -1)).mean().item()
-        print(f"iter {i:3d}  reward {reward:+.3f}  loss {loss.item():+.4f}  "
-              f"ratio {loss_vals['ratio_mean'].item():.4f}")  # fmt: skip
+        print(
+            f"iter {i:3d}  reward {reward:+.3f}  loss {loss.item():+.4f}  "
+            f"ratio {loss_vals['ratio_mean'].item():.4f}"
+        )
 
 
 if __name__ == "__main__":

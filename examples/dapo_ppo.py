@@ -49,8 +49,14 @@ from ar_torchrl.utils import plot_training_curves, read_jsonl, truncate_csv_logs
 log = logging.getLogger("dapo_ppo")
 
 #: Keys a continued run may change; ``train.resume_from=auto`` ignores them when it matches configs.
-RESUMABLE_CHANGES = ("train.iterations", "train.resume_from", "train.checkpoint_every",
-                     "train.keep_checkpoints", "train.plot", "dist.timeout_s")  # fmt: skip
+RESUMABLE_CHANGES = (
+    "train.iterations",
+    "train.resume_from",
+    "train.checkpoint_every",
+    "train.keep_checkpoints",
+    "train.plot",
+    "dist.timeout_s",
+)
 
 
 @hydra.main(config_path="../configs", config_name="dapo_ppo", version_base="1.3")
@@ -186,7 +192,11 @@ def prepare_run_dir(run_dir: Path, checkpoint: Path | None) -> None:
     """
     step = -1 if checkpoint is None else checkpoint_step(checkpoint)
     source = checkpoint.parent.parent if checkpoint is not None else run_dir
-    if checkpoint is not None and checkpoint.parent.name == "checkpoints" and source.resolve() != run_dir.resolve():  # fmt: skip
+    if (
+        checkpoint is not None
+        and checkpoint.parent.name == "checkpoints"
+        and source.resolve() != run_dir.resolve()
+    ):
         log.info("continuing %s at step %d: copying its history", source, step)
         for name in ("metrics.jsonl", "logs"):
             if (source / name).is_file():
@@ -260,7 +270,11 @@ class StopOnSignal:
             raise KeyboardInterrupt
         self.signum = signum
         name = signal.Signals(signum).name
-        print(f"\n{name}: stopping after this iteration ({name} again: now)", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"\n{name}: stopping after this iteration ({name} again: now)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def report(cfg: Config, run_dir: Path, stopped: str | None) -> None:
@@ -274,8 +288,10 @@ def report(cfg: Config, run_dir: Path, stopped: str | None) -> None:
     evals = [h for h in history if h.get("eval/reward_mean") is not None]
     if evals:
         e = evals[-1]
-        print(f"final evaluation (step {e['step']}): eval/reward_mean={e['eval/reward_mean']:+.4f} "
-              f"eval/accuracy={e['eval/accuracy']:.4f}")  # fmt: skip
+        print(
+            f"final evaluation (step {e['step']}): eval/reward_mean={e['eval/reward_mean']:+.4f} "
+            f"eval/accuracy={e['eval/accuracy']:.4f}"
+        )
     checkpoint = latest(cfg, run_dir / "checkpoints")
     if stopped is None:
         more = f"train.iterations={2 * cfg.train.iterations}"

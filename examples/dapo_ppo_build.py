@@ -47,12 +47,19 @@ def build_datasets(cfg: Config) -> tuple[list[dict], list[dict]]:
     d = cfg.data
     if isinstance(d, FewshotArithmeticDataConfig):  # disjoint train/held-out problems
         train_rows, eval_rows = arithmetic_task_split(
-            d.num_rows, d.holdout, ops=list(d.ops), min_operand=d.min_operand,
-            max_operand=d.max_operand, shots=d.shots, seed=d.seed,
-        )  # fmt: skip
+            d.num_rows,
+            d.holdout,
+            ops=list(d.ops),
+            min_operand=d.min_operand,
+            max_operand=d.max_operand,
+            shots=d.shots,
+            seed=d.seed,
+        )
         return list(train_rows), list(eval_rows)[: cfg.train.eval_prompts]
     if isinstance(d, ArithmeticDataConfig):
-        rows = arithmetic_dataset(d.num_rows, seed=d.seed, template=d.template, max_operand=d.max_operand)  # fmt: skip
+        rows = arithmetic_dataset(
+            d.num_rows, seed=d.seed, template=d.template, max_operand=d.max_operand
+        )
     else:
         rows = load_dapo_math(d.path, skip_invalid=d.skip_invalid, limit=d.limit)
         if rows.num_skipped:
@@ -65,8 +72,12 @@ def build_model(cfg: Config):
     """The starting policy (before the value head) and its tokenizer; warm-started when configured."""
     m = cfg.model
     if isinstance(m, TinyModelConfig):
-        model, tok = build_tiny_model(hidden_size=m.hidden_size, num_layers=m.num_layers,
-                                      num_heads=m.num_heads, seed=m.init_seed)  # fmt: skip
+        model, tok = build_tiny_model(
+            hidden_size=m.hidden_size,
+            num_layers=m.num_layers,
+            num_heads=m.num_heads,
+            seed=m.init_seed,
+        )
         source = "model=tiny"
     elif isinstance(m, SmolLM2ModelConfig):
         model, tok = load_smollm2_135m(cfg.cache_dir)
@@ -79,15 +90,29 @@ def build_model(cfg: Config):
     if ws.enabled:
         rows = arithmetic_dataset(ws.num_rows, seed=ws.data_seed, template=ws.template)
         model, _ = cached_warm_start(
-            model, tok, list(rows), cache_dir=Path(cfg.cache_dir) / "warmstart",
-            steps=ws.steps, batch_size=ws.batch_size, lr=ws.lr, final_lr_ratio=ws.final_lr_ratio,
-            correct_fraction=ws.correct_fraction, seed=ws.data_seed,
-        )  # fmt: skip
+            model,
+            tok,
+            list(rows),
+            cache_dir=Path(cfg.cache_dir) / "warmstart",
+            steps=ws.steps,
+            batch_size=ws.batch_size,
+            lr=ws.lr,
+            final_lr_ratio=ws.final_lr_ratio,
+            correct_fraction=ws.correct_fraction,
+            seed=ws.data_seed,
+        )
     return model, tok
 
 
-def build_backend(cfg: Config, model, tokenizer, run_dir: Path, stack: contextlib.ExitStack, *,
-                  start_dir: Path | None = None):  # fmt: skip
+def build_backend(
+    cfg: Config,
+    model,
+    tokenizer,
+    run_dir: Path,
+    stack: contextlib.ExitStack,
+    *,
+    start_dir: Path | None = None,
+):
     """The rollout engine: a private copy of the policy in this process, or an SGLang server.
 
     ``start_dir``: the HF directory of the starting policy when ``model`` has no weights in this
@@ -99,7 +124,9 @@ def build_backend(cfg: Config, model, tokenizer, run_dir: Path, stack: contextli
     if isinstance(b, TrainsideBackendConfig):
         if start_dir is not None:  # the engine's own full copy, on this rank's device
             model = load_hf_model(start_dir, dtype=cfg.model.dtype)[0].to(cfg.device)
-        backend = TransformersBackend(model, mode="copy", max_batch_size=b.max_batch_size, seed=cfg.seed)  # fmt: skip
+        backend = TransformersBackend(
+            model, mode="copy", max_batch_size=b.max_batch_size, seed=cfg.seed
+        )
         backend.model.to(
             getattr(torch, cfg.model.dtype)
         )  # it computes in model.dtype (float32: as is)
@@ -118,14 +145,24 @@ def build_backend(cfg: Config, model, tokenizer, run_dir: Path, stack: contextli
             model_dir = run_dir / "sglang_model"
             stack.callback(shutil.rmtree, model_dir, ignore_errors=True)
             save_policy(model, model_dir, tokenizer)
-        server = stack.enter_context(launch_sglang_server(
-            model_dir, python=b.python, device=b.device, extra_args=list(b.extra_args),
-            log_file=run_dir / "sglang_server.log",
-        ))  # fmt: skip
+        server = stack.enter_context(
+            launch_sglang_server(
+                model_dir,
+                python=b.python,
+                device=b.device,
+                extra_args=list(b.extra_args),
+                log_file=run_dir / "sglang_server.log",
+            )
+        )
         url = server.url
     urls = [url] if isinstance(url, str) else list(url)
-    backend = SGLangBackend(urls, weight_sync=b.weight_sync, weight_sync_options=dict(b.weight_sync_options),
-                            vocab_size=model.config.vocab_size, show_progress=False)  # fmt: skip
+    backend = SGLangBackend(
+        urls,
+        weight_sync=b.weight_sync,
+        weight_sync_options=dict(b.weight_sync_options),
+        vocab_size=model.config.vocab_size,
+        show_progress=False,
+    )
     stack.callback(backend.close)
     if not backend.health():  # said once, before anything reads as a weight-sync failure
         raise SGLangUnavailableError(
@@ -140,19 +177,34 @@ def build_backend(cfg: Config, model, tokenizer, run_dir: Path, stack: contextli
 def build_envs(cfg: Config, rows, eval_rows, tokenizer, backend, model) -> tuple[LLMEnv, LLMEnv]:
     """Prompts in, scored token trajectories out: sampled for training, greedy for evaluation."""
     r = cfg.rollout
-    sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                              top_p=r.top_p, top_k=r.top_k)  # fmt: skip
-    env = LLMEnv(rows, tokenizer, backend, num_samples=r.samples_per_prompt,
-                 prompts_per_batch=r.prompts_per_iter, sampling=sampling,
-                 overlong_buffer_len=r.overlong_buffer, overlong_penalty_factor=r.overlong_penalty,
-                 seed=cfg.seed)  # fmt: skip
+    sampling = SamplingParams(
+        max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k
+    )
+    env = LLMEnv(
+        rows,
+        tokenizer,
+        backend,
+        num_samples=r.samples_per_prompt,
+        prompts_per_batch=r.prompts_per_iter,
+        sampling=sampling,
+        overlong_buffer_len=r.overlong_buffer,
+        overlong_penalty_factor=r.overlong_penalty,
+        seed=cfg.seed,
+    )
     # Evaluation decodes greedily from the trainer's own weights (trainside) or the server; under
     # FSDP2 the trainer holds shards: the rollout copy, synced after each update, decodes instead.
     trainside = isinstance(cfg.backend, TrainsideBackendConfig) and not cfg.sharded
     eval_backend = TransformersBackend(model, mode="share") if trainside else backend
     greedy = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=0.0)
-    eval_env = LLMEnv(eval_rows, tokenizer, eval_backend, num_samples=1,
-                      prompts_per_batch=len(eval_rows), sampling=greedy, shuffle=False)  # fmt: skip
+    eval_env = LLMEnv(
+        eval_rows,
+        tokenizer,
+        eval_backend,
+        num_samples=1,
+        prompts_per_batch=len(eval_rows),
+        sampling=greedy,
+        shuffle=False,
+    )
     return env, eval_env
 
 

@@ -54,10 +54,14 @@ class WarmStartConfig:
     template: str = "short"
 
     def check(self) -> None:
-        check_warm_start_args("config: model.warm_start.", steps=self.steps,
-                              batch_size=self.batch_size, lr=self.lr,
-                              final_lr_ratio=self.final_lr_ratio,
-                              correct_fraction=self.correct_fraction)  # fmt: skip
+        check_warm_start_args(
+            "config: model.warm_start.",
+            steps=self.steps,
+            batch_size=self.batch_size,
+            lr=self.lr,
+            final_lr_ratio=self.final_lr_ratio,
+            correct_fraction=self.correct_fraction,
+        )
         check_count("model.warm_start.num_rows", self.num_rows)
         check_choice("config", "model.warm_start.template", self.template, ("short", "dapo"))
 
@@ -133,9 +137,15 @@ class TrainsideBackendConfig:
 SYNC_OPTIONS = {
     "disk": ("config_dir", "tmp_root", "bucket_bytes"),
     "tensor": ("bucket_bytes",),
-    "distributed": ("backend", "master_address", "master_port", "group_name", "bucket_bytes",
-                    "timeout_s"),
-}  # fmt: skip
+    "distributed": (
+        "backend",
+        "master_address",
+        "master_port",
+        "group_name",
+        "bucket_bytes",
+        "timeout_s",
+    ),
+}
 
 
 @dataclass
@@ -276,8 +286,15 @@ class Config:
     runs_dir: str = "outputs"
 
     def check(self) -> None:
-        for section in (self.model, self.backend, self.data, self.logger, self.rollout, self.train,
-                        self.dist):  # fmt: skip
+        for section in (
+            self.model,
+            self.backend,
+            self.data,
+            self.logger,
+            self.rollout,
+            self.train,
+            self.dist,
+        ):
             section.check()
         self.algo.check(norm_length=self.rollout.max_new_tokens)
         check_count("seed", self.seed, ge=0)

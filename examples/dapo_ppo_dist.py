@@ -49,8 +49,12 @@ def process_group(cfg: Config) -> Iterator[DistContext]:
         return
     if int(os.environ.get("RANK", "0")) > 0:
         logging.getLogger().setLevel(logging.WARNING)
-    with distributed(cfg.device, process_group=True, backend=BACKENDS[cfg.dist.backend],
-                     timeout_s=cfg.dist.timeout_s) as ctx:  # fmt: skip
+    with distributed(
+        cfg.device,
+        process_group=True,
+        backend=BACKENDS[cfg.dist.backend],
+        timeout_s=cfg.dist.timeout_s,
+    ) as ctx:
         yield ctx
 
 
@@ -113,7 +117,11 @@ def build_policy(cfg: Config, ctx: DistContext, build_model):
     if isinstance(m, PretrainedModelConfig) and not m.warm_start.enabled:
         tokenizer = load_hf_tokenizer(m.path)
         check_tokenizer(tokenizer, where=f"the tokenizer of model.path={m.path}")
-        return build_meta_model(m.path, attn_implementation=m.attn_implementation), tokenizer, Path(m.path)  # fmt: skip
+        return (
+            build_meta_model(m.path, attn_implementation=m.attn_implementation),
+            tokenizer,
+            Path(m.path),
+        )
     built = None
     for turn in (True, False):  # rank 0, then the others
         if ctx.is_main == turn:
@@ -150,8 +158,12 @@ def prepare_for_training(
             if m.gradient_checkpointing and module.critic:
                 checkpoint_decoder_layers(module.model)
             continue
-        shard_actor_critic(module, ctx, compute_dtype=m.dtype,
-                           activation_checkpointing=m.gradient_checkpointing,
-                           reshard_after_forward=cfg.dist.reshard_after_forward)  # fmt: skip
+        shard_actor_critic(
+            module,
+            ctx,
+            compute_dtype=m.dtype,
+            activation_checkpointing=m.gradient_checkpointing,
+            reshard_after_forward=cfg.dist.reshard_after_forward,
+        )
         if start_dir is not None:
             load_pretrained_weights(module, start_dir, device=ctx.device)

@@ -85,8 +85,13 @@ class Run:
     timer: StageTimer = field(default_factory=StageTimer)
 
 
-def setup(cfg: Config, run_dir: Path, checkpoint: Path | None, stack: contextlib.ExitStack,
-          ctx: DistContext | None = None) -> Run:  # fmt: skip
+def setup(
+    cfg: Config,
+    run_dir: Path,
+    checkpoint: Path | None,
+    stack: contextlib.ExitStack,
+    ctx: DistContext | None = None,
+) -> Run:
     """Build everything a run needs (``ctx``: this rank; default one process); continue from
     ``checkpoint`` when given."""
     ctx = ctx or DistContext(device=torch.device(cfg.device))
@@ -104,30 +109,56 @@ def setup(cfg: Config, run_dir: Path, checkpoint: Path | None, stack: contextlib
     if ctx.is_main:
         backend = build_backend(cfg, model, tokenizer, run_dir, stack, start_dir=start_dir)
         env, eval_env = build_envs(cfg, rows, eval_rows, tokenizer, backend, model)
-        collector = WeightSyncCollector(env, model, mode=cfg.train.mode, max_policy_lag=1,
-                                        dynamic_sampling=dynamic_sampling(cfg),
-                                        max_sampling_rounds=cfg.rollout.max_sampling_rounds)  # fmt: skip
+        collector = WeightSyncCollector(
+            env,
+            model,
+            mode=cfg.train.mode,
+            max_policy_lag=1,
+            dynamic_sampling=dynamic_sampling(cfg),
+            max_sampling_rounds=cfg.rollout.max_sampling_rounds,
+        )
         stack.callback(collector.shutdown)  # also on errors: waits for an in-flight batch
     # 4. FSDP2 (torchrun, or compute in bf16 over fp32 masters), activation checkpointing.
     parallel.prepare_for_training(cfg, ctx, [actor_critic, ref_actor], start_dir)
     # 5. Advantage estimator, PPO loss, optimizer (value head in its own group).
     a = cfg.algo
-    loss_fn = TokenPPOLoss(actor_critic, clip_epsilon=tuple(a.clip_epsilon), clip_value=a.clip_value,
-                           entropy_coeff=a.entropy_coeff, critic_coeff=a.critic_coeff,
-                           kl_coeff=a.kl_coeff, loss_agg_mode=a.loss_agg_mode,
-                           norm_length=cfg.rollout.max_new_tokens)  # fmt: skip
-    run = Run(cfg, run_dir, ctx, model, actor_critic, ref_actor, collector, eval_env,
-              build_advantage(cfg), loss_fn, build_optimizer(cfg, model),
-              torch.Generator().manual_seed(cfg.seed),
-              ctx.broadcast_object(getattr(backend, "weight_dtype", None)))  # fmt: skip
+    loss_fn = TokenPPOLoss(
+        actor_critic,
+        clip_epsilon=tuple(a.clip_epsilon),
+        clip_value=a.clip_value,
+        entropy_coeff=a.entropy_coeff,
+        critic_coeff=a.critic_coeff,
+        kl_coeff=a.kl_coeff,
+        loss_agg_mode=a.loss_agg_mode,
+        norm_length=cfg.rollout.max_new_tokens,
+    )
+    run = Run(
+        cfg,
+        run_dir,
+        ctx,
+        model,
+        actor_critic,
+        ref_actor,
+        collector,
+        eval_env,
+        build_advantage(cfg),
+        loss_fn,
+        build_optimizer(cfg, model),
+        torch.Generator().manual_seed(cfg.seed),
+        ctx.broadcast_object(getattr(backend, "weight_dtype", None)),
+    )
     # 6. Resume: model + value head, optimizer, RNG states, data position, versions, step.
     if checkpoint is not None:
         run.start = restore(run, checkpoint)
     elif start_dir is not None and getattr(cfg.backend, "url", None) is not None:
         push_policy(run, resync=True)  # a running server holds other weights
     if ctx.is_main:
-        run.logger = make_logger(cfg.logger.kind, log_dir=run_dir / "logs",
-                                 exp_name=cfg.logger.exp_name, project=cfg.logger.project)  # fmt: skip
+        run.logger = make_logger(
+            cfg.logger.kind,
+            log_dir=run_dir / "logs",
+            exp_name=cfg.logger.exp_name,
+            project=cfg.logger.project,
+        )
         collector.total_batches = cfg.train.iterations - run.start  # batches left in this run
     return run
 
@@ -153,8 +184,9 @@ def build_policy(cfg: Config, ctx: DistContext):
 def restore(run: Run, checkpoint: Path) -> int:
     """Load ``checkpoint`` into the run (every rank under FSDP2); returns its step."""
     if run.cfg.sharded:  # this rank's model and optimizer shards, its RNG states
-        state = load_distributed_checkpoint(checkpoint, model=run.actor_critic,
-                                            optimizer=run.optimizer, ctx=run.ctx)  # fmt: skip
+        state = load_distributed_checkpoint(
+            checkpoint, model=run.actor_critic, optimizer=run.optimizer, ctx=run.ctx
+        )
     else:  # + RNG states
         state = load_checkpoint(checkpoint, model=run.model, optimizer=run.optimizer)
     if run.collector is not None:  # data position, policy version
@@ -176,15 +208,20 @@ def train(run: Run, stop) -> int:
         record(run, 0, evaluate(run))
     batches, step = iter(run.collector) if run.collector else None, run.start
     steps = range(run.start + 1, t.iterations + 1)
-    for step in tqdm(steps, desc="PPO", initial=run.start, total=t.iterations) if run.ctx.is_main else steps:  # fmt: skip
+    for step in (
+        tqdm(steps, desc="PPO", initial=run.start, total=t.iterations) if run.ctx.is_main else steps
+    ):
         # 1. Rollouts: wait for the batch (async: mostly generated during the last update); under
         #    torchrun rank 0 collects it and every rank receives it.
         with run.timer("generate"):
             td = broadcast_batch(next(batches) if batches else None, run.ctx)
         losses = {"train/update_skipped": float(td.shape[0] == 0)}
         if td.shape[0] == 0:  # dynamic sampling kept no group (every answer equal): skip the update
-            log.warning("step %d: no group with a reward spread after rollout.max_sampling_rounds; "
-                        "update skipped", step)  # fmt: skip
+            log.warning(
+                "step %d: no group with a reward spread after rollout.max_sampling_rounds; "
+                "update skipped",
+                step,
+            )
         else:
             # 2. Anchors: old log-probs and values (+ reference log-probs), training geometry
             #    (under torchrun: each rank's share of the plan; the same anchors on every rank).
@@ -207,7 +244,11 @@ def train(run: Run, stop) -> int:
             metrics.update(evaluate(run))
         record(run, step, metrics)
         stopping = parallel.agree_to_stop(run.ctx, stop)
-        if stopping or step == t.iterations or (t.checkpoint_every and step % t.checkpoint_every == 0):  # fmt: skip
+        if (
+            stopping
+            or step == t.iterations
+            or (t.checkpoint_every and step % t.checkpoint_every == 0)
+        ):
             save(run, step)
         if stopping:
             break
@@ -247,14 +288,25 @@ def update(run: Run, td, plan, *, critic_only: bool) -> dict[str, float]:
     a = run.cfg.algo
     head = list(run.model.value_head.parameters())
     if a.num_minibatches > len(plan):
-        log.warning("algo.num_minibatches=%d but the batch has only %d micro-batches: using %d "
-                    "(train/optimizer_steps shows it)", a.num_minibatches, len(plan), len(plan))  # fmt: skip
+        log.warning(
+            "algo.num_minibatches=%d but the batch has only %d micro-batches: using %d "
+            "(train/optimizer_steps shows it)",
+            a.num_minibatches,
+            len(plan),
+            len(plan),
+        )
     return ppo_update(
-        run.loss_fn, run.optimizer, td, plan, epochs=a.ppo_epochs,
-        num_minibatches=min(a.num_minibatches, len(plan)), grad_clip=a.grad_clip,
+        run.loss_fn,
+        run.optimizer,
+        td,
+        plan,
+        epochs=a.ppo_epochs,
+        num_minibatches=min(a.num_minibatches, len(plan)),
+        grad_clip=a.grad_clip,
         loss_keys=("loss_critic",) if critic_only else None,
-        trainable=head if critic_only else None, generator=run.shuffle_rng,
-    )  # fmt: skip
+        trainable=head if critic_only else None,
+        generator=run.shuffle_rng,
+    )
 
 
 def rollout_metrics(run: Run, td) -> dict[str, float]:
@@ -264,8 +316,10 @@ def rollout_metrics(run: Run, td) -> dict[str, float]:
     if run.collector is None:
         return {}
     stats = {k: v for k, v in run.collector.last_batch_stats.items() if k != "samples"}
-    out = {**{f"rollout/{k}": float(v) for k, v in stats.items()},
-           "rollout/policy_lag": float(run.collector.last_policy_lag)}  # fmt: skip
+    out = {
+        **{f"rollout/{k}": float(v) for k, v in stats.items()},
+        "rollout/policy_lag": float(run.collector.last_policy_lag),
+    }
     if td.shape[0]:
         mask = td["loss_mask"]
         drift = (td["rollout_log_prob"] - td["sample_log_prob"]).abs()
@@ -308,8 +362,15 @@ def save(run: Run, step: int) -> Path:
         extra["collector"] = run.collector.state_dict(include_pending=True)
     directory, keep = run.run_dir / "checkpoints", run.cfg.train.keep_checkpoints
     if run.cfg.sharded:
-        return save_distributed_checkpoint(directory, step=step, model=run.actor_critic,
-                                           optimizer=run.optimizer, ctx=run.ctx, extra=extra,
-                                           keep_last=keep)  # fmt: skip
-    return save_checkpoint(directory, step=step, model=run.model, optimizer=run.optimizer,
-                           extra=extra, keep_last=keep)  # fmt: skip
+        return save_distributed_checkpoint(
+            directory,
+            step=step,
+            model=run.actor_critic,
+            optimizer=run.optimizer,
+            ctx=run.ctx,
+            extra=extra,
+            keep_last=keep,
+        )
+    return save_checkpoint(
+        directory, step=step, model=run.model, optimizer=run.optimizer, extra=extra, keep_last=keep
+    )

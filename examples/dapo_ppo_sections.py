@@ -99,10 +99,16 @@ class AlgoConfig:
         check_number("algo.gamma", self.gamma, ge=0, le=1)
         self.gae.check()
         self.grpo.check()
-        check_ppo_loss_args(key, clip_epsilon=list(self.clip_epsilon), clip_value=self.clip_value,
-                            entropy_coeff=self.entropy_coeff, critic_coeff=self.critic_coeff,
-                            kl_coeff=self.kl_coeff, loss_agg_mode=self.loss_agg_mode,
-                            norm_length=norm_length)  # fmt: skip
+        check_ppo_loss_args(
+            key,
+            clip_epsilon=list(self.clip_epsilon),
+            clip_value=self.clip_value,
+            entropy_coeff=self.entropy_coeff,
+            critic_coeff=self.critic_coeff,
+            kl_coeff=self.kl_coeff,
+            loss_agg_mode=self.loss_agg_mode,
+            norm_length=norm_length,
+        )
         check_count("algo.ppo_epochs", self.ppo_epochs)  # ppo_update's `epochs`
         check_ppo_update_args(key, num_minibatches=self.num_minibatches, grad_clip=self.grad_clip)
         check_optimizer_args(
@@ -148,8 +154,13 @@ class RolloutConfig:
     max_sampling_rounds: int = 4
 
     def check(self) -> None:
-        for key in ("prompts_per_iter", "samples_per_prompt", "max_new_tokens", "token_budget",
-                    "max_sampling_rounds"):  # fmt: skip
+        for key in (
+            "prompts_per_iter",
+            "samples_per_prompt",
+            "max_new_tokens",
+            "token_budget",
+            "max_sampling_rounds",
+        ):
             check_count(f"rollout.{key}", getattr(self, key))
         check_number("rollout.temperature", self.temperature, ge=0)
         check_number("rollout.top_p", self.top_p, gt=0, le=1)
@@ -160,8 +171,14 @@ class RolloutConfig:
             raise ValueError(
                 f"config: rollout.packing={self.packing!r} must be false, true or auto"
             )
-        check_number("rollout.overlong_buffer", self.overlong_buffer, ge=1,
-                     le=self.max_new_tokens, integer=True, allow_none=True)  # fmt: skip
+        check_number(
+            "rollout.overlong_buffer",
+            self.overlong_buffer,
+            ge=1,
+            le=self.max_new_tokens,
+            integer=True,
+            allow_none=True,
+        )
         check_number("rollout.overlong_penalty", self.overlong_penalty, ge=0)
 
 

@@ -84,8 +84,13 @@ def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 # --------------------------------------------------------------------------- process management
 def spawn(fn, world_size: int, out: Path, timeout_s: float = 900.0) -> None:
     """Run ``fn(ctx, out)`` on ``world_size`` ranks; raise if one fails; no process outlives this."""
-    procs = mp.start_processes(_entry, args=(fn, world_size, str(out), os.getpid()),
-                               nprocs=world_size, join=False, start_method="spawn")  # fmt: skip
+    procs = mp.start_processes(
+        _entry,
+        args=(fn, world_size, str(out), os.getpid()),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
+    )
     deadline = time.monotonic() + timeout_s
     try:
         while not procs.join(timeout=1.0):
@@ -130,17 +135,33 @@ def _save(ctx, out: Path, name: str, tensors: dict | None = None, data: dict | N
 def train_checks(ctx, out: Path) -> None:
     """2-rank ppo_update (fp32) for two aggregation modes; bf16 masters; first-update ratios."""
     for mode, checkpointing in (("token_mean", False), ("seq_mean_token_mean", True)):
-        ac = shard_actor_critic(actor_critic(seed=1), ctx, compute_dtype="float32",
-                                activation_checkpointing=checkpointing)  # fmt: skip
+        ac = shard_actor_critic(
+            actor_critic(seed=1),
+            ctx,
+            compute_dtype="float32",
+            activation_checkpointing=checkpointing,
+        )
         opt = torch.optim.SGD(ac.parameters(), lr=0.5)
         td = broadcast_batch(batch() if ctx.is_main else None, ctx)
         sharded = shard_plan(plan_micro_batches(td, BUDGET), td, rank=ctx.rank, world_size=2)
         td = prepare(ac, td, None, sharded)
-        metrics = ppo_update(ppo_loss(ac, mode), opt, td, sharded, epochs=2, grad_clip=0.05,
-                             generator=torch.Generator().manual_seed(0))  # fmt: skip
+        metrics = ppo_update(
+            ppo_loss(ac, mode),
+            opt,
+            td,
+            sharded,
+            epochs=2,
+            grad_clip=0.05,
+            generator=torch.Generator().manual_seed(0),
+        )
         padding = [len(sharded.local_plan) - len(sharded.owned(r)) for r in range(2)]
-        _save(ctx, out, f"equal_{mode}", full_state(ac.model),
-              {"metrics": metrics, "padding": padding, "tokens": sharded.rank_tokens()})  # fmt: skip
+        _save(
+            ctx,
+            out,
+            f"equal_{mode}",
+            full_state(ac.model),
+            {"metrics": metrics, "padding": padding, "tokens": sharded.rank_tokens()},
+        )
     _bf16_checks(ctx, out)
 
 
@@ -174,9 +195,20 @@ def _bf16_checks(ctx, out: Path) -> None:
     counts = ctx.all_reduce(torch.tensor([changed, sum(b.numel() for b in before)]))
     all_ratios = [None, None]
     torch.distributed.all_gather_object(all_ratios, ratios)
-    _save(ctx, out, "bf16", data={"changed": counts.tolist(), "ratios": all_ratios,
-                                  "dtypes": {**seen, "state_value": str(td["state_value"].dtype),
-                                             "master": str(policy[0].dtype)}})  # fmt: skip
+    _save(
+        ctx,
+        out,
+        "bf16",
+        data={
+            "changed": counts.tolist(),
+            "ratios": all_ratios,
+            "dtypes": {
+                **seen,
+                "state_value": str(td["state_value"].dtype),
+                "master": str(policy[0].dtype),
+            },
+        },
+    )
 
 
 class Recorder:
@@ -201,8 +233,9 @@ def load_checks(ctx, out: Path) -> None:
     """Meta-device + sharded load vs eager; value head from its file; the weight push."""
     base, policy = out / "base", out / "policy"
     if ctx.is_main:
-        build_tiny_qwen3(VOCAB, hidden_size=32, num_heads=2, seed=3).to(torch.bfloat16)\
-            .save_pretrained(base, max_shard_size="40KB")  # fmt: skip
+        build_tiny_qwen3(VOCAB, hidden_size=32, num_heads=2, seed=3).to(
+            torch.bfloat16
+        ).save_pretrained(base, max_shard_size="40KB")
         model = attach_value_head(build_tiny_qwen3(VOCAB, hidden_size=32, num_heads=2, seed=4))
         torch.nn.init.normal_(model.value_head.weight)
         save_policy(model, policy)
@@ -210,8 +243,13 @@ def load_checks(ctx, out: Path) -> None:
     for name, path in (("base", base), ("policy", policy)):
         ac = shard_actor_critic(LMActorCritic(build_meta_model(path)), ctx)
         report = load_pretrained_weights(ac, path, device=ctx.device)
-        _save(ctx, out, f"meta_{name}", full_state(ac.model), {"files": len(list(path.glob(
-            "*.safetensors"))), "value_head": report["value_head"]})  # fmt: skip
+        _save(
+            ctx,
+            out,
+            f"meta_{name}",
+            full_state(ac.model),
+            {"files": len(list(path.glob("*.safetensors"))), "value_head": report["value_head"]},
+        )
     recorder = Recorder() if ctx.is_main else None
     push_weights(ac, ctx, recorder.sync(7) if ctx.is_main else None, dtype=torch.bfloat16)
     errors = []
@@ -250,11 +288,27 @@ def _train_steps(ac, opt, ctx, steps, gen, ckpt=None, save_at=()):
         td = broadcast_batch(td, ctx)
         sharded = shard_plan(plan_micro_batches(td, 16), td, rank=ctx.rank, world_size=2)
         td = prepare(ac, td, None, sharded)
-        metrics.append(ppo_update(ppo_loss(ac), opt, td, sharded, epochs=2, num_minibatches=2,
-                                  grad_clip=1.0, generator=gen))  # fmt: skip
+        metrics.append(
+            ppo_update(
+                ppo_loss(ac),
+                opt,
+                td,
+                sharded,
+                epochs=2,
+                num_minibatches=2,
+                grad_clip=1.0,
+                generator=gen,
+            )
+        )
         if step in save_at:
-            save_distributed_checkpoint(ckpt, step=step, model=ac, optimizer=opt, ctx=ctx,
-                                        extra={"shuffle": gen.get_state(), "note": "x"})  # fmt: skip
+            save_distributed_checkpoint(
+                ckpt,
+                step=step,
+                model=ac,
+                optimizer=opt,
+                ctx=ctx,
+                extra={"shuffle": gen.get_state(), "note": "x"},
+            )
     return metrics
 
 
@@ -283,9 +337,20 @@ def resume_checks(ctx, out: Path) -> None:
     resumed = _train_steps(ac2, opt2, ctx, range(state["step"] + 1, 5), gen2)
     again = full_state(ac2.model)
     same = all(torch.equal(final[k], again[k]) for k in final)
-    _save(ctx, out, "resume", data={"straight": straight, "resumed": resumed, "path": str(path),
-                                    "step": state["step"], "warnings": handler.messages,
-                                    "same_params": same, "note": state["extra"]["note"]})  # fmt: skip
+    _save(
+        ctx,
+        out,
+        "resume",
+        data={
+            "straight": straight,
+            "resumed": resumed,
+            "path": str(path),
+            "step": state["step"],
+            "warnings": handler.messages,
+            "same_params": same,
+            "note": state["extra"]["note"],
+        },
+    )
 
 
 def all_checks(ctx, out: Path) -> None:

@@ -179,8 +179,16 @@ def _make_handler(double: SGLangDouble) -> type[BaseHTTPRequestHandler]:
             elif self.path == "/model_info":
                 self._send(200, info)
             elif self.path == "/server_info":
-                self._send(200, {**info, "tp_size": 1, "dp_size": 1, "dtype": "float32",
-                                 "context_length": double.context_length})  # fmt: skip
+                self._send(
+                    200,
+                    {
+                        **info,
+                        "tp_size": 1,
+                        "dp_size": 1,
+                        "dtype": "float32",
+                        "context_length": double.context_length,
+                    },
+                )
             else:
                 self._send(404, {"detail": "Not Found"})
 

@@ -77,8 +77,10 @@ def trainer_with_value_head(seed: int) -> torch.nn.Module:
 
 def assert_server_matches(backend, model, version: int, prompts=PROMPTS) -> None:
     """Greedy and T=0.8 log-probs of the server(s) equal the trainer's fp32 log_softmax to 1e-4."""
-    for sampling in (SamplingParams(max_new_tokens=8, temperature=0.0),
-                     SamplingParams(max_new_tokens=8, temperature=0.8)):  # fmt: skip
+    for sampling in (
+        SamplingParams(max_new_tokens=8, temperature=0.0),
+        SamplingParams(max_new_tokens=8, temperature=0.8),
+    ):
         out = backend.generate(prompts, n=2, sampling=sampling)
         assert {c.weight_version for c in out} == {version}
         assert {c.meta["server_weight_version"] for c in out} == {str(version)}
@@ -214,8 +216,13 @@ class ParentServer:
             "OMP_NUM_THREADS": "1",
             "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
         }
-        self.parent = subprocess.Popen(cmd + (["--sync"] if sync else []), stdin=subprocess.PIPE,
-                                       stdout=subprocess.PIPE, env=env, text=True)  # fmt: skip
+        self.parent = subprocess.Popen(
+            cmd + (["--sync"] if sync else []),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
         line = self.parent.stdout.readline()
         if not line:
             self.parent.wait(30)

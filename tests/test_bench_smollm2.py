@@ -13,11 +13,14 @@ from tensordict import TensorDict
 
 
 def test_drift_counts_generated_tokens_only():
-    td = TensorDict({
-        "rollout_log_prob": torch.tensor([[0.0, -1.0, -2.0], [0.0, -0.5, 9.0]]),
-        "sample_log_prob": torch.tensor([[5.0, -1.1, -1.8], [0.0, -0.5, 0.0]]),
-        "loss_mask": torch.tensor([[False, True, True], [False, True, False]]),
-    }, [2, 3])  # fmt: skip
+    td = TensorDict(
+        {
+            "rollout_log_prob": torch.tensor([[0.0, -1.0, -2.0], [0.0, -0.5, 9.0]]),
+            "sample_log_prob": torch.tensor([[5.0, -1.1, -1.8], [0.0, -0.5, 0.0]]),
+            "loss_mask": torch.tensor([[False, True, True], [False, True, False]]),
+        },
+        [2, 3],
+    )
     gaps = load_benchmark("compare_backends_smollm2").drift(td)
     assert gaps["drift_mean"] == pytest.approx((0.1 + 0.2 + 0.0) / 3)
     assert gaps["drift_max"] == pytest.approx(0.2)
@@ -28,8 +31,10 @@ def test_drift_counts_generated_tokens_only():
 def test_backend_table_and_summary():
     bench = load_benchmark("compare_backends_smollm2")
     row = dict.fromkeys(bench.METRICS, 1.0)
-    results = {"trainside": [{**row, "rollout": 0, "tokens": [1, 2]}],
-               "sglang": [{**row, "rollout": 0, "loss": 1.5, "tokens": [1, 2]}]}  # fmt: skip
+    results = {
+        "trainside": [{**row, "rollout": 0, "tokens": [1, 2]}],
+        "sglang": [{**row, "rollout": 0, "loss": 1.5, "tokens": [1, 2]}],
+    }
     lines = bench.table(results).splitlines()
     assert len(lines) == 2 + len(bench.METRICS) and "| 0 | loss | 1 | 1.5 | 5.00e-01 |" in lines
     stats = bench.summary(results)
@@ -40,9 +45,18 @@ def test_backend_table_and_summary():
 def test_curve_summary_and_plot(tmp_path):
     curves = load_benchmark("smollm2_curves")
     history = [{"step": 0, "eval/accuracy": 0.5}]
-    history += [{"step": i, "rollout/reward_mean": i / 10, "rollout/accuracy": i / 20,
-                 "time/generate": 2.0, "time/anchors": 1.0, "time/update": 3.0, "time/sync": 0.0}
-                for i in range(1, 11)]  # fmt: skip
+    history += [
+        {
+            "step": i,
+            "rollout/reward_mean": i / 10,
+            "rollout/accuracy": i / 20,
+            "time/generate": 2.0,
+            "time/anchors": 1.0,
+            "time/update": 3.0,
+            "time/sync": 0.0,
+        }
+        for i in range(1, 11)
+    ]
     history[-1]["eval/accuracy"] = 0.75
     s = curves.summarize(history)
     assert s["iterations"] == 10 and s["eval_accuracy"] == [(0, 0.5), (10, 0.75)]

@@ -19,8 +19,17 @@ TINY = ("model.warm_start.enabled=false", "rollout.prompts_per_iter=2", "logger=
 def test_bench_step_breakdown_runs_the_recipe_on_tiny_sizes(tmp_path):
     out = tmp_path / "breakdown.json"
     sets = [arg for s in TINY for arg in ("--set", s)]
-    cmd = [sys.executable, str(SCRIPT), "--scenarios", "cpu_default", "--iterations", "2",
-           *sets, "--out", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        "--scenarios",
+        "cpu_default",
+        "--iterations",
+        "2",
+        *sets,
+        "--out",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "outside model compute" in proc.stdout
@@ -28,18 +37,36 @@ def test_bench_step_breakdown_runs_the_recipe_on_tiny_sizes(tmp_path):
     assert len(result["iterations"]) == 1  # the first of 2 is the warm-up
     assert sum(result["stages"].values()) == pytest.approx(result["wall_s"])
     parts = result["parts"]
-    for key in ("generate/model_forward", "anchors/forward", "update/forward", "update/backward",
-                "update/grad_clip", "update/optimizer", "generate/reward"):  # fmt: skip
+    for key in (
+        "generate/model_forward",
+        "anchors/forward",
+        "update/forward",
+        "update/backward",
+        "update/grad_clip",
+        "update/optimizer",
+        "generate/reward",
+    ):
         assert parts[key] > 0, key
     assert 0 < result["model_compute_s"] < result["wall_s"]
 
 
 def test_summarize_splits_stages_and_computes_the_outside_fraction():
     bench = load_benchmark("bench_step_breakdown")
-    it = {"time/iteration": 10.0, "time/generate": 4.0, "time/generate/model_forward": 3.0,
-          "time/generate/reward": 0.5, "time/anchors": 1.0, "time/anchors/forward": 0.8,
-          "time/advantage": 0.1, "time/update": 3.0, "time/update/forward": 1.0,
-          "time/update/backward": 1.5, "time/update/optimizer": 0.2, "time/update/grad_clip": 0.1, "time/sync": 0.4}  # fmt: skip
+    it = {
+        "time/iteration": 10.0,
+        "time/generate": 4.0,
+        "time/generate/model_forward": 3.0,
+        "time/generate/reward": 0.5,
+        "time/anchors": 1.0,
+        "time/anchors/forward": 0.8,
+        "time/advantage": 0.1,
+        "time/update": 3.0,
+        "time/update/forward": 1.0,
+        "time/update/backward": 1.5,
+        "time/update/optimizer": 0.2,
+        "time/update/grad_clip": 0.1,
+        "time/sync": 0.4,
+    }
     slower = {**it, "time/iteration": 30.0}
     out = bench.summarize([it, slower, it])  # medians: the odd one out is ignored
     assert out["wall_s"] == 10.0

@@ -46,8 +46,9 @@ def draws():
 def test_round_trip_restores_everything(tmp_path):
     model, opt = trained_model_and_optimizer()
     random.seed(1), np.random.seed(1), torch.manual_seed(1)
-    path = save_checkpoint(tmp_path, step=7, model=model, optimizer=opt,
-                           extra={"collector": {"cursor": 48}})  # fmt: skip
+    path = save_checkpoint(
+        tmp_path, step=7, model=model, optimizer=opt, extra={"collector": {"cursor": 48}}
+    )
     expected = draws()
     fresh, fresh_opt = trained_model_and_optimizer(seed=5)
     state = load_checkpoint(path, model=fresh, optimizer=fresh_opt)
@@ -116,8 +117,13 @@ def test_loading_never_runs_code_from_the_file(tmp_path):
 def test_checkpoint_is_plain_data(tmp_path):
     """What save_checkpoint writes loads with weights_only=True (numpy RNG state included)."""
     model, opt = trained_model_and_optimizer()
-    path = save_checkpoint(tmp_path, step=3, model=model, optimizer=opt,
-                           extra={"shuffle": torch.Generator().get_state(), "cursor": [1, 2]})  # fmt: skip
+    path = save_checkpoint(
+        tmp_path,
+        step=3,
+        model=model,
+        optimizer=opt,
+        extra={"shuffle": torch.Generator().get_state(), "cursor": [1, 2]},
+    )
     payload = torch.load(path, weights_only=True)
     assert set(payload) == {"step", "model", "optimizer", "rng", "extra"}
     assert payload["rng"]["numpy"]["keys"].dtype == torch.int64

@@ -57,9 +57,13 @@ def make(tok, *, mode="sync", total_batches=3, max_policy_lag=1, seed=0, **backe
     model = attach_value_head(build_tiny_qwen3(len(tok), seed=0))
     backend = RecordingBackend(model, seed=seed, **backend_kwargs)
     env = LLMEnv(
-        arithmetic_dataset(16, seed=0), tok, backend, num_samples=2, prompts_per_batch=2,
+        arithmetic_dataset(16, seed=0),
+        tok,
+        backend,
+        num_samples=2,
+        prompts_per_batch=2,
         sampling=SamplingParams(max_new_tokens=4),
-    )  # fmt: skip
+    )
     collector = WeightSyncCollector(
         env, model, total_batches=total_batches, mode=mode, max_policy_lag=max_policy_lag
     )
@@ -221,11 +225,24 @@ def scripted(
         return a + b + j * wrong(a + b)
 
     backend = ScriptedBackend(tok, answer, sender=TrainsideSender(torch.nn.Linear(1, 1), "share"))
-    env = LLMEnv(arithmetic_dataset(64, seed=0), tok, backend, num_samples=2,
-                 prompts_per_batch=prompts, sampling=SamplingParams(max_new_tokens=12), seed=0)  # fmt: skip
+    env = LLMEnv(
+        arithmetic_dataset(64, seed=0),
+        tok,
+        backend,
+        num_samples=2,
+        prompts_per_batch=prompts,
+        sampling=SamplingParams(max_new_tokens=12),
+        seed=0,
+    )
     model = torch.nn.Linear(1, 1)
-    return WeightSyncCollector(env, model, total_batches=total, mode=mode, dynamic_sampling=dynamic,
-                               max_sampling_rounds=rounds)  # fmt: skip
+    return WeightSyncCollector(
+        env,
+        model,
+        total_batches=total,
+        mode=mode,
+        dynamic_sampling=dynamic,
+        max_sampling_rounds=rounds,
+    )
 
 
 def seq_rewards(batch):
@@ -319,8 +336,10 @@ def test_async_state_with_the_pending_batch_resumes_exactly(tmp_path, tok):
     it = iter(collector)
     next(it)
     _train_step(collector, model)
-    torch.save({"collector": collector.state_dict(include_pending=True),
-                "model": model.state_dict()}, tmp_path / "ckpt.pt")  # fmt: skip
+    torch.save(
+        {"collector": collector.state_dict(include_pending=True), "model": model.state_dict()},
+        tmp_path / "ckpt.pt",
+    )
     straight = [next(it), collector.last_policy_lag, collector.last_batch_stats]
     _train_step(collector, model)
     straight += [next(it), collector.last_policy_lag, collector.last_batch_stats]

@@ -50,8 +50,12 @@ def test_every_key_is_commented():
 
 def test_groups_carry_only_their_own_keys():
     """No option repeats another's keys (main had 33 lines commented 'unused')."""
-    unused = [f"{f.relative_to(ROOT)}: {line.strip()}" for f in CONFIGS.rglob("*.yaml")
-              for line in f.read_text().splitlines() if re.search(r"#.*\bunused\b", line)]  # fmt: skip
+    unused = [
+        f"{f.relative_to(ROOT)}: {line.strip()}"
+        for f in CONFIGS.rglob("*.yaml")
+        for line in f.read_text().splitlines()
+        if re.search(r"#.*\bunused\b", line)
+    ]
     assert not unused, "\n".join(unused)
     assert set(load(overrides=["backend=trainside"]).backend) == {"max_batch_size"}
     assert "max_batch_size" not in load(overrides=["backend=sglang"]).backend
@@ -70,12 +74,20 @@ def test_groups_carry_only_their_own_keys():
     [
         ([], C.TinyModelConfig, C.TrainsideBackendConfig, C.ArithmeticDataConfig),
         (["algo=grpo"], C.TinyModelConfig, C.TrainsideBackendConfig, C.ArithmeticDataConfig),
-        (["model=smollm2_135m", "backend=sglang"], C.SmolLM2ModelConfig, C.SGLangBackendConfig,
-         C.ArithmeticDataConfig),
-        (["data=dapo_math", "logger=none"], C.TinyModelConfig, C.TrainsideBackendConfig,
-         C.DapoMathDataConfig),
+        (
+            ["model=smollm2_135m", "backend=sglang"],
+            C.SmolLM2ModelConfig,
+            C.SGLangBackendConfig,
+            C.ArithmeticDataConfig,
+        ),
+        (
+            ["data=dapo_math", "logger=none"],
+            C.TinyModelConfig,
+            C.TrainsideBackendConfig,
+            C.DapoMathDataConfig,
+        ),
     ],
-)  # fmt: skip
+)
 def test_cpu_default_and_groups_compose_to_typed_configs(overrides, model, backend, data):
     cfg = typed(overrides)
     assert (type(cfg.model), type(cfg.backend), type(cfg.data)) == (model, backend, data)
@@ -123,10 +135,17 @@ def test_gpu_recipe_instantiates_up_to_the_gpu(tmp_path):
     assert not recipe.dynamic_sampling(cfg)  # with GAE the old key does nothing
     model = attach_value_head(build_tiny_qwen3(99))  # stands in for Qwen3-4B-Base
     a = cfg.algo
-    loss = TokenPPOLoss(LMActorCritic(model), clip_epsilon=tuple(a.clip_epsilon),
-                        clip_value=a.clip_value, critic_coeff=a.critic_coeff, kl_coeff=a.kl_coeff,
-                        loss_agg_mode=a.loss_agg_mode)  # fmt: skip
-    assert (loss.clip_epsilon_low.item(), loss.clip_epsilon_high.item()) == pytest.approx((0.2, 0.28))  # fmt: skip
+    loss = TokenPPOLoss(
+        LMActorCritic(model),
+        clip_epsilon=tuple(a.clip_epsilon),
+        clip_value=a.clip_value,
+        critic_coeff=a.critic_coeff,
+        kl_coeff=a.kl_coeff,
+        loss_agg_mode=a.loss_agg_mode,
+    )
+    assert (loss.clip_epsilon_low.item(), loss.clip_epsilon_high.item()) == pytest.approx(
+        (0.2, 0.28)
+    )
     opt = recipe.build_optimizer(cfg, model)
     assert [g["lr"] for g in opt.param_groups] == [1e-6, 1e-5]
     with pytest.raises(FileNotFoundError, match="is not a HF model directory"):
@@ -242,8 +261,13 @@ def test_config_check_never_imports_torch():
         "    cfg = C.validate_config(compose(config_name='dapo_ppo'))\n"
         "print(type(cfg).__name__, 'torch' in sys.modules)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code, str(CONFIGS)], cwd=ROOT, capture_output=True,
-                         text=True, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(CONFIGS)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert out.stdout.split() == ["Config", "False"]
 
 
@@ -261,8 +285,9 @@ def test_dist_group_and_when_the_recipe_shards(monkeypatch):
     default stays one plain process (same code path, same numbers)."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     cfg = typed()
-    assert cfg.dist == C.DistConfig(backend="auto", fsdp="auto", reshard_after_forward=True,
-                                    timeout_s=1800.0)  # fmt: skip
+    assert cfg.dist == C.DistConfig(
+        backend="auto", fsdp="auto", reshard_after_forward=True, timeout_s=1800.0
+    )
     assert (cfg.model.dtype, cfg.model.gradient_checkpointing, cfg.sharded) == (
         "float32",
         False,
@@ -270,7 +295,11 @@ def test_dist_group_and_when_the_recipe_shards(monkeypatch):
     )
     assert typed(["model.dtype=bfloat16"]).sharded and typed(["dist.fsdp=true"]).sharded
     gpu = typed(name="qwen3_4b_base_dapo_sglang")
-    assert (gpu.dist.backend, gpu.model.dtype, gpu.model.gradient_checkpointing) == ("nccl", "bfloat16", True)  # fmt: skip
+    assert (gpu.dist.backend, gpu.model.dtype, gpu.model.gradient_checkpointing) == (
+        "nccl",
+        "bfloat16",
+        True,
+    )
     assert gpu.sharded and gpu.device == "cuda" and gpu.dist.timeout_s >= 1800
     monkeypatch.setenv("WORLD_SIZE", "2")  # under torchrun --nproc-per-node 2
     assert typed().sharded
@@ -289,10 +318,18 @@ def test_weight_sync_options_are_the_senders_options():
     for method, options in C.SYNC_OPTIONS.items():
         params = inspect.signature(SYNC_METHODS[method].factory).parameters.values()
         assert tuple(p.name for p in params if p.kind is p.KEYWORD_ONLY) == options, method
-    b = typed(["backend=sglang", "backend.weight_sync=distributed",
-               "+backend.weight_sync_options.master_address=10.0.0.7"]).backend  # fmt: skip
-    backend = SGLangBackend(["http://127.0.0.1:9"], weight_sync=b.weight_sync,
-                            weight_sync_options=dict(b.weight_sync_options))  # fmt: skip
+    b = typed(
+        [
+            "backend=sglang",
+            "backend.weight_sync=distributed",
+            "+backend.weight_sync_options.master_address=10.0.0.7",
+        ]
+    ).backend
+    backend = SGLangBackend(
+        ["http://127.0.0.1:9"],
+        weight_sync=b.weight_sync,
+        weight_sync_options=dict(b.weight_sync_options),
+    )
     try:
         assert backend.sender.master_address == "10.0.0.7"
     finally:

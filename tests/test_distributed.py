@@ -41,8 +41,15 @@ def test_two_ranks_train_like_one_process(two_ranks, mode):
     td = batch()
     plan = plan_micro_batches(td, BUDGET)
     td = prepare(ac, td, plan)
-    want = ppo_update(ppo_loss(ac, mode), torch.optim.SGD(ac.parameters(), lr=0.5), td, plan,
-                      epochs=2, grad_clip=0.05, generator=torch.Generator().manual_seed(0))  # fmt: skip
+    want = ppo_update(
+        ppo_loss(ac, mode),
+        torch.optim.SGD(ac.parameters(), lr=0.5),
+        td,
+        plan,
+        epochs=2,
+        grad_clip=0.05,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert max(info["padding"]) >= 1, "the plan must be uneven over the ranks"
     assert want["train/grad_norm"] > 0.05, "clipping must be active"
     metrics = info["metrics"]
@@ -67,12 +74,18 @@ def test_bf16_compute_updates_fp32_masters(two_ranks):
     ppo_update(ppo_loss(ac), opt, td, plan, grad_clip=1.0)
     bf16_changed = sum(int((p != b).sum()) for p, b in zip(policy, before))
     assert total == sum(b.numel() for b in before)
-    print(f"fp32 masters changed: {changed}/{total} = {changed / total:.4f}; "
-          f"bf16 storage changed: {bf16_changed}/{total} = {bf16_changed / total:.4f}")  # fmt: skip
+    print(
+        f"fp32 masters changed: {changed}/{total} = {changed / total:.4f}; "
+        f"bf16 storage changed: {bf16_changed}/{total} = {bf16_changed / total:.4f}"
+    )
     assert changed / total >= 0.99
     assert bf16_changed / total < 0.1
-    assert info["dtypes"] == {"value_head": "torch.float32", "q_proj": "torch.bfloat16",
-                              "state_value": "torch.float32", "master": "torch.float32"}  # fmt: skip
+    assert info["dtypes"] == {
+        "value_head": "torch.float32",
+        "q_proj": "torch.bfloat16",
+        "state_value": "torch.float32",
+        "master": "torch.float32",
+    }
 
 
 def test_first_update_ratio_is_exactly_one_on_every_rank(two_ranks):
@@ -120,7 +133,9 @@ def test_weight_push_gathers_full_tensors_on_rank_0(two_ranks):
 def test_resume_from_two_rank_checkpoint_reproduces_the_run(two_ranks):
     info = _json(two_ranks, "resume")
     assert info["path"].endswith("step_2") and info["step"] == 2 and info["note"] == "x"
-    assert any("step_4 is unusable" in m and "__1_0.distcp" in m and "truncated" in m
-               for m in info["warnings"]), info["warnings"]  # fmt: skip
+    assert any(
+        "step_4 is unusable" in m and "__1_0.distcp" in m and "truncated" in m
+        for m in info["warnings"]
+    ), info["warnings"]
     assert info["resumed"] == info["straight"][2:]
     assert info["same_params"]

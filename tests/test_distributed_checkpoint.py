@@ -40,8 +40,9 @@ def _step(model, opt):
 
 
 def _save(directory, step, model, opt, **kwargs):
-    return ckpt.save_distributed_checkpoint(directory, step=step, model=model, optimizer=opt,
-                                            ctx=CTX, **kwargs)  # fmt: skip
+    return ckpt.save_distributed_checkpoint(
+        directory, step=step, model=model, optimizer=opt, ctx=CTX, **kwargs
+    )
 
 
 def test_roundtrip_restores_model_optimizer_rng_and_extra(tmp_path):
@@ -133,8 +134,10 @@ def test_bad_extra_and_other_model_fail_clearly(tmp_path):
     with pytest.raises(TypeError, match="cannot store a object without pickling"):
         _save(tmp_path, 1, model, opt, extra={"x": object()})
     path = _save(tmp_path, 2, model, opt)
-    bigger, bigger_opt = attach_value_head(build_tiny_qwen3(99, hidden_size=16, num_heads=2,
-                                                            num_layers=3)), None  # fmt: skip
+    bigger, bigger_opt = (
+        attach_value_head(build_tiny_qwen3(99, hidden_size=16, num_heads=2, num_layers=3)),
+        None,
+    )
     with pytest.raises(ValueError, match=r"has no \['model.layers.2"):
         ckpt.load_distributed_checkpoint(path, model=bigger, optimizer=bigger_opt, ctx=CTX)
 
@@ -144,8 +147,15 @@ def test_extra_tensors_are_stored_as_raw_bytes():
     ~10x its size (a 512 x 8k-token batch near 1 GB of JSON); raw bytes in base64 are 4/3."""
     from ar_torchrl.distributed._safe_io import decode, encode
 
-    tensors = [torch.randn(3, 4), torch.tensor(5), torch.zeros(0, 3), torch.ones(2, dtype=torch.bool),
-               torch.randn(5).bfloat16(), torch.randint(0, 9, (2, 3)), torch.Generator().get_state()]  # fmt: skip
+    tensors = [
+        torch.randn(3, 4),
+        torch.tensor(5),
+        torch.zeros(0, 3),
+        torch.ones(2, dtype=torch.bool),
+        torch.randn(5).bfloat16(),
+        torch.randint(0, 9, (2, 3)),
+        torch.Generator().get_state(),
+    ]
     for t in tensors:
         back = decode(json.loads(json.dumps(encode(t))))
         assert back.dtype == t.dtype and back.shape == t.shape and torch.equal(back, t)

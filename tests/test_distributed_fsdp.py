@@ -83,12 +83,24 @@ def test_world_size_1_fsdp_trains_like_the_plain_model_in_fp32():
     plan = plan_micro_batches(td, 20)
     td = prepare(plain, td, plan)
     kwargs = dict(epochs=2, num_minibatches=2, grad_clip=0.5)
-    want = ppo_update(ppo_loss(plain), torch.optim.SGD(plain.parameters(), lr=0.5), td.clone(),
-                      plan, generator=torch.Generator().manual_seed(0), **kwargs)  # fmt: skip
+    want = ppo_update(
+        ppo_loss(plain),
+        torch.optim.SGD(plain.parameters(), lr=0.5),
+        td.clone(),
+        plan,
+        generator=torch.Generator().manual_seed(0),
+        **kwargs,
+    )
     with distributed("cpu", process_group=True) as ctx:
         ac = shard_actor_critic(actor_critic(seed=1), ctx, compute_dtype="float32")
-        got = ppo_update(ppo_loss(ac), torch.optim.SGD(ac.parameters(), lr=0.5), td.clone(),
-                         plan, generator=torch.Generator().manual_seed(0), **kwargs)  # fmt: skip
+        got = ppo_update(
+            ppo_loss(ac),
+            torch.optim.SGD(ac.parameters(), lr=0.5),
+            td.clone(),
+            plan,
+            generator=torch.Generator().manual_seed(0),
+            **kwargs,
+        )
         state = {n: t.full_tensor() for n, t in ac.model.state_dict().items()}
     assert got["train/optimizer_steps"] == 4.0
     assert got["train/loss_objective"] == pytest.approx(want["train/loss_objective"], abs=1e-6)
@@ -98,8 +110,9 @@ def test_world_size_1_fsdp_trains_like_the_plain_model_in_fp32():
 
 def test_world_size_1_bf16_first_update_ratio_is_one_and_masters_stay_fp32():
     with distributed("cpu", process_group=True) as ctx:
-        ac = shard_actor_critic(actor_critic(seed=2), ctx, compute_dtype="bfloat16",
-                                activation_checkpointing=True)  # fmt: skip
+        ac = shard_actor_critic(
+            actor_critic(seed=2), ctx, compute_dtype="bfloat16", activation_checkpointing=True
+        )
         td = batch()
         with torch.no_grad():  # torch behaviour the anchor pass works around (pinned here)
             ac(td[:2].select("tokens", "attention_mask"))

@@ -81,10 +81,22 @@ def test_world_size_1_sharded_update_is_bitwise_the_plain_one():
     td = prepare(ac_a, td, plan)
     sharded = shard_plan(plan, td, rank=0, world_size=1, collective=False)
     kwargs = dict(epochs=2, num_minibatches=2, grad_clip=0.5)
-    out_a = ppo_update(ppo_loss(ac_a), torch.optim.AdamW(ac_a.parameters(), lr=1e-3), td.clone(),
-                       plan, generator=torch.Generator().manual_seed(0), **kwargs)  # fmt: skip
-    out_b = ppo_update(ppo_loss(ac_b), torch.optim.AdamW(ac_b.parameters(), lr=1e-3), td.clone(),
-                       sharded, generator=torch.Generator().manual_seed(0), **kwargs)  # fmt: skip
+    out_a = ppo_update(
+        ppo_loss(ac_a),
+        torch.optim.AdamW(ac_a.parameters(), lr=1e-3),
+        td.clone(),
+        plan,
+        generator=torch.Generator().manual_seed(0),
+        **kwargs,
+    )
+    out_b = ppo_update(
+        ppo_loss(ac_b),
+        torch.optim.AdamW(ac_b.parameters(), lr=1e-3),
+        td.clone(),
+        sharded,
+        generator=torch.Generator().manual_seed(0),
+        **kwargs,
+    )
     assert out_a == out_b
     for (name, a), b in zip(ac_a.state_dict().items(), ac_b.state_dict().values()):
         assert torch.equal(a, b), name

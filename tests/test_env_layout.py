@@ -23,8 +23,16 @@ def _seq(prompts, responses, rewards, prompt_ids, version=2):
     acts = completions_to_actions(
         cs, max_new_tokens=max_new, pad_token_id=0, vocab=99, prompt_ids=prompt_ids
     )
-    return TensorDict({"prompt_tokens": tokens, "prompt_mask": mask, "prompt_id": torch.tensor(prompt_ids),
-                       **acts, "next": {"reward": torch.tensor(rewards).unsqueeze(-1)}}, [n])  # fmt: skip
+    return TensorDict(
+        {
+            "prompt_tokens": tokens,
+            "prompt_mask": mask,
+            "prompt_id": torch.tensor(prompt_ids),
+            **acts,
+            "next": {"reward": torch.tensor(rewards).unsqueeze(-1)},
+        },
+        [n],
+    )
 
 
 def test_any_subset_of_rows_becomes_a_trajectory_with_its_own_width():
@@ -44,7 +52,12 @@ def test_actions_refuse_mixed_versions_and_out_of_vocabulary_ids():
             [a, b], max_new_tokens=2, pad_token_id=0, vocab=99, prompt_ids=[0, 0]
         )
     with pytest.raises(ValueError, match=r"batch row 0 \(prompt index 7\) has token ids \[99\]"):
-        completions_to_actions([Completion(0, [99], [-0.1], "stop")], max_new_tokens=2, pad_token_id=0,
-                               vocab=99, prompt_ids=[7])  # fmt: skip
+        completions_to_actions(
+            [Completion(0, [99], [-0.1], "stop")],
+            max_new_tokens=2,
+            pad_token_id=0,
+            vocab=99,
+            prompt_ids=[7],
+        )
     specs = sequence_specs(2, prompt_width=3, vocab=99, max_new=2)
     assert specs["full_action_spec"]["response_tokens"].space.high.max() == 98

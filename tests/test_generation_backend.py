@@ -164,8 +164,10 @@ def test_trainside_sync_through_the_base_class():
 
 
 def test_importing_the_library_does_not_import_requests():
-    code = ("import sys, ar_torchrl.objectives, ar_torchrl.envs, ar_torchrl.collectors, ar_torchrl.backends; "
-            "print(sorted(m for m in sys.modules if m == 'requests' or m.startswith('ar_torchrl.backends.sglang')))")  # fmt: skip
+    code = (
+        "import sys, ar_torchrl.objectives, ar_torchrl.envs, ar_torchrl.collectors, ar_torchrl.backends; "
+        "print(sorted(m for m in sys.modules if m == 'requests' or m.startswith('ar_torchrl.backends.sglang')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"

@@ -88,9 +88,15 @@ def test_scripted_rewards_and_overlong_penalty(tok):
     # cap 10: "Answer: 3" + EOS fits (stop), "Answer: 12" + EOS is cut (length, still right)
     rows = [make_row("What is 1 + 2?", "3", index=0), make_row("What is 5 + 7?", "12", index=1)]
     env = LLMEnv(
-        rows, tok, ScriptedBackend(tok), num_samples=2, prompts_per_batch=2, shuffle=False,
-        sampling=SamplingParams(max_new_tokens=10), overlong_buffer_len=4,
-    )  # fmt: skip
+        rows,
+        tok,
+        ScriptedBackend(tok),
+        num_samples=2,
+        prompts_per_batch=2,
+        shuffle=False,
+        sampling=SamplingParams(max_new_tokens=10),
+        overlong_buffer_len=4,
+    )
     td = env.rollout()
     assert td["loss_mask"].sum(-1).tolist() == [10, 10, 10, 10]
     assert td["next", "terminated"].squeeze(-1).any(-1).tolist() == [True, True, False, False]
@@ -137,8 +143,16 @@ def test_non_finite_reward_is_an_error_naming_row_prompt_and_value(tok):
         return float("nan") if text.endswith("3") else 1.0
 
     rows = [make_row("What is 1 + 2?", "3", index=0), make_row("What is 5 + 7?", "12", index=1)]
-    env = LLMEnv(rows, tok, ScriptedBackend(tok), num_samples=2, prompts_per_batch=2, shuffle=False,
-                 reward_fn=reward, sampling=SamplingParams(max_new_tokens=12))  # fmt: skip
+    env = LLMEnv(
+        rows,
+        tok,
+        ScriptedBackend(tok),
+        num_samples=2,
+        prompts_per_batch=2,
+        shuffle=False,
+        reward_fn=reward,
+        sampling=SamplingParams(max_new_tokens=12),
+    )
     with pytest.raises(
         ValueError,
         match=r"reward_fn returned nan for batch row 0 \(prompt index 0, response 'Answer: 3'\)",
@@ -153,8 +167,17 @@ def test_non_finite_reward_rows_can_be_dropped_and_counted(tok):
         return float("inf") if text.endswith("13") else (1.0 if text.endswith(truth) else -1.0)
 
     rows = [make_row("What is 1 + 2?", "3", index=0), make_row("What is 5 + 7?", "12", index=1)]
-    env = LLMEnv(rows, tok, ScriptedBackend(tok), num_samples=2, prompts_per_batch=2, shuffle=False,
-                 reward_fn=reward, sampling=SamplingParams(max_new_tokens=12), non_finite_reward="drop")  # fmt: skip
+    env = LLMEnv(
+        rows,
+        tok,
+        ScriptedBackend(tok),
+        num_samples=2,
+        prompts_per_batch=2,
+        shuffle=False,
+        reward_fn=reward,
+        sampling=SamplingParams(max_new_tokens=12),
+        non_finite_reward="drop",
+    )
     td = env.rollout()  # "Answer: 13" (prompt 1, sample 1) scores inf: its row is dropped
     assert td.shape[0] == 3 and env.non_finite_rewards_dropped == 1
     assert td["prompt_id"][:, 0].tolist() == [0, 0, 1]

@@ -488,8 +488,14 @@ def test_grpo_critic_targets_are_monte_carlo_returns():
     mask = torch.tensor([[False, True, True, True, False], [False, False, True, True, True]])
     reward = torch.zeros(2, 5)
     reward[0, 3], reward[1, 4], reward[1, 2] = 1.0, -1.0, 0.25
-    td = TensorDict({"loss_mask": mask, "prompt_id": torch.zeros(2, 5, dtype=torch.long),
-                     "next": {"reward": reward.unsqueeze(-1)}}, [2, 5])  # fmt: skip
+    td = TensorDict(
+        {
+            "loss_mask": mask,
+            "prompt_id": torch.zeros(2, 5, dtype=torch.long),
+            "next": {"reward": reward.unsqueeze(-1)},
+        },
+        [2, 5],
+    )
     gamma = 0.9
     out = GRPOAdvantage(critic_targets=True, gamma=gamma)(td)
     expected = torch.zeros(2, 5)
@@ -515,18 +521,34 @@ def _chain(ac, ref, td, renamed: bool):
     loss = TokenPPOLoss(ac, clip_value=0.2, kl_coeff=0.1, entropy_coeff=0.01)
     if renamed:
         td = td.clone()
-        for old, new in [("tokens", ("in", "ids")), ("attention_mask", ("in", "attn")),
-                         ("loss_mask", ("in", "train")), (("next", "reward"), ("next", "task", "r")),
-                         (("next", "done"), ("next", "task", "d")),
-                         (("next", "terminated"), ("next", "task", "t"))]:  # fmt: skip
+        for old, new in [
+            ("tokens", ("in", "ids")),
+            ("attention_mask", ("in", "attn")),
+            ("loss_mask", ("in", "train")),
+            (("next", "reward"), ("next", "task", "r")),
+            (("next", "done"), ("next", "task", "d")),
+            (("next", "terminated"), ("next", "task", "t")),
+        ]:
             td.rename_key_(old, new)
         for module in (ac, ref):
-            module.set_keys(tokens=("in", "ids"), attention_mask=("in", "attn"),
-                            log_prob=("out", "lp"), value=("out", "v"), entropy=("out", "h"))  # fmt: skip
-        loss.set_keys(sample_log_prob=("anchor", "lp"), value=("out", "v"),
-                      ref_log_prob=("anchor", "ref"), loss_mask=("in", "train"),
-                      advantage=("adv", "a"), value_target=("adv", "t"),
-                      reward=("task", "r"), done=("task", "d"), terminated=("task", "t"))  # fmt: skip
+            module.set_keys(
+                tokens=("in", "ids"),
+                attention_mask=("in", "attn"),
+                log_prob=("out", "lp"),
+                value=("out", "v"),
+                entropy=("out", "h"),
+            )
+        loss.set_keys(
+            sample_log_prob=("anchor", "lp"),
+            value=("out", "v"),
+            ref_log_prob=("anchor", "ref"),
+            loss_mask=("in", "train"),
+            advantage=("adv", "a"),
+            value_target=("adv", "t"),
+            reward=("task", "r"),
+            done=("task", "d"),
+            terminated=("task", "t"),
+        )
     plan = plan_micro_batches(td, token_budget=24, attention_mask_key=ac.tensor_keys.attention_mask)
     recompute_anchors(ac, td, plan, ref_actor=ref, loss=loss)
     loss.value_estimator(td)  # the loss's TokenGAE follows the loss's keys
@@ -588,9 +610,16 @@ def test_loss_emits_torchrl_metric_names_and_lists_every_key_in_out_keys():
     mask = td["loss_mask"]
     lr = (new - td["sample_log_prob"])[mask].double()
     r = lr.exp()
-    expected = {"kl_approx": (-lr).mean(), "approx_kl": ((r - 1) - lr).mean(),
-                "mean_ratio": r.mean(), "ratio_mean": r.mean(), "max_ratio": r.max(),
-                "ratio_max": r.max(), "ratio_min": r.min(), "ESS": r.sum() ** 2 / (r**2).sum() / r.numel()}  # fmt: skip
+    expected = {
+        "kl_approx": (-lr).mean(),
+        "approx_kl": ((r - 1) - lr).mean(),
+        "mean_ratio": r.mean(),
+        "ratio_mean": r.mean(),
+        "max_ratio": r.max(),
+        "ratio_max": r.max(),
+        "ratio_min": r.min(),
+        "ESS": r.sum() ** 2 / (r**2).sum() / r.numel(),
+    }
     for key, value in expected.items():
         assert out[key].item() == pytest.approx(value.item(), rel=1e-5, abs=1e-7), key
     assert 0 < out["ESS"].item() < 1

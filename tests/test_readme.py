@@ -53,9 +53,17 @@ def test_cited_design_sections_exist():
     root = README.parent
     design = (root / "docs" / "design.md").read_text()
     sections = set(re.findall(r"^#{2,3} (\d+b?)\. ", design, flags=re.M))
-    files = subprocess.run(["git", "ls-files", "*.py", "*.md", "*.yaml"], cwd=root,
-                           capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
-    cited = {(name, n) for name in files
-             for n in re.findall(r"docs/design\.md`?\)? section (\d+b?)", (root / name).read_text())}  # fmt: skip
+    files = subprocess.run(
+        ["git", "ls-files", "*.py", "*.md", "*.yaml"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    cited = {
+        (name, n)
+        for name in files
+        for n in re.findall(r"docs/design\.md`?\)? section (\d+b?)", (root / name).read_text())
+    }
     assert len(cited) >= 15
     assert not {c for c in cited if c[1] not in sections}, sorted(sections)

@@ -22,8 +22,15 @@ def history(rise: float) -> list[dict]:
     steps = [{"step": 0, "eval/reward_mean": -0.5, "eval/accuracy": 0.25}]
     for i in range(1, 11):
         r = -0.5 + rise * (i > 8)  # the last 2 iterations (20 %) are better by `rise`
-        steps.append({"step": i, "rollout/reward_mean": r, "rollout/accuracy": (r + 1) / 2,
-                      "time/generate": 0.2, "time/update": 0.1})  # fmt: skip
+        steps.append(
+            {
+                "step": i,
+                "rollout/reward_mean": r,
+                "rollout/accuracy": (r + 1) / 2,
+                "time/generate": 0.2,
+                "time/update": 0.1,
+            }
+        )
     steps[-1].update({"eval/reward_mean": 0.5, "eval/accuracy": 0.75})
     return steps
 
@@ -38,10 +45,19 @@ def test_figures_of_a_history():
 
 def test_block_states_load_and_threads_and_replaces_the_readme_section(tmp_path):
     mod = module()
-    run = {"wall_s": 120.0, "load_avg_before": (0.5, 0.4, 0.3), "load_avg_after": (1.5, 1, 1),
-           **mod.figures(history(0.9))}  # fmt: skip
-    result = {"machine": {"threads": 1, "cpu_count": 2, "torch": "2.13.0"}, "warm_start_s": 16.0,
-              "default": [run] * 5, "grpo": run, "ci": [run] * 5}  # fmt: skip
+    run = {
+        "wall_s": 120.0,
+        "load_avg_before": (0.5, 0.4, 0.3),
+        "load_avg_after": (1.5, 1, 1),
+        **mod.figures(history(0.9)),
+    }
+    result = {
+        "machine": {"threads": 1, "cpu_count": 2, "torch": "2.13.0"},
+        "warm_start_s": 16.0,
+        "default": [run] * 5,
+        "grpo": run,
+        "ci": [run] * 5,
+    }
     block = mod.readme_block(result)
     assert "| reward rise | +0.90 | +0.90 | +0.90 | +0.90 | +0.90 |" in block
     assert "takes 2.0 minutes" in block and "1 thread, 2 cores" in block

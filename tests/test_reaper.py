@@ -36,8 +36,13 @@ sys.stdin.read()
 
 def start_owner(*args: str) -> tuple[subprocess.Popen, dict]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    owner = subprocess.Popen([sys.executable, "-c", OWNER, *args], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     info = json.loads(owner.stdout.readline())
     assert wait_until(lambda: len(group_pids(info["pgid"])) >= 2, 10) < 10
     return owner, info

@@ -49,8 +49,13 @@ COMMON = [
 
 
 def recipe_env(cache: Path) -> dict:
-    return {**os.environ, "AR_TORCHRL_CACHE": str(cache), "OMP_NUM_THREADS": "1",
-            "HYDRA_FULL_ERROR": "1", "TQDM_DISABLE": "1"}  # fmt: skip
+    return {
+        **os.environ,
+        "AR_TORCHRL_CACHE": str(cache),
+        "OMP_NUM_THREADS": "1",
+        "HYDRA_FULL_ERROR": "1",
+        "TQDM_DISABLE": "1",
+    }
 
 
 def read_history(run_dir: Path) -> list[dict]:
@@ -60,8 +65,9 @@ def read_history(run_dir: Path) -> list[dict]:
 
 def run_recipe(run_dir: Path, cache: Path, *overrides: str, check: bool = True):
     cmd = [sys.executable, str(SCRIPT), f"hydra.run.dir={run_dir}", *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, env=recipe_env(cache), capture_output=True, text=True,
-                          timeout=900)  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=recipe_env(cache), capture_output=True, text=True, timeout=900
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"recipe failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return proc, read_history(run_dir)
@@ -70,8 +76,14 @@ def run_recipe(run_dir: Path, cache: Path, *overrides: str, check: bool = True):
 def stop_after_first_step(run_dir: Path, cache: Path, signum: int, *overrides: str):
     """Start the recipe, send ``signum`` once step 1 is in metrics.jsonl, wait for it to exit."""
     cmd = [sys.executable, str(SCRIPT), f"hydra.run.dir={run_dir}", *overrides]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=recipe_env(cache), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=recipe_env(cache),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 600
         while not any(h["step"] == 1 for h in read_history(run_dir)):
@@ -144,8 +156,9 @@ def test_cpu_default_short_run_learns(tmp_path, cache_dir):
 
 @pytest.mark.slow
 def test_grpo_end_to_end(tmp_path, cache_dir):
-    _, history = run_recipe(tmp_path, cache_dir, "algo=grpo", "train.iterations=4",
-                            "train.eval_every=2")  # fmt: skip
+    _, history = run_recipe(
+        tmp_path, cache_dir, "algo=grpo", "train.iterations=4", "train.eval_every=2"
+    )
     assert [h["step"] for h in history] == [0, 1, 2, 3, 4]
     history = history[1:]
     for h in history:
@@ -170,7 +183,9 @@ def test_async_end_to_end_with_critic_warmup_resumes_exactly(tmp_path, cache_dir
     # The step-2 checkpoint holds the batch that was being generated: resuming from it is exact
     # (main regenerated that batch with the newer weights: lag 0, other samples).
     checkpoint = tmp_path / "straight" / "checkpoints" / "step_2.pt"
-    _, resumed = run_recipe(tmp_path / "resumed", cache_dir, *async_, f"train.resume_from={checkpoint}")  # fmt: skip
+    _, resumed = run_recipe(
+        tmp_path / "resumed", cache_dir, *async_, f"train.resume_from={checkpoint}"
+    )
     same_runs(history, resumed)
 
 
@@ -197,7 +212,9 @@ def test_sigterm_stops_cleanly_and_auto_resume_continues_exactly(tmp_path, cache
     assert steps == list(range(stopped + 1)) and 1 <= stopped < 4  # finished its iteration
     assert f"stopped by SIGTERM after iteration {stopped}" in out
     assert sorted(p.name for p in (first / "checkpoints").iterdir())[-1] == f"step_{stopped}.pt"
-    _, resumed = run_recipe(tmp_path / "runs" / "second", cache_dir, *COMMON, runs, "train.resume_from=auto")  # fmt: skip
+    _, resumed = run_recipe(
+        tmp_path / "runs" / "second", cache_dir, *COMMON, runs, "train.resume_from=auto"
+    )
     same_runs(straight, resumed)
 
 
@@ -227,7 +244,9 @@ def imported_modules(stderr: str) -> set[str]:
         (["train.iterations=true"], 1, "full_key: train.iterations"),
     ],
 )
-def test_help_and_bad_config_answer_before_the_training_stack_is_imported(tmp_path, args, rc, message):  # fmt: skip
+def test_help_and_bad_config_answer_before_the_training_stack_is_imported(
+    tmp_path, args, rc, message
+):
     """main imported torch, transformers and TorchRL (10-38 s on a loaded machine) before anything."""
     cmd = [sys.executable, "-X", "importtime", str(SCRIPT), f"hydra.run.dir={tmp_path}", *args]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -247,7 +266,9 @@ def fake_run(run_dir: Path, steps: int, checkpoint_steps=(), raw=None) -> None:
     (run_dir / "checkpoints").mkdir(parents=True)
     scalars = run_dir / "logs" / "dapo_ppo" / "scalars" / "rollout"
     scalars.mkdir(parents=True)
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(steps + 1)))  # fmt: skip
+    (run_dir / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s}) + "\n" for s in range(steps + 1))
+    )
     (scalars / "reward_mean.csv").write_text("".join(f"{s},0.5\n" for s in range(1, steps + 1)))
     for s in checkpoint_steps:
         (run_dir / "checkpoints" / f"step_{s}.pt").write_bytes(b"")
@@ -264,7 +285,9 @@ def test_rerun_before_the_first_checkpoint_starts_a_clean_history(tmp_path):
     (tmp_path / "checkpoints" / ".step_3.pt-x8k2.tmp").write_bytes(b"half")
     dapo_ppo.prepare_run_dir(tmp_path, None)
     assert (tmp_path / "metrics.jsonl").read_text() == ""
-    assert (tmp_path / "logs" / "dapo_ppo" / "scalars" / "rollout" / "reward_mean.csv").read_text() == ""  # fmt: skip
+    assert (
+        tmp_path / "logs" / "dapo_ppo" / "scalars" / "rollout" / "reward_mean.csv"
+    ).read_text() == ""
     assert list((tmp_path / "checkpoints").iterdir()) == []
 
 
@@ -274,7 +297,9 @@ def test_resume_from_another_run_copies_its_history_up_to_the_checkpoint(tmp_pat
     new.mkdir()
     dapo_ppo.prepare_run_dir(new, old / "checkpoints" / "step_2.pt")
     assert [h["step"] for h in read_history(new)] == [0, 1, 2]
-    assert (new / "logs" / "dapo_ppo" / "scalars" / "rollout" / "reward_mean.csv").read_text() == "1,0.5\n2,0.5\n"  # fmt: skip
+    assert (
+        new / "logs" / "dapo_ppo" / "scalars" / "rollout" / "reward_mean.csv"
+    ).read_text() == "1,0.5\n2,0.5\n"
     assert [h["step"] for h in read_history(old)] == [0, 1, 2, 3, 4, 5]  # the old run is untouched
 
 
@@ -282,7 +307,9 @@ def test_find_checkpoint(tmp_path):
     runs, here = tmp_path / "runs", tmp_path / "runs" / "now"
     raw = load([f"runs_dir={runs}", "train.resume_from=auto"])
     cfg = C.validate_config(raw)
-    with pytest.raises(FileNotFoundError, match="train.resume_from=auto: no run directory under runs_dir="):  # fmt: skip
+    with pytest.raises(
+        FileNotFoundError, match="train.resume_from=auto: no run directory under runs_dir="
+    ):
         dapo_ppo.find_checkpoint(cfg, raw, here)
     fake_run(runs / "a", 4, (2, 4), raw=load([f"runs_dir={runs}", "train.iterations=4"]))
     time.sleep(0.01)  # b's checkpoint is newer, but b is another configuration (seed)
@@ -337,9 +364,13 @@ def test_malformed_dataset_rows_fail_or_are_skipped_and_counted(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     data = ["data=dapo_math", f"data.path={path}", "data.holdout=4", "train.eval_prompts=4"]
-    with pytest.raises(ValueError, match=r"bad.jsonl: line 4: field 'reward_model.ground_truth' is missing"):  # fmt: skip
+    with pytest.raises(
+        ValueError, match=r"bad.jsonl: line 4: field 'reward_model.ground_truth' is missing"
+    ):
         recipe.build_datasets(C.validate_config(load(data)))
-    train, held_out = recipe.build_datasets(C.validate_config(load([*data, "data.skip_invalid=true"])))  # fmt: skip
+    train, held_out = recipe.build_datasets(
+        C.validate_config(load([*data, "data.skip_invalid=true"]))
+    )
     assert len(train) + len(held_out) == 19  # the bad row is skipped and counted, nothing else lost
 
 
@@ -348,8 +379,16 @@ def test_tokenizer_without_chat_template(tmp_path):
 
     model_dir = save_tiny_model(tmp_path / "m")
     (model_dir / "chat_template.jinja").unlink()
-    cfg = C.validate_config(load(["model=qwen3_4b_base", f"model.path={model_dir}", "model.dtype=float32",
-                                  "model.attn_implementation=null"]))  # fmt: skip
+    cfg = C.validate_config(
+        load(
+            [
+                "model=qwen3_4b_base",
+                f"model.path={model_dir}",
+                "model.dtype=float32",
+                "model.attn_implementation=null",
+            ]
+        )
+    )
     with pytest.raises(
         ValueError, match=f"tokenizer of model.path={model_dir} has no chat template"
     ):
@@ -395,8 +434,9 @@ def test_readme_one_key_grpo_swap_runs(tmp_path, cache_dir):
 @pytest.mark.sglang
 def test_sglang_backend_end_to_end(tmp_path, cache_dir):
     """The recipe launches a real local SGLang server on the warm-started policy and syncs to it."""
-    _, history = run_recipe(tmp_path, cache_dir, "backend=sglang", "train.iterations=2",
-                            "train.eval_every=2")  # fmt: skip
+    _, history = run_recipe(
+        tmp_path, cache_dir, "backend=sglang", "train.iterations=2", "train.eval_every=2"
+    )
     assert [h["step"] for h in history] == [0, 1, 2]
     for h in history[1:]:
         # the server samples from the trainer's weights (synced after step 1): its log-probs agree

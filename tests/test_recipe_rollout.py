@@ -15,8 +15,14 @@ QUIET = ["train.eval_every=0", "train.plot=false", "train.checkpoint_every=0"]
 
 @pytest.mark.slow
 def test_grpo_dynamic_sampling_refills_and_logs_unbiased_metrics(tmp_path, cache_dir):
-    _, history = run_recipe(tmp_path, cache_dir, "algo=grpo", "rollout.dynamic_sampling=true",
-                            "train.iterations=3", *QUIET)  # fmt: skip
+    _, history = run_recipe(
+        tmp_path,
+        cache_dir,
+        "algo=grpo",
+        "rollout.dynamic_sampling=true",
+        "train.iterations=3",
+        *QUIET,
+    )
     assert [h["step"] for h in history] == [1, 2, 3]
     for h in history:
         # warm-started tiny model: ~1/3 of the groups are all wrong (zero spread), refilled
@@ -32,9 +38,16 @@ def test_grpo_dynamic_sampling_refills_and_logs_unbiased_metrics(tmp_path, cache
 def test_dynamic_sampling_with_every_answer_wrong_skips_the_update(tmp_path, cache_dir):
     # one new token can never hold "Answer: X": every reward is -1, no group has a spread. The old
     # key algo.grpo.drop_zero_spread=true (GRPO) still switches dynamic sampling on.
-    proc, history = run_recipe(tmp_path, cache_dir, "algo=grpo", "algo.grpo.drop_zero_spread=true",
-                               "rollout.max_new_tokens=1", "rollout.max_sampling_rounds=2",
-                               "train.iterations=2", *QUIET)  # fmt: skip
+    proc, history = run_recipe(
+        tmp_path,
+        cache_dir,
+        "algo=grpo",
+        "algo.grpo.drop_zero_spread=true",
+        "rollout.max_new_tokens=1",
+        "rollout.max_sampling_rounds=2",
+        "train.iterations=2",
+        *QUIET,
+    )
     assert [h["step"] for h in history] == [1, 2]
     for h in history:
         assert h["train/update_skipped"] == 1.0 and "train/loss_objective" not in h
@@ -49,8 +62,15 @@ def test_dynamic_sampling_with_every_answer_wrong_skips_the_update(tmp_path, cac
 @pytest.mark.slow
 def test_an_unreachable_backend_url_is_said_once(tmp_path, cache_dir):
     url = f"http://127.0.0.1:{free_port()}"
-    proc, history = run_recipe(tmp_path, cache_dir, "backend=sglang", f"backend.url={url}",
-                               "train.iterations=1", *QUIET, check=False)  # fmt: skip
+    proc, history = run_recipe(
+        tmp_path,
+        cache_dir,
+        "backend=sglang",
+        f"backend.url={url}",
+        "train.iterations=1",
+        *QUIET,
+        check=False,
+    )
     assert proc.returncode != 0 and not history
     message = f"backend.url=['{url}']: no SGLang server answers GET /health there"
     assert proc.stderr.count(message) == 1, proc.stderr[-3000:]

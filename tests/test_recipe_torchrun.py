@@ -72,9 +72,15 @@ def torchrun(run_dir: Path, cache: Path, *overrides: str):
     marker = uuid.uuid4().hex
     env = {**recipe_env(cache), "AR_TORCHRL_TEST_LAUNCH": marker}
     cmd = [*TORCHRUN, str(SCRIPT), f"hydra.run.dir={run_dir}", *overrides]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True,
-                            preexec_fn=die_with_test)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=die_with_test,
+    )
     proc.marker = marker
     try:
         yield proc
@@ -121,8 +127,12 @@ def test_two_ranks_learn_and_resume_exactly(tmp_path, cache_dir):
     """The issue's must-show: 2 ranks (FSDP2, gloo) train the CPU default and the reward rises; a
     2-rank distributed checkpoint resumes to the same metrics as the uninterrupted run."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    common = [f"train.iterations={ITERATIONS}", f"train.eval_every={ITERATIONS}",
-              "train.checkpoint_every=18", "train.plot=false"]  # fmt: skip
+    common = [
+        f"train.iterations={ITERATIONS}",
+        f"train.eval_every={ITERATIONS}",
+        "train.checkpoint_every=18",
+        "train.plot=false",
+    ]
     start = time.monotonic()
     with torchrun(straight, cache_dir, *common) as proc:
         out = finish(proc)
@@ -144,8 +154,12 @@ def test_two_ranks_learn_and_resume_exactly(tmp_path, cache_dir):
     assert f"torchrun --nproc-per-node=2 {SCRIPT} " in out  # the command that trains further
     checkpoints = straight / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step_36", "step_40"]  # keep 2
-    assert {"__0_0.distcp", "__1_0.distcp", "meta.json"} <= {p.name for p in (checkpoints / "step_36").iterdir()}  # fmt: skip
-    with torchrun(resumed, cache_dir, *common, f"train.resume_from={checkpoints / 'step_36'}") as proc:  # fmt: skip
+    assert {"__0_0.distcp", "__1_0.distcp", "meta.json"} <= {
+        p.name for p in (checkpoints / "step_36").iterdir()
+    }
+    with torchrun(
+        resumed, cache_dir, *common, f"train.resume_from={checkpoints / 'step_36'}"
+    ) as proc:
         out = finish(proc)
     assert proc.returncode == 0 and "resumed from" in out, out[-4000:]
     same_runs(history, read_history(resumed))
@@ -156,8 +170,14 @@ def test_sigterm_to_torchrun_stops_every_rank_after_the_same_iteration(tmp_path,
     """torchrun forwards SIGTERM to both ranks; they agree on the iteration to stop after, both
     write their shards of its checkpoint, and rank 0 prints how to resume."""
     run_dir = tmp_path / "run"
-    with torchrun(run_dir, cache_dir, "train.iterations=40", "train.eval_every=0",
-                  "train.checkpoint_every=0", "train.plot=false") as proc:  # fmt: skip
+    with torchrun(
+        run_dir,
+        cache_dir,
+        "train.iterations=40",
+        "train.eval_every=0",
+        "train.checkpoint_every=0",
+        "train.plot=false",
+    ) as proc:
         wait_for_step(proc, run_dir, 1)
         proc.send_signal(signal.SIGTERM)
         out = finish(proc, timeout=120)
@@ -178,8 +198,9 @@ def test_a_dead_rank_ends_the_run(tmp_path, cache_dir):
     """SIGKILL on rank 1 mid-run: rank 0 must not wait in a collective until the 30-minute
     timeout; the run ends within seconds (gloo sees the peer gone, torchrun tears down)."""
     run_dir = tmp_path / "run"
-    with torchrun(run_dir, cache_dir, "train.iterations=40", "train.eval_every=0",
-                  "train.plot=false") as proc:  # fmt: skip
+    with torchrun(
+        run_dir, cache_dir, "train.iterations=40", "train.eval_every=0", "train.plot=false"
+    ) as proc:
         wait_for_step(proc, run_dir, 1)
         ranks = rank_pids(proc)
         assert set(ranks) == {0, 1}
@@ -217,9 +238,13 @@ def test_find_checkpoint_takes_distributed_checkpoints_of_fsdp_runs_only(tmp_pat
 
     bf16 = "model.dtype=bfloat16"  # one process, bf16 compute over fp32 masters: FSDP2
     assert find(bf16, f"train.resume_from={run}") == run / "checkpoints" / "step_2"
-    with pytest.raises(ValueError, match="is a distributed .FSDP2. checkpoint but this run is one float32 process"):  # fmt: skip
+    with pytest.raises(
+        ValueError, match="is a distributed .FSDP2. checkpoint but this run is one float32 process"
+    ):
         find(f"train.resume_from={run / 'checkpoints' / 'step_2'}")
-    with pytest.raises(ValueError, match="is a single-process checkpoint but this run trains with FSDP2"):  # fmt: skip
+    with pytest.raises(
+        ValueError, match="is a single-process checkpoint but this run trains with FSDP2"
+    ):
         find(bf16, f"train.resume_from={tmp_path / 'plain' / 'step_3.pt'}")
     (run / "checkpoints" / "step_2" / "__0_0.distcp").write_bytes(b"torn")
     with pytest.raises(ValueError, match=r"step_2 is unusable: __0_0.distcp has 4 bytes"):

@@ -57,7 +57,9 @@ def test_registered_estimators_run_on_a_trajectory():
 
 
 def test_errors_name_the_estimator():
-    with pytest.raises(ValueError, match=r"unknown advantage estimator 'vtrace'; registered: \['gae', 'grpo'"):  # fmt: skip
+    with pytest.raises(
+        ValueError, match=r"unknown advantage estimator 'vtrace'; registered: \['gae', 'grpo'"
+    ):
         make_advantage("vtrace")
     with pytest.raises(ValueError, match=r"'gae' needs a value head \(critic=True\).*\['grpo'"):
         make_advantage("gae", critic=False)
@@ -98,6 +100,6 @@ def test_recipe_accepts_exactly_the_registered_names(scratch_registry):
 
 
 def test_registry_imports_no_torch():
-    code = "import sys, ar_torchrl.objectives.registry as r; print(r.advantage_names(), 'torch' in sys.modules)"  # fmt: skip
+    code = "import sys, ar_torchrl.objectives.registry as r; print(r.advantage_names(), 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "('gae', 'grpo') False"

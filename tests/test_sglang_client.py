@@ -136,9 +136,13 @@ def _accept_tensors(double, *, fail: bool = False):
             double.weight_version = body["weight_version"]
         return 200, {"success": True, "message": "Success"}
 
-    double.handlers.update({"/begin_weight_update": lambda body: (404, {"detail": "Not Found"}),
-                            "/end_weight_update": lambda body: (404, {"detail": "Not Found"}),
-                            "/update_weights_from_tensor": update})  # fmt: skip
+    double.handlers.update(
+        {
+            "/begin_weight_update": lambda body: (404, {"detail": "Not Found"}),
+            "/end_weight_update": lambda body: (404, {"detail": "Not Found"}),
+            "/update_weights_from_tensor": update,
+        }
+    )
 
 
 def test_a_server_reporting_another_version_is_an_error(sglang_double):

@@ -31,8 +31,11 @@ def _backend(urls, **kw) -> SGLangBackend:
 def test_retries_5xx_and_dropped_connection_with_exponential_backoff(sglang_double, monkeypatch):
     delays = []
     monkeypatch.setattr(http.time, "sleep", delays.append)
-    for fault in (dict(kind="status", status=503, message="overloaded"), dict(kind="drop"),
-                  dict(kind="status", status=502, message="bad gateway")):  # fmt: skip
+    for fault in (
+        dict(kind="status", status=503, message="overloaded"),
+        dict(kind="drop"),
+        dict(kind="status", status=502, message="bad gateway"),
+    ):
         sglang_double.inject(**fault)
     with _backend(sglang_double.url, max_retries=3, backoff_s=0.5, backoff_max_s=1.5) as backend:
         out = backend.generate([[1, 2, 3]], n=1, sampling=GREEDY)

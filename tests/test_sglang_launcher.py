@@ -148,8 +148,14 @@ def test_a_real_server_dies_mid_rollout_when_its_trainer_gets_sigterm(
     sglang_model_dir, sglang_api_key, tmp_path
 ):
     server = ParentServer(sglang_model_dir, tmp_path / "victim.log", sync=True)
-    backend = SGLangBackend(server.url, max_retries=2, backoff_s=0.2, connect_timeout_s=1, show_progress=False,
-                            extra_sampling_params={"ignore_eos": True})  # fmt: skip
+    backend = SGLangBackend(
+        server.url,
+        max_retries=2,
+        backoff_s=0.2,
+        connect_timeout_s=1,
+        show_progress=False,
+        extra_sampling_params={"ignore_eos": True},
+    )
     result: dict = {}
 
     def rollout():  # ~250k tokens: far longer than the few seconds until the kill

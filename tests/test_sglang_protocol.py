@@ -21,9 +21,14 @@ GREEDY = SamplingParams(max_new_tokens=2, temperature=0.0)
 
 
 def item(ids=(5, 6), lps=((-0.1, 5), (-0.2, 6)), **meta):
-    base = {"id": "x", "prompt_tokens": 1, "completion_tokens": len(ids), "weight_version": "default",
-            "finish_reason": {"type": "length", "length": len(ids)},
-            "output_token_logprobs": [[lp, t, None] for lp, t in lps]}  # fmt: skip
+    base = {
+        "id": "x",
+        "prompt_tokens": 1,
+        "completion_tokens": len(ids),
+        "weight_version": "default",
+        "finish_reason": {"type": "length", "length": len(ids)},
+        "output_token_logprobs": [[lp, t, None] for lp, t in lps],
+    }
     return {"text": "", "output_ids": list(ids), "meta_info": {**base, **meta}}
 
 
@@ -33,9 +38,19 @@ def test_request_bodies_follow_sglangs_own_schema():
         max_new_tokens=5, temperature=0.7, top_p=0.9, top_k=20, stop_token_ids=(7,)
     )
     body = generate_body([1, 2], 3, sampling, extra={"ignore_eos": True})
-    assert body == {"input_ids": [1, 2], "return_logprob": True,
-                    "sampling_params": {"max_new_tokens": 5, "temperature": 0.7, "top_p": 0.9, "top_k": 20,
-                                        "stop_token_ids": [7], "ignore_eos": True, "n": 3}}  # fmt: skip
+    assert body == {
+        "input_ids": [1, 2],
+        "return_logprob": True,
+        "sampling_params": {
+            "max_new_tokens": 5,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": 20,
+            "stop_token_ids": [7],
+            "ignore_eos": True,
+            "n": 3,
+        },
+    }
     assert validate_generate_request(body).return_logprob is True
     seeded = generate_body([1, 2], 2, SamplingParams(seed=10), prompt_index=1)
     assert [p["sampling_seed"] for p in seeded["sampling_params"]] == [12, 13]

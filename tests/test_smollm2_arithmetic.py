@@ -71,11 +71,26 @@ def test_fewshot_task_is_a_data_option_of_the_default_recipe():
 def test_two_iterations_on_the_real_model(tmp_path):
     """The README's PPO command, 2 iterations of 2 prompts x 2 samples (GGUF conversion + load ~45 s)."""
     cache, run_dir = tmp_path / "cache", tmp_path / "run"
-    env = {**os.environ, "AR_TORCHRL_CACHE": str(cache), "OMP_NUM_THREADS": "1",
-           "HYDRA_FULL_ERROR": "1", "TQDM_DISABLE": "1"}  # fmt: skip
-    cmd = [sys.executable, str(SCRIPT), "--config-name", CONFIG, f"hydra.run.dir={run_dir}",
-           "train.iterations=2", "train.eval_every=2", "train.eval_prompts=4",
-           "rollout.prompts_per_iter=2", "rollout.samples_per_prompt=2", "train.plot=false"]  # fmt: skip
+    env = {
+        **os.environ,
+        "AR_TORCHRL_CACHE": str(cache),
+        "OMP_NUM_THREADS": "1",
+        "HYDRA_FULL_ERROR": "1",
+        "TQDM_DISABLE": "1",
+    }
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        "--config-name",
+        CONFIG,
+        f"hydra.run.dir={run_dir}",
+        "train.iterations=2",
+        "train.eval_every=2",
+        "train.eval_prompts=4",
+        "rollout.prompts_per_iter=2",
+        "rollout.samples_per_prompt=2",
+        "train.plot=false",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     history = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -28,8 +28,9 @@ def test_problem_space_bad_input(ops, lo, hi, message):
 
 
 def test_fewshot_rows_prompt_and_answer():
-    rows = fewshot_rows([(12, "-", 5), (3, "*", 4)], [(1, "+", 1), (2, "+", 2), (3, "*", 4)],
-                        shots=2, seed=3)  # fmt: skip
+    rows = fewshot_rows(
+        [(12, "-", 5), (3, "*", 4)], [(1, "+", 1), (2, "+", 2), (3, "*", 4)], shots=2, seed=3
+    )
     for row, truth in zip(rows, ["7", "12"]):
         messages = row["prompt"]
         assert [m["role"] for m in messages] == ["user", "assistant"] * 2 + ["user"]

@@ -77,8 +77,16 @@ def test_accumulation_over_micro_batches_equals_one_big_batch():
 def test_epochs_and_minibatches_count_steps_and_clip():
     model, td, plan, loss = setup(token_budget=20)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    out = ppo_update(loss, opt, td, plan, epochs=3, num_minibatches=2, grad_clip=1e-3,
-                     generator=torch.Generator().manual_seed(0))  # fmt: skip
+    out = ppo_update(
+        loss,
+        opt,
+        td,
+        plan,
+        epochs=3,
+        num_minibatches=2,
+        grad_clip=1e-3,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert out["train/optimizer_steps"] == 6.0 and out["train/skipped_steps"] == 0.0
     assert out["train/grad_norm"] > 1e-3  # reported pre-clip norm
 
@@ -127,8 +135,14 @@ def test_critic_warmup_updates_only_the_value_head():
     model, td, plan, loss = setup(token_budget=10_000)
     before = copy.deepcopy(model.state_dict())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    out = ppo_update(loss, opt, td, plan, loss_keys=("loss_critic",),
-                     trainable=list(model.value_head.parameters()))  # fmt: skip
+    out = ppo_update(
+        loss,
+        opt,
+        td,
+        plan,
+        loss_keys=("loss_critic",),
+        trainable=list(model.value_head.parameters()),
+    )
     assert out["train/optimizer_steps"] == 1.0
     changed = {n for n, p in model.state_dict().items() if not torch.equal(p, before[n])}
     assert changed == {"value_head.weight", "value_head.bias"}
@@ -154,8 +168,14 @@ def test_ppo_update_rejects_zero_or_negative_grad_clip(bad):
     td = TensorDict({"attention_mask": torch.ones(2, 3, dtype=torch.bool)}, [2, 3])
     plan = plan_micro_batches(td, token_budget=6)
     with pytest.raises(ValueError, match=r"ppo_update: grad_clip must be > 0, got"):
-        ppo_update(lambda td, normalizer: None, torch.optim.SGD([w], lr=0.1), td, plan,
-                   grad_clip=bad, normalizer=lambda m: 1.0)  # fmt: skip
+        ppo_update(
+            lambda td, normalizer: None,
+            torch.optim.SGD([w], lr=0.1),
+            td,
+            plan,
+            grad_clip=bad,
+            normalizer=lambda m: 1.0,
+        )
 
 
 @pytest.mark.parametrize(
@@ -171,5 +191,11 @@ def test_ppo_update_checks_its_integer_arguments(kwargs, error, msg):
     td = TensorDict({"attention_mask": torch.ones(2, 3, dtype=torch.bool)}, [2, 3])
     plan = plan_micro_batches(td, token_budget=6)
     with pytest.raises(error, match=msg):
-        ppo_update(lambda td, normalizer: None, torch.optim.SGD([w], lr=0.1), td, plan,
-                   normalizer=lambda m: 1.0, **kwargs)  # fmt: skip
+        ppo_update(
+            lambda td, normalizer: None,
+            torch.optim.SGD([w], lr=0.1),
+            td,
+            plan,
+            normalizer=lambda m: 1.0,
+            **kwargs,
+        )

@@ -104,8 +104,11 @@ def test_finished_rows_are_dropped_and_results_do_not_change(model, monkeypatch)
     stops = (49, 18, 3)
     calls = []
     original = PreallocatedLayer.batch_select_indices
-    monkeypatch.setattr(PreallocatedLayer, "batch_select_indices",
-                        lambda self, idx: calls.append(len(idx)) or original(self, idx))  # fmt: skip
+    monkeypatch.setattr(
+        PreallocatedLayer,
+        "batch_select_indices",
+        lambda self, idx: calls.append(len(idx)) or original(self, idx),
+    )
     greedy = SamplingParams(max_new_tokens=16, temperature=0.0, stop_token_ids=stops)
     prompts = PROMPTS + [[p + 1 for p in row] for row in PROMPTS] + [[3, 4, 5], [60, 61]]
     batched = TransformersBackend(model).generate(prompts, 1, greedy)
@@ -114,10 +117,16 @@ def test_finished_rows_are_dropped_and_results_do_not_change(model, monkeypatch)
     for c in batched:
         alone = TransformersBackend(model).generate([prompts[c.prompt_index]], 1, greedy)[0]
         assert c.token_ids == alone.token_ids
-        torch.testing.assert_close(torch.tensor(c.log_probs), torch.tensor(alone.log_probs),
-                                   atol=1e-5, rtol=0)  # fmt: skip
-        ref = model.generate(torch.tensor([prompts[c.prompt_index]]), max_new_tokens=16,
-                             do_sample=False, eos_token_id=[2, *stops], pad_token_id=0)  # fmt: skip
+        torch.testing.assert_close(
+            torch.tensor(c.log_probs), torch.tensor(alone.log_probs), atol=1e-5, rtol=0
+        )
+        ref = model.generate(
+            torch.tensor([prompts[c.prompt_index]]),
+            max_new_tokens=16,
+            do_sample=False,
+            eos_token_id=[2, *stops],
+            pad_token_id=0,
+        )
         assert c.token_ids == ref[0, len(prompts[c.prompt_index]) :].tolist()
 
 

@@ -58,8 +58,14 @@ def test_optional_loggers_need_their_extra(tmp_path, kind):
 def test_jsonl_round_trip_and_plot(tmp_path):
     path = tmp_path / "metrics.jsonl"
     for step in range(1, 6):
-        append_jsonl(path, {"step": step, "rollout/reward_mean": step / 5,
-                            "train/loss_critic": float("nan") if step == 3 else 0.1})  # fmt: skip
+        append_jsonl(
+            path,
+            {
+                "step": step,
+                "rollout/reward_mean": step / 5,
+                "train/loss_critic": float("nan") if step == 3 else 0.1,
+            },
+        )
     history = read_jsonl(path)
     assert [h["step"] for h in history] == [1, 2, 3, 4, 5] and history[2][
         "train/loss_critic"

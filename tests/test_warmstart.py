@@ -47,8 +47,9 @@ def test_build_sft_batch_trains_only_on_response_and_eos():
 def test_warm_start_learns_the_answer_format():
     model, tok = build_tiny_model(hidden_size=32, num_heads=2)
     rows = list(arithmetic_dataset(50, seed=0))
-    losses = supervised_warm_start(model, tok, rows, steps=60, batch_size=8, lr=1e-2,
-                                   correct_fraction=1.0, seed=0)  # fmt: skip
+    losses = supervised_warm_start(
+        model, tok, rows, steps=60, batch_size=8, lr=1e-2, correct_fraction=1.0, seed=0
+    )
     assert len(losses) == 60
     assert losses[0] > 4.0 and sum(losses[-5:]) / 5 < 1.5
     # greedy continuation of a prompt starts with the format it was taught

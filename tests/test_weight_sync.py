@@ -124,6 +124,8 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_senders_never_import_backends():
-    offenders = {p.name: sorted(m for m in _imports(p) if m.startswith("ar_torchrl.backends"))
-                 for p in (PACKAGE / "weight_sync").glob("*.py")}  # fmt: skip
+    offenders = {
+        p.name: sorted(m for m in _imports(p) if m.startswith("ar_torchrl.backends"))
+        for p in (PACKAGE / "weight_sync").glob("*.py")
+    }
     assert not any(offenders.values()), offenders

@@ -103,8 +103,12 @@ def test_an_orphaned_weights_dir_is_removed_only_when_its_writer_is_gone(tmp_pat
     dead = subprocess.Popen(["true"])
     dead.wait()
     dirs = {}
-    for name, owner in [("ar_torchrl-weights-dead", dead.pid), ("ar_torchrl-weights-alive", os.getpid()),
-                        ("model", dead.pid), ("ar_torchrl-weights-none", None)]:  # fmt: skip
+    for name, owner in [
+        ("ar_torchrl-weights-dead", dead.pid),
+        ("ar_torchrl-weights-alive", os.getpid()),
+        ("model", dead.pid),
+        ("ar_torchrl-weights-none", None),
+    ]:
         dirs[name] = tmp_path / name
         dirs[name].mkdir()
         if owner is not None:

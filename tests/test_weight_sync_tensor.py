@@ -46,9 +46,13 @@ def _tensor_handlers(double, *, set_version: bool = True, begin_status: int = 40
             double.weight_version = body["weight_version"]
         return 200, {"success": True, "message": "Success"}
 
-    double.handlers.update({"/begin_weight_update": lambda body: (begin_status, {"detail": "Not Found"}),
-                            "/end_weight_update": lambda body: (begin_status, {"detail": "Not Found"}),
-                            "/update_weights_from_tensor": update})  # fmt: skip
+    double.handlers.update(
+        {
+            "/begin_weight_update": lambda body: (begin_status, {"detail": "Not Found"}),
+            "/end_weight_update": lambda body: (begin_status, {"detail": "Not Found"}),
+            "/update_weights_from_tensor": update,
+        }
+    )
 
 
 def test_buckets_carry_the_version_on_the_last_one(sglang_double):
@@ -77,7 +81,9 @@ def test_version_mismatch_rejection_and_session_errors(sglang_double):
             backend.sync_weights(named_policy_tensors(model), version=4)
         assert info.value.partial and backend.weight_version == 0
     sglang_double.handlers["/update_weights_from_tensor"] = lambda body: (
-        400, {"success": False, "message": "Failed to update weights: size mismatch for lm_head.weight"})  # fmt: skip
+        400,
+        {"success": False, "message": "Failed to update weights: size mismatch for lm_head.weight"},
+    )
     with SGLangBackend(sglang_double.url, weight_sync="tensor") as backend:
         with pytest.raises(
             WeightSyncError,

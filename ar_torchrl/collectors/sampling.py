@@ -61,8 +61,12 @@ def _spread_groups(seq: TensorDictBase) -> tuple[list[int], int]:
 def _summary(rewards: list[torch.Tensor], counts: dict[str, int]) -> dict[str, float]:
     r = torch.cat(rewards) if rewards else torch.zeros(0)
     n = max(int(r.numel()), 1)
-    return {**{k: float(v) for k, v in counts.items()}, "samples": float(r.numel()),
-            "reward_mean": float(r.sum()) / n, "accuracy": float((r > 0).sum()) / n}  # fmt: skip
+    return {
+        **{k: float(v) for k, v in counts.items()},
+        "samples": float(r.numel()),
+        "reward_mean": float(r.sum()) / n,
+        "accuracy": float((r > 0).sum()) / n,
+    }
 
 
 def gather_batch(
@@ -103,8 +107,13 @@ def gather_batch(
     counts["groups_dropped"] = counts["groups_generated"] - counts["groups_kept"]
     counts["non_finite_rewards_dropped"] = env.non_finite_rewards_dropped - before
     if dynamic and counts["groups_kept"] < target:
-        logger.warning("dynamic sampling: only %d of %d groups have a reward spread after %d rounds; "
-                       "training on those", counts["groups_kept"], target, rounds)  # fmt: skip
+        logger.warning(
+            "dynamic sampling: only %d of %d groups have a reward spread after %d rounds; "
+            "training on those",
+            counts["groups_kept"],
+            target,
+            rounds,
+        )
     rows = torch.cat(kept) if kept else raw[:0]
     batch = env.to_token_trajectory(rows) if rows.shape[0] else env.to_token_trajectory(raw)[:0]
     return batch, _summary(rewards, counts)

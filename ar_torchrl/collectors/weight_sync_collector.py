@@ -155,9 +155,11 @@ class WeightSyncCollector(BaseCollector):
             logger.warning(
                 "WeightSyncCollector: dropped a prefetched batch of version %d (backend at %d, "
                 "max_policy_lag=%d; %d dropped so far); regenerating",
-                self.policy_version - lag, self.policy_version, self.max_policy_lag,
+                self.policy_version - lag,
+                self.policy_version,
+                self.max_policy_lag,
                 self.stale_batches_dropped,
-            )  # fmt: skip
+            )
             return self._collect()
         return batch, stats
 
@@ -266,13 +268,19 @@ class WeightSyncCollector(BaseCollector):
                 batch: a resumed run regenerates that batch with the restored (newer) weights,
                 i.e. with lag 0 and other samples.
         """
-        state = {"policy_version": self.policy_version, "batches_yielded": self.batches_yielded,
-                 "stale_batches_dropped": self.stale_batches_dropped}  # fmt: skip
+        state = {
+            "policy_version": self.policy_version,
+            "batches_yielded": self.batches_yielded,
+            "stale_batches_dropped": self.stale_batches_dropped,
+        }
         if include_pending and self._pending is not None:
             batch, stats = self._pending.result()  # the worker released the lock: the env is idle
             state["env"] = self.env.state_dict()
-            state["pending_batch"] = {"data": batch.to_dict(), "batch_size": list(batch.shape),
-                                      "stats": stats}  # fmt: skip
+            state["pending_batch"] = {
+                "data": batch.to_dict(),
+                "batch_size": list(batch.shape),
+                "stats": stats,
+            }
         else:
             state["env"] = self._state_before_pending or self.env.state_dict()
         return state

@@ -261,9 +261,11 @@ def _read_jsonl(path: Path) -> tuple[list, list[int]]:
             try:
                 line = raw.decode("utf-8-sig")
             except UnicodeDecodeError as err:
-                records.append(InvalidRecord(
-                    f"not valid UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start + 1})"
-                ))  # fmt: skip
+                records.append(
+                    InvalidRecord(
+                        f"not valid UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start + 1})"
+                    )
+                )
                 lines.append(line_no)
                 continue
             if not line.strip():

@@ -93,11 +93,15 @@ def fewshot_rows(
                 {"role": "assistant", "content": f"Answer: {_answer(shot)}"},
             ]
         messages.append({"role": "user", "content": _question(problem)})
-        rows.append({
-            "data_source": data_source, "prompt": messages, "ability": "MATH",
-            "reward_model": {"ground_truth": _answer(problem), "style": "rule"},
-            "extra_info": {"index": i, "problem": " ".join(map(str, problem))},
-        })  # fmt: skip
+        rows.append(
+            {
+                "data_source": data_source,
+                "prompt": messages,
+                "ability": "MATH",
+                "reward_model": {"ground_truth": _answer(problem), "style": "rule"},
+                "extra_info": {"index": i, "problem": " ".join(map(str, problem))},
+            }
+        )
     return rows
 
 

@@ -23,8 +23,15 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
-__all__ = ["SafeReader", "TensorsOnlyPlanner", "decode", "encode", "restore_rng", "rng_state",
-           "write_json"]  # fmt: skip
+__all__ = [
+    "SafeReader",
+    "TensorsOnlyPlanner",
+    "decode",
+    "encode",
+    "restore_rng",
+    "rng_state",
+    "write_json",
+]
 
 
 def encode(obj: Any) -> Any:
@@ -36,8 +43,11 @@ def encode(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         t = obj.detach().cpu().contiguous()
         raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        return {"__tensor__": base64.b64encode(raw).decode("ascii"),
-                "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}  # fmt: skip
+        return {
+            "__tensor__": base64.b64encode(raw).decode("ascii"),
+            "dtype": str(t.dtype).removeprefix("torch."),
+            "shape": list(t.shape),
+        }
     if isinstance(obj, dict):
         if not all(isinstance(k, str) for k in obj):
             raise TypeError(f"checkpoint extra: dict keys must be str, got {list(obj)[:4]}")
@@ -74,9 +84,11 @@ def decode(obj: Any) -> Any:
 def rng_state() -> dict[str, Any]:
     version, internal, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": [version, list(internal), gauss],
-             "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
-             "torch": torch.get_rng_state()}  # fmt: skip
+    state = {
+        "python": [version, list(internal), gauss],
+        "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return encode(state)
@@ -105,9 +117,14 @@ class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP's ``.metadata`` allowing only DCP's metadata classes and plain torch values."""
 
     MODULES = ("torch.distributed.checkpoint.metadata",)
-    NAMES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-             ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-             ("pathlib", "PurePosixPath"), ("collections", "OrderedDict")}  # fmt: skip
+    NAMES = {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("collections", "OrderedDict"),
+    }
 
     def find_class(self, module: str, name: str):
         if module in self.MODULES or (module, name) in self.NAMES:

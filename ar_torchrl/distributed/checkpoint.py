@@ -64,8 +64,11 @@ def _tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer | None):
 
 
 def _file_sizes(root: Path) -> dict[str, int]:
-    return {str(p.relative_to(root)): p.stat().st_size
-            for p in sorted(root.rglob("*")) if p.is_file() and p.name != _META}  # fmt: skip
+    return {
+        str(p.relative_to(root)): p.stat().st_size
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != _META
+    }
 
 
 def save_distributed_checkpoint(
@@ -102,9 +105,14 @@ def save_distributed_checkpoint(
     write_json(tmp / "rng" / f"rank_{ctx.rank}.json", rng_state())
     ctx.barrier()
     if ctx.is_main:
-        meta = {"format": _FORMAT, "step": int(step), "world_size": ctx.world_size,
-                "param_groups": encode(groups), "extra": encode(extra or {}),
-                "files": _file_sizes(tmp)}  # fmt: skip
+        meta = {
+            "format": _FORMAT,
+            "step": int(step),
+            "world_size": ctx.world_size,
+            "param_groups": encode(groups),
+            "extra": encode(extra or {}),
+            "files": _file_sizes(tmp),
+        }
         write_json(tmp / _META, meta)  # last: its presence marks a complete checkpoint
         _replace_dir(tmp, final)
         if keep_last is not None:
@@ -214,24 +222,34 @@ def load_distributed_checkpoint(
     stored = reader.read_metadata().state_dict_metadata
     missing = sorted(k for k in state["model"] if f"model.{k}" not in stored)
     if missing:
-        raise ValueError(f"load_distributed_checkpoint: {path} has no {missing[:6]} "
-                         f"({len(missing)} model tensors missing; another model config?)")  # fmt: skip
+        raise ValueError(
+            f"load_distributed_checkpoint: {path} has no {missing[:6]} "
+            f"({len(missing)} model tensors missing; another model config?)"
+        )
     # Optimizer states may be partial: parameters that never had a gradient (critic warm-up,
     # critic_coeff=0) have none saved; their state is dropped again after loading (see below).
     dcp.load(state, storage_reader=reader, planner=TensorsOnlyPlanner(allow_partial_load=True))
     optim_sd = None
     if optimizer is not None:
         optim_sd = {"state": state["optim"], "param_groups": _param_groups(meta, groups)}
-    set_state_dict(model, optimizer if optimizer is not None else [],
-                   model_state_dict=state["model"], optim_state_dict=optim_sd or {})  # fmt: skip
+    set_state_dict(
+        model,
+        optimizer if optimizer is not None else [],
+        model_state_dict=state["model"],
+        optim_state_dict=optim_sd or {},
+    )
     if optimizer is not None:
         _drop_unsaved_states(model, optimizer, state["optim"], stored)
     rng_file = path / "rng" / f"rank_{ctx.rank}.json"
     if restore_rng and meta["world_size"] == ctx.world_size:
         _restore_rng_state(json.loads(rng_file.read_text()))
     elif restore_rng:
-        logger.warning("checkpoint %s was saved by %d ranks, this run has %d: RNG states are not "
-                       "restored", path, meta["world_size"], ctx.world_size)  # fmt: skip
+        logger.warning(
+            "checkpoint %s was saved by %d ranks, this run has %d: RNG states are not restored",
+            path,
+            meta["world_size"],
+            ctx.world_size,
+        )
     logger.info("loaded distributed checkpoint %s (step %d)", path, meta["step"])
     return {"step": meta["step"], "extra": decode(meta["extra"]), "path": path}
 
@@ -253,5 +271,7 @@ def _param_groups(meta: dict, current: list[dict]) -> list[dict]:
             f"load_distributed_checkpoint: the checkpoint has {len(saved)} optimizer param groups, "
             f"the optimizer has {len(current)} (another optimizer config?)"
         )
-    return [{k: tuple(v) if isinstance(cur.get(k), tuple) else v for k, v in s.items()}
-            for s, cur in zip(saved, current)]  # fmt: skip
+    return [
+        {k: tuple(v) if isinstance(cur.get(k), tuple) else v for k, v in s.items()}
+        for s, cur in zip(saved, current)
+    ]

@@ -156,8 +156,14 @@ def init_distributed(
         else:
             kwargs["init_method"] = init_method or "env://"
         dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)
-    ctx = DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(),
-                      local_rank=local_rank, device=torch_device, backend=backend, owns_group=owns)  # fmt: skip
+    ctx = DistContext(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        device=torch_device,
+        backend=backend,
+        owns_group=owns,
+    )
     logger.info("rank %d/%d on %s (%s)", ctx.rank, ctx.world_size, ctx.device, backend)
     return ctx
 

@@ -135,8 +135,9 @@ def shard_actor_critic(
         checkpoint_decoder_layers(model)
     mesh = ctx.mesh
     param_dtype = None if dtype == torch.float32 else dtype
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
-                                  cast_forward_inputs=False)  # fmt: skip
+    policy = MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
+    )
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     head = getattr(model, "value_head", None)

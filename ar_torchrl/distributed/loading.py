@@ -216,13 +216,24 @@ def load_pretrained_weights(
                     continue
                 _copy(targets[key], f.get_slice(key), key)
                 loaded.add(id(targets[key]))
-    missing = sorted(n for n, p in model.named_parameters()
-                     if id(p) not in loaded and not n.startswith("value_head."))  # fmt: skip
+    missing = sorted(
+        n
+        for n, p in model.named_parameters()
+        if id(p) not in loaded and not n.startswith("value_head.")
+    )
     if missing:
-        raise KeyError(f"load_pretrained_weights: {str(path)!r} has no {missing[:8]} "
-                       f"({len(missing)} parameters missing)")  # fmt: skip
+        raise KeyError(
+            f"load_pretrained_weights: {str(path)!r} has no {missing[:8]} "
+            f"({len(missing)} parameters missing)"
+        )
     if unexpected:
-        logger.warning("load_pretrained_weights: ignored %d checkpoint tensors the model lacks: %s",
-                       len(unexpected), unexpected[:8])  # fmt: skip
-    return {"tensors": len(loaded), "unexpected": unexpected,
-            "value_head": _load_value_head(model, path)}  # fmt: skip
+        logger.warning(
+            "load_pretrained_weights: ignored %d checkpoint tensors the model lacks: %s",
+            len(unexpected),
+            unexpected[:8],
+        )
+    return {
+        "tensors": len(loaded),
+        "unexpected": unexpected,
+        "value_head": _load_value_head(model, path),
+    }

@@ -203,5 +203,11 @@ def shard_plan(
         at = micro.index(largest)
         micro[at : at + 1] = _split(largest, first, last)
     new_plan = MicroBatchPlan(tuple(micro), plan.batch_size, plan.token_budget)
-    return ShardedPlan(new_plan, _assign(micro, world_size), _filler(first, last, plan.batch_size[1]),
-                       rank, world_size, collective)  # fmt: skip
+    return ShardedPlan(
+        new_plan,
+        _assign(micro, world_size),
+        _filler(first, last, plan.batch_size[1]),
+        rank,
+        world_size,
+        collective,
+    )

@@ -37,25 +37,35 @@ def sequence_specs(n: int, prompt_width: int, vocab: int, max_new: int) -> dict[
         return Categorical(2, shape=shape, dtype=torch.bool)
 
     return {
-        "observation_spec": Composite(prompt_tokens=ids((n, prompt_width)), prompt_mask=flag((n, prompt_width)),
-                                     prompt_id=Unbounded(shape=(n,), dtype=torch.int64), shape=(n,)),
+        "observation_spec": Composite(
+            prompt_tokens=ids((n, prompt_width)),
+            prompt_mask=flag((n, prompt_width)),
+            prompt_id=Unbounded(shape=(n,), dtype=torch.int64),
+            shape=(n,),
+        ),
         "full_action_spec": Composite(
             response_tokens=ids((n, max_new)),
             response_length=Bounded(1, max_new, shape=(n,), dtype=torch.int64),
             response_log_prob=Unbounded(shape=(n, max_new), dtype=torch.float32),
-            response_stopped=flag((n,)), policy_version=Unbounded(shape=(n,), dtype=torch.int64),
+            response_stopped=flag((n,)),
+            policy_version=Unbounded(shape=(n,), dtype=torch.int64),
             shape=(n,),
         ),
         "reward_spec": Unbounded(shape=(n, 1), dtype=torch.float32),
-        "full_done_spec": Composite(done=flag((n, 1)), terminated=flag((n, 1)), truncated=flag((n, 1)),
-                                    shape=(n,)),
-    }  # fmt: skip
+        "full_done_spec": Composite(
+            done=flag((n, 1)), terminated=flag((n, 1)), truncated=flag((n, 1)), shape=(n,)
+        ),
+    }
 
 
 def completions_to_actions(
-    completions: Sequence[Completion], *, max_new_tokens: int, pad_token_id: int, vocab: int,
+    completions: Sequence[Completion],
+    *,
+    max_new_tokens: int,
+    pad_token_id: int,
+    vocab: int,
     prompt_ids: Sequence[int],
-) -> dict[str, torch.Tensor]:  # fmt: skip
+) -> dict[str, torch.Tensor]:
     """Fixed-width action tensors of one batch of completions (one weight version).
 
     Raises:
@@ -112,12 +122,19 @@ def sequences_to_trajectory(seq: TensorDictBase, pad_token_id: int) -> TensorDic
     for b in range(seq.shape[0]):
         length = int(seq["response_length"][b])
         prompts.append(seq["prompt_tokens"][b][seq["prompt_mask"][b]].tolist())
-        completions.append(Completion(
-            prompt_index=b, token_ids=seq["response_tokens"][b, :length].tolist(),
-            log_probs=seq["response_log_prob"][b, :length].tolist(),
-            finish_reason="stop" if bool(seq["response_stopped"][b]) else "length",
-        ))  # fmt: skip
+        completions.append(
+            Completion(
+                prompt_index=b,
+                token_ids=seq["response_tokens"][b, :length].tolist(),
+                log_probs=seq["response_log_prob"][b, :length].tolist(),
+                finish_reason="stop" if bool(seq["response_stopped"][b]) else "length",
+            )
+        )
     return completions_to_trajectory(
-        prompts, completions, seq["next", "reward"].reshape(-1), pad_token_id=pad_token_id,
-        group_ids=seq["prompt_id"].tolist(), policy_version=int(versions[0]),
-    )  # fmt: skip
+        prompts,
+        completions,
+        seq["next", "reward"].reshape(-1),
+        pad_token_id=pad_token_id,
+        group_ids=seq["prompt_id"].tolist(),
+        policy_version=int(versions[0]),
+    )

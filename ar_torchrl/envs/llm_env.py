@@ -146,8 +146,12 @@ class LLMEnv(EnvBase):
         return self._prompt_cache[index]
 
     def _make_specs(self) -> None:
-        specs = sequence_specs(self.batch_size[0], self.max_prompt_tokens, len(self.tokenizer),
-                               self.sampling.max_new_tokens)  # fmt: skip
+        specs = sequence_specs(
+            self.batch_size[0],
+            self.max_prompt_tokens,
+            len(self.tokenizer),
+            self.sampling.max_new_tokens,
+        )
         for name, spec in specs.items():
             setattr(self, name, spec)
 
@@ -186,8 +190,10 @@ class LLMEnv(EnvBase):
         tokens, lengths = tensordict["response_tokens"], tensordict["response_length"]
         stopped = tensordict["response_stopped"].reshape(-1)
         prompt_ids = tensordict["prompt_id"].tolist()
-        rewards = [self.score(tokens[b, : int(lengths[b])].tolist(), prompt_ids[b], row=b)
-                   for b in range(tokens.shape[0])]  # fmt: skip
+        rewards = [
+            self.score(tokens[b, : int(lengths[b])].tolist(), prompt_ids[b], row=b)
+            for b in range(tokens.shape[0])
+        ]
         done = torch.ones((tokens.shape[0], 1), dtype=torch.bool)
         return TensorDict(
             {
@@ -217,8 +223,12 @@ class LLMEnv(EnvBase):
         text = self.tokenizer.decode(response_ids, skip_special_tokens=True)
         reward = float(self.reward_fn(text, self.dataset[index]["reward_model"]["ground_truth"]))
         if self.overlong_buffer_len is not None:
-            reward += overlong_penalty(len(response_ids), self.sampling.max_new_tokens,
-                                       self.overlong_buffer_len, self.overlong_penalty_factor)  # fmt: skip
+            reward += overlong_penalty(
+                len(response_ids),
+                self.sampling.max_new_tokens,
+                self.overlong_buffer_len,
+                self.overlong_penalty_factor,
+            )
         if not math.isfinite(reward) and self.non_finite_reward == "raise":
             raise ValueError(
                 f"LLMEnv: reward_fn returned {reward} for batch row {row} (prompt index {index}, "
@@ -245,9 +255,12 @@ class LLMEnv(EnvBase):
                 f"{tensordict.shape[0]} ({len(prompts)} prompts x {self.num_samples})"
             )
         actions = completions_to_actions(
-            completions, max_new_tokens=self.sampling.max_new_tokens, vocab=len(self.tokenizer),
-            pad_token_id=self.tokenizer.pad_token_id, prompt_ids=tensordict["prompt_id"].tolist(),
-        )  # fmt: skip
+            completions,
+            max_new_tokens=self.sampling.max_new_tokens,
+            vocab=len(self.tokenizer),
+            pad_token_id=self.tokenizer.pad_token_id,
+            prompt_ids=tensordict["prompt_id"].tolist(),
+        )
         return tensordict.update(actions)
 
     def rollout(
@@ -282,8 +295,12 @@ class LLMEnv(EnvBase):
             return seq
         dropped = (~finite).nonzero().flatten().tolist()
         self.non_finite_rewards_dropped += len(dropped)
-        logger.warning("LLMEnv: dropped %d row(s) with a non-finite reward (rows %s; %d so far)",
-                       len(dropped), dropped[:8], self.non_finite_rewards_dropped)  # fmt: skip
+        logger.warning(
+            "LLMEnv: dropped %d row(s) with a non-finite reward (rows %s; %d so far)",
+            len(dropped),
+            dropped[:8],
+            self.non_finite_rewards_dropped,
+        )
         return seq[finite]
 
     def to_token_trajectory(self, seq: TensorDictBase) -> TensorDict:

@@ -101,9 +101,14 @@ class LMActorCritic(TensorDictModuleBase):
         logits_memory_budget: int = LOGITS_MEMORY_BUDGET,
     ) -> None:
         super().__init__()
-        args = check_actor_args("LMActorCritic", temperature=temperature, return_entropy=return_entropy,
-                                logits_chunk_tokens=logits_chunk_tokens, critic=critic,
-                                logits_memory_budget=logits_memory_budget)  # fmt: skip
+        args = check_actor_args(
+            "LMActorCritic",
+            temperature=temperature,
+            return_entropy=return_entropy,
+            logits_chunk_tokens=logits_chunk_tokens,
+            critic=critic,
+            logits_memory_budget=logits_memory_budget,
+        )
         if critic and not isinstance(getattr(model, "value_head", None), nn.Module):
             raise ValueError(
                 f"LMActorCritic: {type(model).__name__} has no `value_head`; call "

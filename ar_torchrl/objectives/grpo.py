@@ -90,8 +90,14 @@ class GRPOAdvantage(Transform):
         critic_targets: bool = False,
         gamma: float = 1.0,
     ) -> None:
-        args = check_grpo_args(_OWNER, scale=scale, eps=eps, drop_zero_spread=drop_zero_spread,
-                               critic_targets=critic_targets, gamma=gamma)  # fmt: skip
+        args = check_grpo_args(
+            _OWNER,
+            scale=scale,
+            eps=eps,
+            drop_zero_spread=drop_zero_spread,
+            critic_targets=critic_targets,
+            gamma=gamma,
+        )
         super().__init__(in_keys=[], out_keys=[])
         self.scale, self.eps = args["scale"], args["eps"]
         self.drop_zero_spread = args["drop_zero_spread"]

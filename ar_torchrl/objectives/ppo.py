@@ -120,11 +120,18 @@ class TokenPPOLoss(ClipPPOLoss):
         norm_length: int | None = None,
         tis_cap: float | None = None,
     ) -> None:
-        a = check_ppo_loss_args(_OWNER, clip_epsilon=clip_epsilon, dual_clip=dual_clip,
-                                clip_value=clip_value, entropy_coeff=entropy_coeff,
-                                critic_coeff=critic_coeff, kl_coeff=kl_coeff,
-                                loss_agg_mode=loss_agg_mode, norm_length=norm_length,
-                                tis_cap=tis_cap)  # fmt: skip
+        a = check_ppo_loss_args(
+            _OWNER,
+            clip_epsilon=clip_epsilon,
+            dual_clip=dual_clip,
+            clip_value=clip_value,
+            entropy_coeff=entropy_coeff,
+            critic_coeff=critic_coeff,
+            kl_coeff=kl_coeff,
+            loss_agg_mode=loss_agg_mode,
+            norm_length=norm_length,
+            tis_cap=tis_cap,
+        )
         _check_actor(actor_critic, a["critic_coeff"])
         if a["entropy_coeff"] and not actor_critic.return_entropy:
             actor_critic.return_entropy = True
@@ -316,8 +323,17 @@ class TokenPPOLoss(ClipPPOLoss):
 
 
 #: Policy metrics of every call, in ``out_keys`` order (TorchRL's names first, then ours).
-_POLICY_METRICS = ("clip_fraction", "kl_approx", "mean_ratio", "max_ratio", "ESS",
-                   "approx_kl", "ratio_mean", "ratio_min", "ratio_max")  # fmt: skip
+_POLICY_METRICS = (
+    "clip_fraction",
+    "kl_approx",
+    "mean_ratio",
+    "max_ratio",
+    "ESS",
+    "approx_kl",
+    "ratio_mean",
+    "ratio_min",
+    "ratio_max",
+)
 
 
 def _policy_metrics(

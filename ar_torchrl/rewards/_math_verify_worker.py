@@ -89,8 +89,14 @@ class MathVerifyWorker:
         if self._proc is None or self._proc.poll() is not None:
             code = "from ar_torchrl.rewards._math_verify_worker import main; main()"
             cmd = [sys.executable, "-c", code]
-            self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                          text=True, bufsize=1, env=dict(os.environ))  # fmt: skip
+            self._proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                bufsize=1,
+                env=dict(os.environ),
+            )
         return self._proc
 
     def _kill(self) -> None:

@@ -56,12 +56,48 @@ _SUBSTITUTIONS = (
     ("\\text{m}", "\\text{}"),
 )
 _REMOVED = (
-    "square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots",
-    "sue", "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters",
-    "meals", "edges", "students", "childrentickets", "multiples", "\\text{s}", "\\text{.}",
-    "\\text{\ns}", "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}", "\\mathrm{th}", "^\\circ",
-    "^{\\circ}", "\\;", ",\\!", "{,}", '"', "\\dots",
-)  # fmt: skip
+    "square",
+    "ways",
+    "integers",
+    "dollars",
+    "mph",
+    "inches",
+    "hours",
+    "km",
+    "units",
+    "\\ldots",
+    "sue",
+    "points",
+    "feet",
+    "minutes",
+    "digits",
+    "cents",
+    "degrees",
+    "cm",
+    "gm",
+    "pounds",
+    "meters",
+    "meals",
+    "edges",
+    "students",
+    "childrentickets",
+    "multiples",
+    "\\text{s}",
+    "\\text{.}",
+    "\\text{\ns}",
+    "\\text{}^2",
+    "\\text{}^3",
+    "\\text{\n}",
+    "\\text{}",
+    "\\mathrm{th}",
+    "^\\circ",
+    "^{\\circ}",
+    "\\;",
+    ",\\!",
+    "{,}",
+    '"',
+    "\\dots",
+)
 #: Ground truths longer than this are compared as normalised strings only (no math-verify).
 MATH_VERIFY_MAX_CHARS = 1000
 _STATS: Counter = Counter()
@@ -131,9 +167,12 @@ def _math_verify_equal(pred: str, truth: str) -> bool:
     """math-verify in a main thread: here on the main thread, else in the worker process."""
     if len(truth) > MATH_VERIFY_MAX_CHARS:
         if not _STATS["math_verify_skipped_long"]:
-            logger.warning("ground truth of %d characters (> %d): compared as a string only, "
-                           "without math-verify (counted in reward_stats())", len(truth),
-                           MATH_VERIFY_MAX_CHARS)  # fmt: skip
+            logger.warning(
+                "ground truth of %d characters (> %d): compared as a string only, "
+                "without math-verify (counted in reward_stats())",
+                len(truth),
+                MATH_VERIFY_MAX_CHARS,
+            )
         _STATS["math_verify_skipped_long"] += 1
         return False
     require_math_verify()  # a missing package is an error in every thread, never a silent -1

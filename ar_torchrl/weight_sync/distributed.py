@@ -79,9 +79,13 @@ def bound_store(
 
 
 def init_custom_process_group(
-    backend: str, store: torch.distributed.Store, world_size: int, rank: int, group_name: str,
+    backend: str,
+    store: torch.distributed.Store,
+    world_size: int,
+    rank: int,
+    group_name: str,
     timeout: timedelta,
-) -> torch.distributed.ProcessGroup:  # fmt: skip
+) -> torch.distributed.ProcessGroup:
     """A process group outside the default one (SGLang's ``init_custom_process_group``, same keys).
 
     The trainer's own default group (FSDP, DDP) is left untouched.
@@ -94,8 +98,16 @@ def init_custom_process_group(
     )
 
     store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store,
-                                      group_name=group_name, backend_options=None, timeout=timeout)  # fmt: skip
+    pg, _ = _new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        Backend(backend),
+        store,
+        group_name=group_name,
+        backend_options=None,
+        timeout=timeout,
+    )
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
 
@@ -155,12 +167,26 @@ class DistributedWeightSender(SGLangSender):
         )
         world, timeout = 1 + sum(tps), timedelta(seconds=self.timeout_s)
         sock = listening_socket(self.master_address, self.master_port or 0)  # port known up front
-        body = {"master_address": self.master_address, "master_port": sock.getsockname()[1], "world_size": world,
-                "group_name": self.group_name, "backend": self.backend}  # fmt: skip
+        body = {
+            "master_address": self.master_address,
+            "master_port": sock.getsockname()[1],
+            "world_size": world,
+            "group_name": self.group_name,
+            "backend": self.backend,
+        }
         offsets = [1 + sum(tps[:i]) for i in range(len(urls))]
         with ThreadPoolExecutor(len(urls)) as pool:
-            futures = [pool.submit(post_checked, self.client, u, "/init_weights_update_group",
-                                   {**body, "rank_offset": off}, retry=False) for u, off in zip(urls, offsets)]  # fmt: skip
+            futures = [
+                pool.submit(
+                    post_checked,
+                    self.client,
+                    u,
+                    "/init_weights_update_group",
+                    {**body, "rank_offset": off},
+                    retry=False,
+                )
+                for u, off in zip(urls, offsets)
+            ]
             self._store = bound_store(sock, world, timeout)
             group = init_custom_process_group(
                 self.backend, self._store, world, 0, self.group_name, timeout
@@ -192,8 +218,17 @@ class DistributedWeightSender(SGLangSender):
         )
         self._buffers[k] = flat  # the broadcast below has finished before the next sync refills it
         with ThreadPoolExecutor(len(self.client.urls)) as pool:
-            futures = [pool.submit(post_checked, self.client, u, "/update_weights_from_distributed", body,
-                                   retry=False) for u in self.client.urls]  # fmt: skip
+            futures = [
+                pool.submit(
+                    post_checked,
+                    self.client,
+                    u,
+                    "/update_weights_from_distributed",
+                    body,
+                    retry=False,
+                )
+                for u in self.client.urls
+            ]
             work = torch.distributed.broadcast(flat, src=0, group=self._group, async_op=True)
             self._applied()
             errors = [f.exception() for f in futures]

@@ -81,5 +81,6 @@ def as_named_tensors(
             f"{where}: pass the trainer's nn.Module, (name, tensor) pairs or a name -> tensor "
             f"mapping, got {type(source).__name__}"
         )
-    return ((n, t.to(dtype) if dtype is not None and t.is_floating_point() else t)
-            for n, t in source)  # fmt: skip
+    return (
+        (n, t.to(dtype) if dtype is not None and t.is_floating_point() else t) for n, t in source
+    )

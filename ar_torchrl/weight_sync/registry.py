@@ -38,17 +38,32 @@ class SyncMethod:
 
 
 SYNC_METHODS: dict[str, SyncMethod] = {
-    "copy": SyncMethod(partial(TrainsideSender, mode="copy"), "trainside",
-                       "copy into a private in-process rollout model"),
-    "share": SyncMethod(partial(TrainsideSender, mode="share"), "trainside",
-                        "the rollout model is the trainer's module (names checked only)"),
-    "disk": SyncMethod(DiskWeightSender, "sglang",
-                       "safetensors shards in a temp dir + /update_weights_from_disk (shared filesystem)"),
-    "tensor": SyncMethod(TensorWeightSender, "sglang",
-                         "buckets through shared memory + /update_weights_from_tensor (same machine)"),
-    "distributed": SyncMethod(DistributedWeightSender, "sglang",
-                              "broadcast over a gloo/nccl group + /update_weights_from_distributed"),
-}  # fmt: skip
+    "copy": SyncMethod(
+        partial(TrainsideSender, mode="copy"),
+        "trainside",
+        "copy into a private in-process rollout model",
+    ),
+    "share": SyncMethod(
+        partial(TrainsideSender, mode="share"),
+        "trainside",
+        "the rollout model is the trainer's module (names checked only)",
+    ),
+    "disk": SyncMethod(
+        DiskWeightSender,
+        "sglang",
+        "safetensors shards in a temp dir + /update_weights_from_disk (shared filesystem)",
+    ),
+    "tensor": SyncMethod(
+        TensorWeightSender,
+        "sglang",
+        "buckets through shared memory + /update_weights_from_tensor (same machine)",
+    ),
+    "distributed": SyncMethod(
+        DistributedWeightSender,
+        "sglang",
+        "broadcast over a gloo/nccl group + /update_weights_from_distributed",
+    ),
+}
 
 
 def sync_methods(engine: Engine) -> list[str]:

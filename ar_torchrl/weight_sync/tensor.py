@@ -68,8 +68,16 @@ def flatten_bucket(
     for name, t in bucket:
         raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
         chunks.append(raw)
-        meta.append(SimpleNamespace(name=name, shape=t.shape, dtype=t.dtype, start_idx=offset,
-                                    end_idx=offset + raw.numel(), numel=raw.numel()))  # fmt: skip
+        meta.append(
+            SimpleNamespace(
+                name=name,
+                shape=t.shape,
+                dtype=t.dtype,
+                start_idx=offset,
+                end_idx=offset + raw.numel(),
+                numel=raw.numel(),
+            )
+        )
         offset += raw.numel()
     device = chunks[0].device
     if out is not None and (out.numel(), out.device, out.dtype) == (offset, device, torch.uint8):
@@ -137,9 +145,13 @@ class TensorWeightSender(SGLangSender):
                 # one thread: a segment read by two servers was seen to vanish before the second
                 # one opened it (SGLang 0.5.23 + torch's file_system strategy).
                 copies = [flat] + [flat.clone() for _ in self.client.urls[1:]]
-                ranks = {url: [serialize_for_sglang({"flattened_tensor": copy, "metadata": meta})
-                               for _ in range(self._tp_size(url))]
-                         for url, copy in zip(self.client.urls, copies)}  # fmt: skip
+                ranks = {
+                    url: [
+                        serialize_for_sglang({"flattened_tensor": copy, "metadata": meta})
+                        for _ in range(self._tp_size(url))
+                    ]
+                    for url, copy in zip(self.client.urls, copies)
+                }
                 body = {"load_format": "flattened_bucket", "flush_cache": last}
                 if last:
                     body["weight_version"] = version

@@ -125,10 +125,12 @@ class SGLangBackend(GenerationBackend):
         self.stats = {"requests": 0, "aborted": 0, "completions": 0, "tokens": 0}
         self._stats_lock = threading.Lock()
         self._http = HttpClient(
-            api_key=self.api_key, connect_timeout_s=connect_timeout_s,
+            api_key=self.api_key,
+            connect_timeout_s=connect_timeout_s,
             retry=RetryPolicy(max_retries=max_retries, base_s=backoff_s, max_s=backoff_max_s),
-            max_response_bytes=max_response_bytes, pool_size=max(10, max_concurrency),
-        )  # fmt: skip
+            max_response_bytes=max_response_bytes,
+            pool_size=max(10, max_concurrency),
+        )
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="sglang")
         self._rr = itertools.count()
         self._server_info: list[dict] | None = None
@@ -234,8 +236,12 @@ class SGLangBackend(GenerationBackend):
         ]
         futures = [self._pool.submit(self._generate_one, body) for body in bodies]
         completions: list[Completion] = []
-        bar = tqdm(total=len(futures), desc="sglang generate", leave=False,
-                   disable=None if self.show_progress is None else not self.show_progress)  # fmt: skip
+        bar = tqdm(
+            total=len(futures),
+            desc="sglang generate",
+            leave=False,
+            disable=None if self.show_progress is None else not self.show_progress,
+        )
         with bar:
             for i, future in enumerate(futures):
                 completions += parse_generate_answer(

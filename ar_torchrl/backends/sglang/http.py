@@ -130,9 +130,15 @@ class HttpClient:
         self._lock = threading.Lock()
 
     def request(
-        self, method: str, urls: Sequence[str], path: str, body: Any = None, *, timeout_s: float,
+        self,
+        method: str,
+        urls: Sequence[str],
+        path: str,
+        body: Any = None,
+        *,
+        timeout_s: float,
         retry: bool = True,
-    ) -> Any:  # fmt: skip
+    ) -> Any:
         """Send ``body`` to ``urls[0] + path``; retries go to the next URL in ``urls`` (failover).
 
         Returns:
@@ -214,8 +220,9 @@ def _decode(status: int, data: bytes, where: str) -> Any:
         )
         raise SGLangRequestError(
             f"SGLang {where} rejected the request (HTTP {status}): {message}{hint}",
-            status=status, server_message=message,
-        )  # fmt: skip
+            status=status,
+            server_message=message,
+        )
     if not data:
         return None
     try:

@@ -55,10 +55,22 @@ API_KEY_ENV = "AR_TORCHRL_SGLANG_API_KEY"
 
 #: Flags that run SGLang 0.5.23 on a CPU (tiny models): torch-native attention, fp32, no CUDA graphs.
 CPU_SERVER_ARGS = (
-    "--attention-backend", "torch_native", "--dtype", "float32", "--max-total-tokens", "4096",
-    "--context-length", "512", "--cuda-graph-backend-decode", "disabled",
-    "--cuda-graph-backend-prefill", "disabled", "--skip-server-warmup", "--mem-fraction-static", "0.1",
-)  # fmt: skip
+    "--attention-backend",
+    "torch_native",
+    "--dtype",
+    "float32",
+    "--max-total-tokens",
+    "4096",
+    "--context-length",
+    "512",
+    "--cuda-graph-backend-decode",
+    "disabled",
+    "--cuda-graph-backend-prefill",
+    "disabled",
+    "--skip-server-warmup",
+    "--mem-fraction-static",
+    "0.1",
+)
 
 # Runs in the server's process before it becomes SGLang: ask for SIGTERM when the parent dies, and
 # exit at once if the parent is already gone (the race between fork and prctl).
@@ -278,8 +290,14 @@ def _start_server(python, args, host, port, log_path, timeout_s, env) -> SGLangS
     )
     offset = log_path.stat().st_size if log_path.exists() else 0
     with open(log_path, "ab") as log:
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env=env, start_new_session=True)  # fmt: skip
+        process = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
     reaper.guard_process_group(process.pid)
     server = SGLangServer(
         url=f"http://{host}:{port}", process=process, log_path=log_path, port=port

@@ -69,9 +69,12 @@ def check_sampling_keys(params: Mapping[str, Any]) -> dict:
 
 
 def generate_body(
-    prompt: Sequence[int], n: int, sampling: SamplingParams, prompt_index: int = 0,
+    prompt: Sequence[int],
+    n: int,
+    sampling: SamplingParams,
+    prompt_index: int = 0,
     extra: Mapping[str, Any] | None = None,
-) -> dict:  # fmt: skip
+) -> dict:
     """The ``/generate`` body for one prompt.
 
     With ``sampling.seed`` set, the body is a batch of ``n`` copies of the prompt, each with its
@@ -82,8 +85,12 @@ def generate_body(
         >>> generate_body([5, 6], 2, SamplingParams(max_new_tokens=4, temperature=0.0))
         {'input_ids': [5, 6], 'sampling_params': {'max_new_tokens': 4, 'temperature': 0.0, 'top_p': 1.0, 'top_k': -1, 'n': 2}, 'return_logprob': True}
     """
-    params = {"max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
-              "top_p": sampling.top_p, "top_k": sampling.top_k}  # fmt: skip
+    params = {
+        "max_new_tokens": sampling.max_new_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+    }
     if sampling.stop_token_ids:
         params["stop_token_ids"] = list(sampling.stop_token_ids)
     params.update(extra or {})
@@ -202,15 +209,27 @@ def parse_generate_item(
             f"is {count!r:.40} but there are {len(ids)} output_ids; they must agree",
         )
     version = meta.get("weight_version")
-    return Completion(prompt_index=prompt_index, token_ids=list(ids), log_probs=log_probs, finish_reason=kind,
-                      meta={"finish_reason": meta.get("finish_reason"), "id": meta.get("id"),
-                            "server_weight_version": None if version is None else str(version)})  # fmt: skip
+    return Completion(
+        prompt_index=prompt_index,
+        token_ids=list(ids),
+        log_probs=log_probs,
+        finish_reason=kind,
+        meta={
+            "finish_reason": meta.get("finish_reason"),
+            "id": meta.get("id"),
+            "server_weight_version": None if version is None else str(version),
+        },
+    )
 
 
 def parse_generate_answer(
-    answer: Any, n: int, prompt_index: int, *, vocab_size: int | None = None,
+    answer: Any,
+    n: int,
+    prompt_index: int,
+    *,
+    vocab_size: int | None = None,
     where: str = "SGLang /generate",
-) -> list[Completion]:  # fmt: skip
+) -> list[Completion]:
     """The ``n`` completions of one prompt's ``/generate`` answer (an object, or a list of ``n``).
 
     Raises:
