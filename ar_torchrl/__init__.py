@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import logging
 
+from ar_torchrl import _compat
+
 __version__ = "0.1.0"
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
+_compat.install()  # old import paths of moved modules (one release)

@@ -20,9 +20,9 @@ from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 from torch import nn
 
-from ar_torchrl.checks import check_ppo_update_args
 from ar_torchrl.data.micro_batch import MicroBatchPlan
 from ar_torchrl.distributed.plan import ShardedPlan
+from ar_torchrl.utils.checks import check_ppo_update_args
 
 __all__ = ["ppo_update", "total_loss"]
 

@@ -1,7 +1,8 @@
 """Benchmark: where one PPO iteration of the recipe spends its wall time, and how much is outside
 model compute.
 
-What it measures (issue 10, item 5): ``examples/dapo_ppo_recipe.py``'s own ``setup`` + ``train``
+What it measures (issue 10, item 5): the recipe's own ``setup`` + ``train``
+(``ar_torchrl.recipes.dapo_ppo.loop``)
 (unchanged, ``train.mode=sync``, no evaluation, no periodic checkpoint) on a scenario's config; each
 iteration is split into the recipe's stages (its ``StageTimer``: generate, anchors, advantage,
 update, sync; the rest of the iteration is logging/other) and, inside them, into:
@@ -47,7 +48,6 @@ from _common import machine_info, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-sys.path.insert(0, str(ROOT / "examples"))
 
 COMMON = ("train.mode=sync", "train.eval_every=0", "train.checkpoint_every=0", "train.plot=false")
 SMOLLM2 = (
@@ -181,8 +181,10 @@ def instrument(run, recipe):
 # ----------------------------------------------------------------------------- running a scenario
 def compose_config(name: str, args, runs_dir: Path):
     """The scenario's typed recipe config (``configs/dapo_ppo.yaml`` + overrides)."""
-    from dapo_ppo_config import validate_config
     from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+
+    from ar_torchrl.recipes.dapo_ppo import schemas, validate_config
 
     overrides = [
         *COMMON,
@@ -198,14 +200,16 @@ def compose_config(name: str, args, runs_dir: Path):
             if args.device == "cuda"
             else "backend.extra_args=['--mem-fraction-static','0.3']"
         )
+    for group, schema_name, schema in schemas():  # as examples/dapo_ppo.py stores them
+        ConfigStore.instance().store(group=group, name=schema_name, node=schema)
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         return validate_config(compose(config_name="dapo_ppo", overrides=overrides)), overrides
 
 
 def run_scenario(name: str, args) -> dict:
     """Run the recipe on the scenario; per-iteration timings from its ``metrics.jsonl``."""
-    import dapo_ppo_recipe as recipe
-
+    from ar_torchrl.recipes.dapo_ppo import loop as recipe
+    from ar_torchrl.recipes.strategy import LocalStrategy
     from ar_torchrl.utils import read_jsonl
 
     with tempfile.TemporaryDirectory(prefix="bench_step_breakdown-") as tmp:
@@ -213,7 +217,10 @@ def run_scenario(name: str, args) -> dict:
         run_dir = Path(tmp) / "run"
         run_dir.mkdir()
         with contextlib.ExitStack() as stack:  # stops a launched SGLang server, also on errors
-            run = recipe.setup(cfg, run_dir, None, stack)
+            local = LocalStrategy(
+                cfg.device, gradient_checkpointing=cfg.model.gradient_checkpointing
+            )
+            run = recipe.setup(cfg, run_dir, None, stack, local)
             with instrument(run, recipe):
                 recipe.train(run, SimpleNamespace(requested=False))
         history = read_jsonl(run_dir / "metrics.jsonl")

@@ -49,11 +49,11 @@ import transformers
 from _common import machine_info, write_json
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from ar_torchrl.assets import build_char_tokenizer, build_tiny_qwen3
 from ar_torchrl.backends import SamplingParams, TransformersBackend
-from ar_torchrl.backends.token_sampling import next_token_log_probs
-from ar_torchrl.backends.transformers import _to_completions
+from ar_torchrl.backends.transformers.backend import _to_completions
+from ar_torchrl.backends.transformers.token_sampling import next_token_log_probs
 from ar_torchrl.data import arithmetic_dataset
+from ar_torchrl.models.tiny import build_char_tokenizer, build_tiny_qwen3
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODELS = ("tiny_h64_l2", "h256_l4", "smollm2_135m", "qwen3-0.6b")

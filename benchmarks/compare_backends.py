@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
-from ar_torchrl.assets import build_char_tokenizer, build_tiny_qwen3, save_tiny_model
 from ar_torchrl.backends import SamplingParams, TransformersBackend
 from ar_torchrl.backends.sglang import SGLangBackend, launch_sglang_server
+from ar_torchrl.models.tiny import build_char_tokenizer, build_tiny_qwen3, save_tiny_model
 
 RESULTS = Path(__file__).resolve().parent / "results" / "compare_backends.json"
 

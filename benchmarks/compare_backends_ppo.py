@@ -24,9 +24,9 @@ from ar_torchrl.backends import SamplingParams
 from ar_torchrl.data.datasets import arithmetic_dataset
 from ar_torchrl.envs import LLMEnv
 from ar_torchrl.models import build_tiny_model
+from ar_torchrl.models.warmstart import cached_warm_start
 from ar_torchrl.modules import LMActorCritic, attach_value_head
 from ar_torchrl.objectives import TokenGAE, TokenPPOLoss
-from ar_torchrl.warmstart import cached_warm_start
 
 RESULTS = Path(__file__).resolve().parent / "results" / "compare_backends_ppo.json"
 ROLLOUTS, PROMPTS, MAX_NEW = 3, 16, 12

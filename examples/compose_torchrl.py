@@ -27,9 +27,9 @@ from ar_torchrl.data import plan_micro_batches
 from ar_torchrl.data.datasets import arithmetic_dataset
 from ar_torchrl.envs import LLMEnv
 from ar_torchrl.models import build_tiny_model
+from ar_torchrl.models.warmstart import cached_warm_start
 from ar_torchrl.modules import LMActorCritic, attach_value_head
 from ar_torchrl.objectives import TokenGAE, TokenPPOLoss, recompute_anchors
-from ar_torchrl.warmstart import cached_warm_start
 from ar_torchrl.weight_sync import named_policy_tensors
 
 

@@ -18,8 +18,8 @@ import pytest
 from sglang_double import serve_double
 from sglang_helpers import ParentServer, require_schema, require_sglang_venv
 
-from ar_torchrl.assets import save_tiny_model
 from ar_torchrl.backends.sglang.launcher import API_KEY_ENV, launch_sglang_server
+from ar_torchrl.models.tiny import save_tiny_model
 
 TINY_SEED = 0
 TEST_API_KEY = "ar-torchrl-test-key"

@@ -21,7 +21,6 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 from trajectories import VOCAB, make_trajectory
 
-from ar_torchrl.assets import build_tiny_qwen3
 from ar_torchrl.data import plan_micro_batches
 from ar_torchrl.distributed import (
     broadcast_batch,
@@ -38,6 +37,7 @@ from ar_torchrl.distributed import (
     shard_actor_critic,
     shard_plan,
 )
+from ar_torchrl.models.tiny import build_tiny_qwen3
 from ar_torchrl.modules import LMActorCritic, attach_value_head, save_policy
 from ar_torchrl.objectives import TokenGAE, TokenPPOLoss, recompute_anchors
 from ar_torchrl.training import ppo_update

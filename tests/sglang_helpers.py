@@ -63,7 +63,7 @@ def trainer_log_probs(model, prompt: list[int], tokens: list[int], temperature: 
 
 def trainer_with_value_head(seed: int) -> torch.nn.Module:
     """Tiny Qwen3 (seed 0) + value head, every tensor perturbed by ``0.1 * N(0, 1)`` (``seed``)."""
-    from ar_torchrl.assets import build_tiny_qwen3
+    from ar_torchrl.models.tiny import build_tiny_qwen3
     from ar_torchrl.modules import attach_value_head
 
     torch.set_num_threads(1)

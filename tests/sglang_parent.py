@@ -20,7 +20,7 @@ def main() -> None:
     with launch_sglang_server(model_dir, python=python, log_file=log, timeout_s=600) as server:
         dirs = []
         if "--sync" in sys.argv:
-            from ar_torchrl.assets import build_tiny_qwen3
+            from ar_torchrl.models.tiny import build_tiny_qwen3
             from ar_torchrl.weight_sync import named_policy_tensors
 
             backend = SGLangBackend(server.url, show_progress=False)

@@ -1,4 +1,4 @@
-"""ar_torchrl.checks: the shared argument checks (light: no torch import)."""
+"""ar_torchrl.utils.checks: the shared argument checks (light: no torch import)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from ar_torchrl.checks import check_choice, check_clip_epsilon, check_grad_clip, check_number
+from ar_torchrl.utils.checks import check_choice, check_clip_epsilon, check_grad_clip, check_number
 
 
 def test_check_number_bounds_types_and_messages():
@@ -40,13 +40,13 @@ def test_clip_epsilon_and_grad_clip():
 
 
 def test_checks_module_does_not_import_torch():
-    code = "import sys, ar_torchrl.checks; print('torch' in sys.modules)"
+    code = "import sys, ar_torchrl.utils.checks; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
 
 def test_group_checks_return_normalised_values_and_name_the_owner():
-    from ar_torchrl.checks import (
+    from ar_torchrl.utils.checks import (
         check_actor_args,
         check_gae_args,
         check_grpo_args,
@@ -98,8 +98,8 @@ def test_library_and_checks_give_the_same_message():
     """The library classes raise exactly what the shared checks raise (one source of ranges)."""
     from trajectories import tiny_actor_critic
 
-    from ar_torchrl.checks import check_gae_args, check_ppo_loss_args
     from ar_torchrl.objectives import TokenGAE, TokenPPOLoss
+    from ar_torchrl.utils.checks import check_gae_args, check_ppo_loss_args
 
     ac = tiny_actor_critic()
     for lib, shared in [
@@ -116,7 +116,7 @@ def test_library_and_checks_give_the_same_message():
 
 def test_an_owner_ending_with_a_dot_names_a_config_key():
     """The recipe's schemas call the library's checks with their config key prefix."""
-    from ar_torchrl.checks import check_optimizer_args, check_ppo_loss_args
+    from ar_torchrl.utils.checks import check_optimizer_args, check_ppo_loss_args
 
     with pytest.raises(ValueError, match=r"^config: algo.lr must be > 0, got -0.001$"):
         check_optimizer_args("config: algo.", lr=-1e-3)

@@ -9,11 +9,11 @@ import pytest
 import torch
 from scripted_backend import ScriptedBackend
 
-from ar_torchrl.assets import build_char_tokenizer, build_tiny_qwen3
 from ar_torchrl.backends import SamplingParams, TransformersBackend
 from ar_torchrl.collectors import WeightSyncCollector, batch_policy_version
 from ar_torchrl.data import arithmetic_dataset
 from ar_torchrl.envs import LLMEnv
+from ar_torchrl.models.tiny import build_char_tokenizer, build_tiny_qwen3
 from ar_torchrl.modules import attach_value_head
 from ar_torchrl.weight_sync import VALUE_HEAD_PREFIX, TrainsideSender, WeightSyncError
 

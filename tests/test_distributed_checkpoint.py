@@ -18,9 +18,9 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
 import ar_torchrl.distributed.checkpoint as ckpt
-from ar_torchrl.assets import build_tiny_qwen3
 from ar_torchrl.distributed import DistContext
 from ar_torchrl.distributed._safe_io import TensorsOnlyPlanner
+from ar_torchrl.models.tiny import build_tiny_qwen3
 from ar_torchrl.modules import attach_value_head
 
 torch.set_num_threads(1)

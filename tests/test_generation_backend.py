@@ -9,7 +9,6 @@ import threading
 import pytest
 import torch
 
-from ar_torchrl.assets import build_tiny_qwen3
 from ar_torchrl.backends import (
     Completion,
     ContextLengthError,
@@ -17,6 +16,7 @@ from ar_torchrl.backends import (
     SamplingParams,
     TransformersBackend,
 )
+from ar_torchrl.models.tiny import build_tiny_qwen3
 from ar_torchrl.weight_sync import WeightSyncError, named_policy_tensors
 
 torch.set_num_threads(1)

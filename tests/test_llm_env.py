@@ -9,10 +9,10 @@ import torch
 from scripted_backend import ScriptedBackend
 from torchrl.envs.utils import check_env_specs
 
-from ar_torchrl.assets import build_char_tokenizer, build_tiny_qwen3
 from ar_torchrl.backends import SamplingParams, TransformersBackend
 from ar_torchrl.data import arithmetic_dataset, make_row
 from ar_torchrl.envs import EpochSampler, LLMEnv
+from ar_torchrl.models.tiny import build_char_tokenizer, build_tiny_qwen3
 from ar_torchrl.rewards import dapo_math_reward
 from ar_torchrl.weight_sync import named_policy_tensors
 

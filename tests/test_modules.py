@@ -9,7 +9,7 @@ from tensordict import TensorDict
 from trajectories import VOCAB, make_trajectory, tiny_actor_critic
 from transformers import AutoModelForCausalLM
 
-from ar_torchrl.assets import build_tiny_qwen3
+from ar_torchrl.models.tiny import build_tiny_qwen3
 from ar_torchrl.modules import (
     LMActorCritic,
     attach_value_head,

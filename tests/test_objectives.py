@@ -326,23 +326,23 @@ def test_token_gae_errors():
 
 
 # ---------------------------------------------------------------------------- GRPOAdvantage
-def test_grpo_advantage_module_broadcasts_and_drops_zero_spread_groups():
+def test_grpo_advantage_module_broadcasts_and_counts_zero_spread_groups():
+    """Zero-spread groups get advantage 0 and are counted; dropping them (DAPO's dynamic sampling)
+    is the collector's one implementation (WeightSyncCollector(dynamic_sampling=True))."""
     td = _batch(seed=1, group_size=2)
     td["next", "reward"].zero_()
     rows = torch.arange(6)
     last = td["loss_mask"].long().cumsum(-1).argmax(-1)
     rewards = torch.tensor([1.0, -1.0, 1.0, 1.0, -1.0, 1.0])  # group 1 has zero spread
     td["next", "reward"][rows, last, 0] = rewards
-    mod = GRPOAdvantage(drop_zero_spread=True)
+    mod = GRPOAdvantage()
     out = mod(td)
-    assert out.shape[0] == 4 and mod.stats == {
-        "groups": 3,
-        "zero_spread_groups": 1,
-        "dropped_rows": 2,
-    }
+    assert out.shape[0] == 6 and mod.stats == {"groups": 3, "groups_zero_spread": 1}
     adv = out["advantage"].squeeze(-1)
-    assert (adv[~out["loss_mask"]] == 0).all()
-    for r in range(4):
+    assert (adv[~out["loss_mask"]] == 0).all() and (adv[2:4] == 0).all()
+    with pytest.raises(TypeError, match="drop_zero_spread"):
+        GRPOAdvantage(drop_zero_spread=True)
+    for r in range(6):
         vals = adv[r][out["loss_mask"][r]]
         assert torch.allclose(vals, vals[0].expand_as(vals))
     assert adv[0][out["loss_mask"][0]][0].item() == pytest.approx(
@@ -381,12 +381,12 @@ def test_grpo_stats_describe_the_last_call_only():
     last = td["loss_mask"].long().cumsum(-1).argmax(-1)
     td["next", "reward"].zero_()
     td["next", "reward"][torch.arange(6), last, 0] = torch.tensor([1.0, -1.0, 1.0, 1.0, 1.0, 1.0])
-    grpo = GRPOAdvantage(drop_zero_spread=True)
-    for _ in range(3):  # running totals would read 9 groups, 6 zero-spread, 12 dropped rows
-        assert grpo(td.clone()).shape[0] == 2
-        assert grpo.stats == {"groups": 3, "zero_spread_groups": 2, "dropped_rows": 4}
+    grpo = GRPOAdvantage()
+    for _ in range(3):  # running totals would read 9 groups, 6 zero-spread
+        grpo(td.clone())
+        assert grpo.stats == {"groups": 3, "groups_zero_spread": 2}
     GRPOAdvantage.compute(grpo, td[:2].clone())
-    assert grpo.stats == {"groups": 1, "zero_spread_groups": 0, "dropped_rows": 0}
+    assert grpo.stats == {"groups": 1, "groups_zero_spread": 0}
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
@@ -658,7 +658,7 @@ def test_loss_metrics_are_finite_for_one_and_zero_trained_tokens():
 
 def test_actor_only_module_as_reference_and_critic_errors():
     """critic=False: no value head needed, no value keys; the loss then refuses a critic term."""
-    from ar_torchrl.assets import build_tiny_qwen3
+    from ar_torchrl.models.tiny import build_tiny_qwen3
 
     bare = build_tiny_qwen3(99, seed=0)
     ref = LMActorCritic(bare, critic=False)

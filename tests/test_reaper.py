@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # A stand-in owner: starts a process group (a shell with a child), guards it and two dirs, then waits.
 OWNER = """
 import json, subprocess, sys, tempfile
-from ar_torchrl import reaper
+from ar_torchrl.backends.sglang import reaper
 tree = subprocess.Popen(["sh", "-c", "sleep 300 & sleep 300; wait"], start_new_session=True)
 dirs = [tempfile.mkdtemp(prefix="ar_torchrl-test-"), tempfile.mkdtemp(prefix="ar_torchrl-test-")]
 reaper.guard_process_group(tree.pid)
@@ -65,7 +65,7 @@ def test_a_clean_exit_cleans_up_too_and_released_things_stay():
     owner.wait(10)
     assert wait_until(lambda: not group_pids(info["pgid"]), 10) < 10
     assert wait_until(lambda: not any(Path(d).exists() for d in info["dirs"]), 10) < 10
-    from ar_torchrl import reaper
+    from ar_torchrl.backends.sglang import reaper
 
     kept = tempfile.mkdtemp(prefix="ar_torchrl-test-")
     reaper.guard_dir(kept)

@@ -20,19 +20,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from recipe_helpers import load
 
-from ar_torchrl.assets import save_tiny_model
 from ar_torchrl.data.datasets import make_row
+from ar_torchrl.models.tiny import save_tiny_model
+from ar_torchrl.recipes import dapo_ppo
+from ar_torchrl.recipes import run as runs
+from ar_torchrl.recipes.dapo_ppo import build as recipe
+from ar_torchrl.recipes.dapo_ppo import config as C
+from ar_torchrl.recipes.strategy import LocalStrategy
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "dapo_ppo.py"
-sys.path.insert(0, str(ROOT / "examples"))
 torch.set_num_threads(1)
-
-import dapo_ppo  # noqa: E402  (the entry point: light, no torch)
-import dapo_ppo_config as C  # noqa: E402
 
 #: The CI version of the CPU default: same config, 100 iterations instead of 300 (see README).
 SHORT = ["train.iterations=100", "train.eval_every=100", "train.checkpoint_every=0"]
@@ -163,8 +164,9 @@ def test_grpo_end_to_end(tmp_path, cache_dir):
     history = history[1:]
     for h in history:
         assert math.isfinite(h["train/loss_objective"]) and "train/loss_critic" not in h
-        assert h["rollout/groups"] == 16  # this batch's GRPO groups (stats are per call)
-        assert 0 <= h["rollout/zero_spread_groups"] <= h["rollout/groups"]
+        assert h["rollout/groups_generated"] == 16  # this batch's groups (the collector's count)
+        assert 0 <= h["rollout/groups_zero_spread"] <= h["rollout/groups_generated"]
+        assert "rollout/zero_spread_groups" not in h and "rollout/groups" not in h  # one name each
     assert "eval/reward_mean" in history[1] and "eval/reward_mean" in history[3]
 
 
@@ -222,7 +224,7 @@ def test_sigterm_stops_cleanly_and_auto_resume_continues_exactly(tmp_path, cache
 def test_ctrl_c_stops_with_the_resume_command_not_a_traceback(tmp_path, cache_dir):
     rc, out, err = stop_after_first_step(tmp_path, cache_dir, signal.SIGINT, *COMMON)
     assert rc == 128 + signal.SIGINT and "Traceback" not in err + out, err[-3000:]
-    assert "SIGINT: stopping after this iteration" in err
+    assert "SIGINT: stopping after this iteration" in out + err  # logged (Hydra: to stdout)
     resume = next(line for line in out.splitlines() if line.startswith("resume: "))
     assert shlex.split(resume)[-1] == f"train.resume_from={tmp_path}"
     assert (tmp_path / "checkpoints" / f"step_{read_history(tmp_path)[-1]['step']}.pt").exists()
@@ -239,7 +241,13 @@ def imported_modules(stderr: str) -> set[str]:
     [
         (["--help"], 0, "Override any key"),
         (["algo.grad_clip=-1"], 1, "dapo_ppo: config: algo.grad_clip must be > 0, got -1.0"),
-        (["algo.advantage_mode=ppo"], 1, "algo.advantage_mode='ppo' is not one of ['gae', 'grpo']"),
+        (
+            ["algo.advantage_mode=ppo"],
+            1,
+            "algo.advantage_mode='ppo' is not one of ['gae', 'grpo', 'rloo']",
+        ),
+        (["+algo.lrr=1e-4"], 1, "no schema has the key(s) algo.lrr (did you mean 'algo.lr'?)"),
+        (["backend=sglang", "backend.url=notaurl"], 1, "backend.url='notaurl' is not a server URL"),
         (["algo.lr_typo=1"], 1, "Could not override 'algo.lr_typo'"),
         (["train.iterations=true"], 1, "full_key: train.iterations"),
     ],
@@ -248,19 +256,15 @@ def test_help_and_bad_config_answer_before_the_training_stack_is_imported(
     tmp_path, args, rc, message
 ):
     """main imported torch, transformers and TorchRL (10-38 s on a loaded machine) before anything."""
-    cmd = [sys.executable, "-X", "importtime", str(SCRIPT), f"hydra.run.dir={tmp_path}", *args]
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-X", "importtime", str(SCRIPT), f"hydra.run.dir={run_dir}", *args]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == rc and message in proc.stdout + proc.stderr, proc.stderr[-2000:]
     assert not {"torch", "transformers", "torchrl"} & imported_modules(proc.stderr)
-    assert not (tmp_path / "metrics.jsonl").exists()
+    assert not run_dir.exists()  # a rejected configuration leaves no (empty) run directory behind
 
 
 # ----------------------------------------------------------------------------- run directories
-def load(overrides=()):
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        return compose(config_name="dapo_ppo", overrides=list(overrides))
-
-
 def fake_run(run_dir: Path, steps: int, checkpoint_steps=(), raw=None) -> None:
     """A run directory as the recipe leaves it (checkpoint files are only looked up by name)."""
     (run_dir / "checkpoints").mkdir(parents=True)
@@ -283,7 +287,7 @@ def test_rerun_before_the_first_checkpoint_starts_a_clean_history(tmp_path):
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"step": 3, "rollout/rew')  # killed while writing
     (tmp_path / "checkpoints" / ".step_3.pt-x8k2.tmp").write_bytes(b"half")
-    dapo_ppo.prepare_run_dir(tmp_path, None)
+    runs.prepare_run_dir(tmp_path, None)
     assert (tmp_path / "metrics.jsonl").read_text() == ""
     assert (
         tmp_path / "logs" / "dapo_ppo" / "scalars" / "rollout" / "reward_mean.csv"
@@ -295,7 +299,7 @@ def test_resume_from_another_run_copies_its_history_up_to_the_checkpoint(tmp_pat
     old, new = tmp_path / "old", tmp_path / "new"
     fake_run(old, 5, checkpoint_steps=(2, 4))
     new.mkdir()
-    dapo_ppo.prepare_run_dir(new, old / "checkpoints" / "step_2.pt")
+    runs.prepare_run_dir(new, old / "checkpoints" / "step_2.pt")
     assert [h["step"] for h in read_history(new)] == [0, 1, 2]
     assert (
         new / "logs" / "dapo_ppo" / "scalars" / "rollout" / "reward_mean.csv"
@@ -310,31 +314,38 @@ def test_find_checkpoint(tmp_path):
     with pytest.raises(
         FileNotFoundError, match="train.resume_from=auto: no run directory under runs_dir="
     ):
-        dapo_ppo.find_checkpoint(cfg, raw, here)
+        dapo_ppo.find_checkpoint(cfg, raw, here, LocalStrategy())
     fake_run(runs / "a", 4, (2, 4), raw=load([f"runs_dir={runs}", "train.iterations=4"]))
     time.sleep(0.01)  # b's checkpoint is newer, but b is another configuration (seed)
     fake_run(runs / "b", 6, (6,), raw=load([f"runs_dir={runs}", "seed=1"]))
-    assert dapo_ppo.find_checkpoint(cfg, raw, here) == runs / "a" / "checkpoints" / "step_4.pt"
+    assert (
+        dapo_ppo.find_checkpoint(cfg, raw, here, LocalStrategy())
+        == runs / "a" / "checkpoints" / "step_4.pt"
+    )
     explicit = load([f"train.resume_from={runs / 'b'}"])
-    assert dapo_ppo.find_checkpoint(C.validate_config(explicit), explicit, here).name == "step_6.pt"
+    assert (
+        dapo_ppo.find_checkpoint(C.validate_config(explicit), explicit, here, LocalStrategy()).name
+        == "step_6.pt"
+    )
     done = load([f"train.resume_from={runs / 'b'}", "train.iterations=6"])
     with pytest.raises(ValueError, match="is at step 6, train.iterations=6: nothing left to do"):
-        dapo_ppo.find_checkpoint(C.validate_config(done), done, here)
+        dapo_ppo.find_checkpoint(C.validate_config(done), done, here, LocalStrategy())
     missing = load([f"train.resume_from={tmp_path / 'nope'}"])
     with pytest.raises(
         FileNotFoundError,
         match=r"neither a checkpoint nor a run directory with checkpoints/step_<N>\.pt ",
     ):
-        dapo_ppo.find_checkpoint(C.validate_config(missing), missing, here)
+        dapo_ppo.find_checkpoint(C.validate_config(missing), missing, here, LocalStrategy())
     plain = load()  # no resume_from: the run directory's own checkpoints (hydra.run.dir=<it>)
-    assert dapo_ppo.find_checkpoint(C.validate_config(plain), plain, runs / "a").name == "step_4.pt"
-    assert dapo_ppo.find_checkpoint(C.validate_config(plain), plain, here) is None
+    assert (
+        dapo_ppo.find_checkpoint(C.validate_config(plain), plain, runs / "a", LocalStrategy()).name
+        == "step_4.pt"
+    )
+    assert dapo_ppo.find_checkpoint(C.validate_config(plain), plain, here, LocalStrategy()) is None
 
 
 def test_failed_sglang_launch_leaves_no_model_copy(tmp_path):
     """main saved the policy into <run_dir>/sglang_model and left it there when the launch failed."""
-    import dapo_ppo_recipe as recipe
-
     from ar_torchrl.models import build_tiny_model
     from ar_torchrl.modules import attach_value_head
 
@@ -349,16 +360,12 @@ def test_failed_sglang_launch_leaves_no_model_copy(tmp_path):
 
 # ----------------------------------------------------------------------------- bad input
 def test_missing_dataset_file():
-    import dapo_ppo_recipe as recipe
-
     cfg = C.validate_config(load(["data=dapo_math", "data.path=/nonexistent/dapo.parquet"]))
     with pytest.raises(FileNotFoundError, match="no file at /nonexistent/dapo.parquet"):
         recipe.build_datasets(cfg)
 
 
 def test_malformed_dataset_rows_fail_or_are_skipped_and_counted(tmp_path):
-    import dapo_ppo_recipe as recipe
-
     rows = [make_row(f"What is {i} + 1?", str(i + 1), index=i) for i in range(20)]
     rows[3] = {"prompt": [{"role": "user", "content": "1+1?"}]}  # no reward_model
     path = tmp_path / "bad.jsonl"
@@ -375,8 +382,6 @@ def test_malformed_dataset_rows_fail_or_are_skipped_and_counted(tmp_path):
 
 
 def test_tokenizer_without_chat_template(tmp_path):
-    import dapo_ppo_recipe as recipe
-
     model_dir = save_tiny_model(tmp_path / "m")
     (model_dir / "chat_template.jinja").unlink()
     cfg = C.validate_config(
@@ -392,7 +397,7 @@ def test_tokenizer_without_chat_template(tmp_path):
     with pytest.raises(
         ValueError, match=f"tokenizer of model.path={model_dir} has no chat template"
     ):
-        recipe.build_model(cfg)
+        LocalStrategy().build_policy(cfg.model, cfg.cache_dir)
 
 
 @pytest.mark.slow
@@ -427,7 +432,7 @@ def test_readme_one_key_grpo_swap_runs(tmp_path, cache_dir):
     assert [h["step"] for h in history] == [0, 1, 2, 3]
     for h in history[1:]:  # GRPO advantages; the value head keeps training on Monte-Carlo returns
         assert math.isfinite(h["train/loss_objective"]) and math.isfinite(h["train/loss_critic"])
-        assert h["train/skipped_steps"] == 0 and "rollout/zero_spread_groups" in h
+        assert h["train/skipped_steps"] == 0 and "rollout/groups_zero_spread" in h
 
 
 @pytest.mark.slow

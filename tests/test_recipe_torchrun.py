@@ -25,10 +25,6 @@ from test_recipe import mean, read_history, recipe_env, same_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "dapo_ppo.py"
-sys.path.insert(0, str(ROOT / "examples"))
-
-import dapo_ppo  # noqa: E402
-import dapo_ppo_config as C  # noqa: E402
 
 #: 40 iterations on 2 ranks (the CPU default's config, rollouts on rank 0). Measured (seeds 0-4): the
 #: mean reward of iterations 31-40 minus that of 1-10 was +0.228, +0.153, +0.231, +0.334, +0.266
@@ -37,6 +33,8 @@ ITERATIONS = 40
 WINDOW = 10
 MIN_RISE = 0.075
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+#: How the recipe prints its own launch (a command that works when pasted: the same interpreter).
+LAUNCH = " ".join(TORCHRUN)
 
 
 def marked_pids(marker: str) -> list[int]:
@@ -151,7 +149,7 @@ def test_two_ranks_learn_and_resume_exactly(tmp_path, cache_dir):
         assert h["train/skipped_steps"] == 0 and h["train/optimizer_steps"] == 2
         assert h["rollout/logprob_drift"] < 1e-4  # rank 0's fp32 rollout copy got every update
     assert out.count("SUMMARY reward_first=") == 1  # rank 0 speaks for the run
-    assert f"torchrun --nproc-per-node=2 {SCRIPT} " in out  # the command that trains further
+    assert f"train further: {LAUNCH} {SCRIPT} " in out  # the command that trains further
     checkpoints = straight / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step_36", "step_40"]  # keep 2
     assert {"__0_0.distcp", "__1_0.distcp", "meta.json"} <= {
@@ -190,7 +188,7 @@ def test_sigterm_to_torchrun_stops_every_rank_after_the_same_iteration(tmp_path,
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step_{stopped}"]
     meta = json.loads((run_dir / "checkpoints" / f"step_{stopped}" / "meta.json").read_text())
     assert meta["step"] == stopped and meta["world_size"] == 2
-    assert f"resume: torchrun --nproc-per-node=2 {SCRIPT} " in out
+    assert f"resume: {LAUNCH} {SCRIPT} " in out
 
 
 @pytest.mark.slow
@@ -218,12 +216,15 @@ def test_find_checkpoint_takes_distributed_checkpoints_of_fsdp_runs_only(tmp_pat
     """``train.resume_from`` with a distributed checkpoint: accepted by an FSDP2 run, refused
     (naming both kinds) by a single-process one and vice versa; a damaged one is named."""
     import torch
-    from hydra import compose, initialize_config_dir
+    from recipe_helpers import load
 
-    from ar_torchrl.assets import build_tiny_qwen3
-    from ar_torchrl.checkpoint import save_checkpoint
     from ar_torchrl.distributed import distributed, save_distributed_checkpoint, shard_actor_critic
+    from ar_torchrl.distributed.context import DistContext
+    from ar_torchrl.models.tiny import build_tiny_qwen3
     from ar_torchrl.modules import LMActorCritic, attach_value_head
+    from ar_torchrl.recipes import dapo_ppo
+    from ar_torchrl.recipes.checkpoint import save_checkpoint
+    from ar_torchrl.recipes.strategy import FSDP2Strategy, LocalStrategy
 
     run = tmp_path / "run"
     with distributed("cpu", process_group=True) as ctx:
@@ -232,9 +233,10 @@ def test_find_checkpoint_takes_distributed_checkpoints_of_fsdp_runs_only(tmp_pat
     save_checkpoint(tmp_path / "plain", step=3, model=torch.nn.Linear(2, 1))
 
     def find(*overrides):
-        with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-            raw = compose(config_name="dapo_ppo", overrides=list(overrides))
-        return dapo_ppo.find_checkpoint(C.validate_config(raw), raw, tmp_path / "here")
+        raw = load(overrides)
+        cfg = dapo_ppo.validate_config(raw)
+        strategy = FSDP2Strategy(DistContext()) if cfg.sharded else LocalStrategy()
+        return dapo_ppo.find_checkpoint(cfg, raw, tmp_path / "here", strategy)
 
     bf16 = "model.dtype=bfloat16"  # one process, bf16 compute over fp32 masters: FSDP2
     assert find(bf16, f"train.resume_from={run}") == run / "checkpoints" / "step_2"

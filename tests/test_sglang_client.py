@@ -21,7 +21,6 @@ from sglang_helpers import (
     trainer_with_value_head,
 )
 
-from ar_torchrl.assets import build_tiny_qwen3
 from ar_torchrl.backends import ContextLengthError, SamplingParams
 from ar_torchrl.backends.sglang import (
     SGLangAbortError,
@@ -30,6 +29,7 @@ from ar_torchrl.backends.sglang import (
     SGLangResponseError,
     SGLangTimeoutError,
 )
+from ar_torchrl.models.tiny import build_tiny_qwen3
 from ar_torchrl.weight_sync import WeightSyncError, named_policy_tensors
 
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)

@@ -13,35 +13,35 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
+from recipe_helpers import load as _load
+
+from ar_torchrl.data.tasks import FewshotArithmeticDataConfig
+from ar_torchrl.models.config import SmolLM2ModelConfig
+from ar_torchrl.recipes.dapo_ppo import config as C
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "dapo_ppo.py"
 CONFIG = "smollm2_arithmetic"
-sys.path.insert(0, str(ROOT / "examples"))
-
-import dapo_ppo_config as C  # noqa: E402
 
 
 def load(overrides=(), name: str = CONFIG):
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        return compose(config_name=name, overrides=list(overrides))
+    return _load(overrides, name)
 
 
 @pytest.mark.parametrize("overrides", [[], ["algo=grpo"], ["backend=sglang"]])
 def test_config_composes_and_validates(overrides):
     cfg = C.validate_config(load(overrides))
-    assert isinstance(cfg.model, C.SmolLM2ModelConfig)
-    assert isinstance(cfg.data, C.FewshotArithmeticDataConfig)
+    assert isinstance(cfg.model, SmolLM2ModelConfig)
+    assert isinstance(cfg.data, FewshotArithmeticDataConfig)
     assert cfg.algo.lr == 1e-5 and cfg.algo.kl_coeff == 0.0  # kl 0: no frozen reference copy
     assert cfg.data.ops == ["+", "*"] and cfg.data.shots == 1
 
 
 def test_split_is_disjoint_and_evaluation_uses_every_held_out_problem():
-    import dapo_ppo_recipe  # torch, transformers, TorchRL
+    from ar_torchrl.recipes.dapo_ppo import build  # torch, transformers, TorchRL
 
     cfg = C.validate_config(load())
-    train, held_out = dapo_ppo_recipe.build_datasets(cfg)
+    train, held_out = build.build_datasets(cfg)
     assert (len(train), len(held_out)) == (cfg.data.num_rows, cfg.data.holdout)
     seen = {m["content"] for r in train for m in r["prompt"]}
     assert not {r["prompt"][-1]["content"] for r in held_out} & seen  # never tune on eval prompts
@@ -64,7 +64,7 @@ def test_bad_task_values_name_the_key(override, message):
 
 def test_fewshot_task_is_a_data_option_of_the_default_recipe():
     cfg = C.validate_config(load(["data=fewshot_arithmetic"], name="dapo_ppo"))
-    assert isinstance(cfg.data, C.FewshotArithmeticDataConfig) and cfg.data.holdout == 64
+    assert isinstance(cfg.data, FewshotArithmeticDataConfig) and cfg.data.holdout == 64
 
 
 @pytest.mark.slow

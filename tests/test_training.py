@@ -8,8 +8,8 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from ar_torchrl.assets import build_tiny_qwen3
 from ar_torchrl.data import plan_micro_batches
+from ar_torchrl.models.tiny import build_tiny_qwen3
 from ar_torchrl.modules import LMActorCritic, attach_value_head
 from ar_torchrl.objectives import TokenGAE, TokenPPOLoss, recompute_anchors
 from ar_torchrl.training import ppo_update, total_loss

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ar_torchrl.assets import build_tiny_qwen3
 from ar_torchrl.backends import SamplingParams, TransformersBackend, next_token_log_probs
-from ar_torchrl.backends.kv_cache import PreallocatedLayer
+from ar_torchrl.backends.transformers.kv_cache import PreallocatedLayer
+from ar_torchrl.models.tiny import build_tiny_qwen3
 from ar_torchrl.modules import attach_value_head
 from ar_torchrl.weight_sync import WeightSyncError, named_policy_tensors
 

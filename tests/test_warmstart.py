@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-import ar_torchrl.warmstart as ws
+import ar_torchrl.models.warmstart as ws
 from ar_torchrl.data.datasets import arithmetic_dataset
 from ar_torchrl.models import build_tiny_model
-from ar_torchrl.warmstart import (
+from ar_torchrl.models.warmstart import (
     build_sft_batch,
     cached_warm_start,
     sft_response,

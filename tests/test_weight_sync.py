@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 
-from ar_torchrl.assets import build_tiny_qwen3
+from ar_torchrl.models.tiny import build_tiny_qwen3
 from ar_torchrl.modules import attach_value_head
 from ar_torchrl.weight_sync import (
     SYNC_METHODS,
@@ -21,7 +22,7 @@ from ar_torchrl.weight_sync import (
     sync_methods,
 )
 from ar_torchrl.weight_sync.base import with_last
-from ar_torchrl.weight_sync.registry import SyncMethod
+from ar_torchrl.weight_sync.registry import register_sync_method
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ar_torchrl"
 
@@ -77,9 +78,10 @@ def test_registry_builds_every_method_and_rejects_the_wrong_engine():
     assert sync_methods("trainside") == ["copy", "share"]
     assert sync_methods("sglang") == ["disk", "tensor", "distributed"]
     rollout = build_tiny_qwen3(99)
-    for name, method in SYNC_METHODS.items():
+    for method in SYNC_METHODS.entries():
         target = rollout if method.engine == "trainside" else None
-        assert isinstance(make_sender(name, target, engine=method.engine), WeightSender), name
+        sender = make_sender(method.name, target, engine=method.engine)
+        assert isinstance(sender, WeightSender), method.name
     with pytest.raises(
         ValueError, match=r"'ftp' is unknown; choose one of \['disk', 'tensor', 'distributed'\]"
     ):
@@ -91,7 +93,8 @@ def test_registry_builds_every_method_and_rejects_the_wrong_engine():
 
 
 def test_a_new_method_is_one_registry_entry(monkeypatch):
-    """Registering a method in SYNC_METHODS is all it takes for a backend to use it by name."""
+    """Registering a method (with its options' schema) is all it takes for a backend to use it by
+    name, its options checked against the schema."""
     from ar_torchrl.backends.sglang import SGLangBackend
 
     class Recorder:
@@ -104,7 +107,16 @@ def test_a_new_method_is_one_registry_entry(monkeypatch):
         def close(self):
             pass
 
-    monkeypatch.setitem(SYNC_METHODS, "record", SyncMethod(Recorder, "sglang", "records"))
+    @dataclasses.dataclass
+    class RecordOptions:
+        tag: str = ""
+
+    monkeypatch.setattr(SYNC_METHODS, "_entries", dict(SYNC_METHODS._entries))
+    register_sync_method("record", engine="sglang", config=RecordOptions, help="records")(
+        lambda options, *, target: Recorder(target, tag=options.tag)
+    )
+    with pytest.raises(ValueError, match=r"'record' has no option 'tga' \(did you mean 'tag'\?\)"):
+        SGLangBackend("http://127.0.0.1:9", weight_sync="record", weight_sync_options={"tga": "x"})
     backend = SGLangBackend(
         "http://127.0.0.1:9", weight_sync="record", weight_sync_options={"tag": "x"}
     )
@@ -123,9 +135,18 @@ def _imports(path: Path) -> set[str]:
     return found
 
 
-def test_senders_never_import_backends():
-    offenders = {
+def test_senders_never_import_their_engines():
+    """Senders live with their engine but are given a client (or rollout model): they never import
+    the engine's class, and the protocol package imports no engine at all."""
+    engines = ("ar_torchrl.backends.sglang.client", "ar_torchrl.backends.transformers.backend")
+    senders = [
+        *(PACKAGE / "backends" / "sglang" / "senders").glob("*.py"),
+        PACKAGE / "backends" / "transformers" / "sender.py",
+    ]
+    offenders = {p.name: sorted(set(_imports(p)) & set(engines)) for p in senders}
+    assert not any(offenders.values()), offenders
+    protocol = {
         p.name: sorted(m for m in _imports(p) if m.startswith("ar_torchrl.backends"))
         for p in (PACKAGE / "weight_sync").glob("*.py")
     }
-    assert not any(offenders.values()), offenders
+    assert not any(protocol.values()), protocol

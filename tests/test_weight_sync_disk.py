@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from sglang_helpers import SentNames, assert_server_matches, trainer_with_value_head
 
-from ar_torchrl.assets import build_tiny_qwen3
 from ar_torchrl.backends.sglang import SGLangBackend
+from ar_torchrl.models.tiny import build_tiny_qwen3
 from ar_torchrl.weight_sync import WeightSyncError, named_policy_tensors
 
 
@@ -69,7 +69,7 @@ def test_disk_dir_outlives_a_client_process_while_the_server_serves_it(sglang_se
     serves: the next client (this process) reads the served config from it."""
     code = (
         "from ar_torchrl.backends.sglang import SGLangBackend\n"
-        "from ar_torchrl.assets import build_tiny_qwen3\n"
+        "from ar_torchrl.models.tiny import build_tiny_qwen3\n"
         "from ar_torchrl.weight_sync import named_policy_tensors\n"
         f"b = SGLangBackend({sglang_server.url!r}, weight_sync='disk', show_progress=False)\n"
         "b.sync_weights(named_policy_tensors(build_tiny_qwen3(99, seed=3)), version=41)\n"
@@ -98,7 +98,7 @@ def test_an_orphaned_weights_dir_is_removed_only_when_its_writer_is_gone(tmp_pat
     import os
     import socket
 
-    from ar_torchrl.weight_sync.disk import OWNER_FILE, remove_if_orphaned
+    from ar_torchrl.backends.sglang.senders.disk import OWNER_FILE, remove_if_orphaned
 
     dead = subprocess.Popen(["true"])
     dead.wait()

@@ -13,8 +13,8 @@ from sglang_helpers import (
 )
 
 from ar_torchrl.backends.sglang import SGLangBackend
+from ar_torchrl.backends.sglang.senders.distributed import bound_store, listening_socket
 from ar_torchrl.weight_sync import named_policy_tensors
-from ar_torchrl.weight_sync.distributed import bound_store, listening_socket
 
 
 def test_the_rendezvous_store_listens_on_the_given_address_only():

@@ -7,10 +7,10 @@ import torch
 import torch.multiprocessing  # noqa: F401 - registers the reductions used to decode tensor payloads
 from sglang_helpers import SentNames, assert_server_matches, metadata_only, trainer_with_value_head
 
-from ar_torchrl.assets import build_tiny_qwen3
 from ar_torchrl.backends.sglang import SGLangBackend
+from ar_torchrl.backends.sglang.senders.tensor import flatten_bucket
+from ar_torchrl.models.tiny import build_tiny_qwen3
 from ar_torchrl.weight_sync import WeightSyncError, named_policy_tensors
-from ar_torchrl.weight_sync.tensor import flatten_bucket
 
 
 @pytest.mark.sglang

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from ar_torchrl.assets import build_tiny_qwen3
+from ar_torchrl.models.tiny import build_tiny_qwen3
 from ar_torchrl.modules import LMActorCritic, attach_value_head
 
 PAD, EOS, VOCAB = 0, 2, 99

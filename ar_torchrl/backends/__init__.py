@@ -1,41 +1,26 @@
-"""Rollout engines behind one interface (:class:`GenerationBackend`).
+"""Rollout engines behind one interface (:class:`GenerationBackend`), one folder per engine.
 
-The SGLang client (``SGLangBackend``, ``launch_sglang_server``) is imported on first use, so that
-importing the library does not import ``requests`` (``from ar_torchrl.backends import SGLangBackend``
-works as usual).
+- :mod:`.transformers`: the trainside engine (:class:`TransformersBackend`) and its senders;
+- :mod:`.sglang`: the SGLang HTTP client (:class:`SGLangBackend`), launcher, reaper and senders.
+
+Names are imported on first use: this package imports neither torch nor ``requests`` by itself
+(``from ar_torchrl.backends import SGLangBackend`` works as usual), and each engine's torch-free
+``config`` module (its registered config schemas) can be read without the engine.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from ar_torchrl._lazy import lazy_exports
 
-from ar_torchrl.backends.base import (
-    Completion,
-    ContextLengthError,
-    FinishReason,
-    GenerationBackend,
-    SamplingParams,
-)
-from ar_torchrl.backends.transformers import TransformersBackend, next_token_log_probs
-
-__all__ = [
-    "Completion",
-    "ContextLengthError",
-    "FinishReason",
-    "GenerationBackend",
-    "SGLangBackend",
-    "SamplingParams",
-    "TransformersBackend",
-    "launch_sglang_server",
-    "next_token_log_probs",
-]
-
-_LAZY = {"SGLangBackend", "launch_sglang_server"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        from ar_torchrl.backends import sglang
-
-        return getattr(sglang, name)
-    raise AttributeError(f"module 'ar_torchrl.backends' has no attribute {name!r}")
+_EXPORTS = {
+    **dict.fromkeys(
+        ["Completion", "ContextLengthError", "FinishReason", "GenerationBackend", "SamplingParams"],
+        "base",
+    ),
+    "TransformersBackend": "transformers",
+    "next_token_log_probs": "transformers",
+    "SGLangBackend": "sglang",
+    "launch_sglang_server": "sglang",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -62,7 +62,7 @@ class WeightSyncCollector(BaseCollector):
             fewer groups, possibly none: ``batch.shape[0] == 0``; skip the update).
 
     Example:
-        >>> from ar_torchrl.assets import build_char_tokenizer, build_tiny_qwen3
+        >>> from ar_torchrl.models.tiny import build_char_tokenizer, build_tiny_qwen3
         >>> from ar_torchrl.backends import SamplingParams, TransformersBackend
         >>> from ar_torchrl.data.datasets import arithmetic_dataset
         >>> tok = build_char_tokenizer(); model = build_tiny_qwen3(len(tok))

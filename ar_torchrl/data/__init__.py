@@ -1,28 +1,31 @@
-"""Micro-batch planning, datasets and collation to the token-trajectory layout."""
+"""Micro-batch planning, datasets and tasks (registered), and collation to the token trajectory.
 
-from ar_torchrl.data.micro_batch import MicroBatch, MicroBatchPlan, plan_micro_batches
+Names are imported on first use: the datasets, tasks and the task registry need no torch.
+"""
 
-__all__ = ["MicroBatch", "MicroBatchPlan", "plan_micro_batches"]
-from ar_torchrl.data.collate import completions_to_trajectory  # noqa: E402
-from ar_torchrl.data.datasets import (  # noqa: E402
-    DAPO_TEMPLATE,
-    SHORT_TEMPLATE,
-    MathDataset,
-    arithmetic_dataset,
-    load_dapo_math,
-    make_row,
-    train_holdout_split,
-    validate_row,
-)
+from __future__ import annotations
 
-__all__ += [
-    "DAPO_TEMPLATE",
-    "SHORT_TEMPLATE",
-    "MathDataset",
-    "arithmetic_dataset",
-    "completions_to_trajectory",
-    "load_dapo_math",
-    "make_row",
-    "train_holdout_split",
-    "validate_row",
-]
+from ar_torchrl._lazy import lazy_exports
+
+_EXPORTS = {
+    **dict.fromkeys(["MicroBatch", "MicroBatchPlan", "plan_micro_batches"], "micro_batch"),
+    "completions_to_trajectory": "collate",
+    **dict.fromkeys(
+        [
+            "DAPO_TEMPLATE",
+            "SHORT_TEMPLATE",
+            "MathDataset",
+            "arithmetic_dataset",
+            "load_dapo_math",
+            "make_row",
+            "train_holdout_split",
+            "validate_row",
+        ],
+        "datasets",
+    ),
+    "arithmetic_task_split": "tasks",
+    "TASKS": "registry",
+    "register_task": "registry",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

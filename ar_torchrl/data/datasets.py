@@ -18,8 +18,12 @@ import json
 import logging
 import random
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from ar_torchrl.data.registry import register_task
+from ar_torchrl.utils.checks import check_choice, check_number
 
 __all__ = [
     "DAPO_TEMPLATE",
@@ -329,3 +333,56 @@ def train_holdout_split(
     test = MathDataset([rows[i] for i in order[:k]], name="holdout")
     train = MathDataset([rows[i] for i in order[k:]], name="train")
     return train, test
+
+
+# --------------------------------------------------------------------------- registered tasks
+# OmegaConf reads the annotations at run time: they must stay `Optional[...]`, not `X | None`.
+@register_task("arithmetic", help="generated single-digit addition in the DAPO-Math schema")
+@dataclass
+class ArithmeticDataConfig:
+    """``data=arithmetic``: :func:`arithmetic_dataset` rows, a seeded held-out split."""
+
+    num_rows: int = 2000  # generated problems
+    max_operand: int = 9  # operands in [0, max_operand]
+    template: str = "short"  # short (tiny models) | dapo (DAPO-Math-17k's full prompt)
+    holdout: int = 64  # rows held out for evaluation
+    seed: int = 0  # generation / split seed
+
+    def check(self, prefix: str) -> None:
+        check_number(prefix, "num_rows", self.num_rows, ge=1, integer=True)
+        check_number(prefix, "max_operand", self.max_operand, ge=0, integer=True)
+        check_choice(prefix, "template", self.template, ("short", "dapo"))
+        check_number(prefix, "holdout", self.holdout, ge=1, integer=True)
+        if self.holdout >= self.num_rows:
+            raise ValueError(
+                f"{prefix}holdout={self.holdout} must be < {prefix.rsplit(' ', 1)[-1]}num_rows="
+                f"{self.num_rows}"
+            )
+
+    def build(self) -> tuple[MathDataset, MathDataset]:
+        rows = arithmetic_dataset(
+            self.num_rows, seed=self.seed, template=self.template, max_operand=self.max_operand
+        )
+        return train_holdout_split(rows, self.holdout, seed=self.seed)
+
+
+@register_task("dapo_math", help="DAPO-Math-17k (or any file in its schema) from a local file")
+@dataclass
+class DapoMathDataConfig:
+    """``data=dapo_math``: :func:`load_dapo_math` of a local parquet/jsonl, a held-out split."""
+
+    path: str = "data/dapo-math-17k.parquet"  # local file (download it beforehand)
+    holdout: int = 256  # rows held out for evaluation
+    seed: int = 0  # split seed
+    skip_invalid: bool = False  # skip malformed rows (counted and logged) instead of failing
+    limit: int | None = None  # keep only the first N rows (None = all)
+
+    def check(self, prefix: str) -> None:
+        check_number(prefix, "holdout", self.holdout, ge=1, integer=True)
+        check_number(prefix, "limit", self.limit, ge=1, integer=True, allow_none=True)
+
+    def build(self) -> tuple[MathDataset, MathDataset]:
+        rows = load_dapo_math(self.path, skip_invalid=self.skip_invalid, limit=self.limit)
+        if rows.num_skipped:
+            logger.warning("data: skipped %d malformed rows of %s", rows.num_skipped, self.path)
+        return train_holdout_split(rows, self.holdout, seed=self.seed)

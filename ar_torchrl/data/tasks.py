@@ -19,9 +19,12 @@ from __future__ import annotations
 import operator
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Literal
 
 from ar_torchrl.data.datasets import MathDataset
+from ar_torchrl.data.registry import register_task
+from ar_torchrl.utils.checks import check_number
 
 __all__ = ["OPS", "arithmetic_task_split", "fewshot_rows", "problem_space"]
 
@@ -154,3 +157,49 @@ def arithmetic_task_split(
     train = fewshot_rows(train_draw, train_problems, shots=shots, seed=seed + 1)
     test = fewshot_rows(test_problems, train_problems, shots=shots, seed=seed + 2)
     return MathDataset(train, name="train"), MathDataset(test, name="holdout")
+
+
+@register_task(
+    "fewshot_arithmetic",
+    help="one-shot chat arithmetic for pretrained chat models (disjoint split)",
+)
+@dataclass
+class FewshotArithmeticDataConfig:
+    """``data=fewshot_arithmetic``: :func:`arithmetic_task_split` rows (train and held-out rows over
+    disjoint problems)."""
+
+    num_rows: int = 4000  # training rows (drawn with replacement from the training problems)
+    ops: list[str] = field(default_factory=lambda: ["+"])  # any of +, -, *
+    min_operand: int = 0  # smallest operand
+    max_operand: int = 9  # largest operand
+    shots: int = 1  # solved user/assistant turns before the question
+    holdout: int = 64  # held-out problems (one evaluation row each)
+    seed: int = 0  # problem split / sampling seed
+
+    def check(self, prefix: str) -> None:
+        check_number(prefix, "num_rows", self.num_rows, ge=1, integer=True)
+        key = prefix.rsplit(" ", 1)[-1]
+        if not self.ops or any(op not in ("+", "-", "*") for op in self.ops):
+            raise ValueError(f"{prefix}ops must be a non-empty list of +, -, *; got {self.ops}")
+        check_number(prefix, "min_operand", self.min_operand, ge=0, integer=True)
+        check_number(prefix, "max_operand", self.max_operand, ge=self.min_operand, integer=True)
+        check_number(prefix, "shots", self.shots, ge=0, integer=True)
+        check_number(prefix, "holdout", self.holdout, ge=1, integer=True)
+        problems = len(set(self.ops)) * (self.max_operand - self.min_operand + 1) ** 2
+        if self.holdout >= problems:
+            raise ValueError(
+                f"{prefix}holdout={self.holdout} must be < {problems}, the number of distinct "
+                f"problems of {key}ops={self.ops} with operands in [{key}min_operand, "
+                f"{key}max_operand] (the rest are the training problems)"
+            )
+
+    def build(self) -> tuple[MathDataset, MathDataset]:
+        return arithmetic_task_split(
+            self.num_rows,
+            self.holdout,
+            ops=list(self.ops),
+            min_operand=self.min_operand,
+            max_operand=self.max_operand,
+            shots=self.shots,
+            seed=self.seed,
+        )

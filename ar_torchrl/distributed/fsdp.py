@@ -43,7 +43,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The decoder layers of an HF causal LM (``model.get_decoder().layers``).
 
     Example:
-        >>> from ar_torchrl.assets import build_tiny_qwen3
+        >>> from ar_torchrl.models.tiny import build_tiny_qwen3
         >>> len(decoder_layers(build_tiny_qwen3(99, num_layers=3)))
         3
     """
@@ -64,7 +64,7 @@ def checkpoint_decoder_layers(model: nn.Module) -> int:
     as is. Returns the number of layers wrapped.
 
     Example:
-        >>> from ar_torchrl.assets import build_tiny_qwen3
+        >>> from ar_torchrl.models.tiny import build_tiny_qwen3
         >>> checkpoint_decoder_layers(build_tiny_qwen3(99))
         2
     """
@@ -120,7 +120,7 @@ def shard_actor_critic(
             backward); ``False`` trades memory for less communication.
 
     Example:
-        >>> from ar_torchrl.assets import build_tiny_qwen3
+        >>> from ar_torchrl.models.tiny import build_tiny_qwen3
         >>> from ar_torchrl.distributed import distributed
         >>> from ar_torchrl.modules import attach_value_head
         >>> with distributed("cpu", process_group=True) as ctx:

@@ -65,7 +65,7 @@ def build_meta_model(path: str | Path, *, attn_implementation: str | None = None
 
     Example:
         >>> import tempfile
-        >>> from ar_torchrl.assets import save_tiny_model
+        >>> from ar_torchrl.models.tiny import save_tiny_model
         >>> model = build_meta_model(save_tiny_model(tempfile.mkdtemp()))
         >>> model.lm_head.weight.device.type, model.value_head.weight.device.type
         ('meta', 'meta')

@@ -49,7 +49,7 @@ class FullTensorStream:
         keep: yield the tensors (rank 0) or only take part in the gathers.
 
     Example:
-        >>> from ar_torchrl.assets import build_tiny_qwen3
+        >>> from ar_torchrl.models.tiny import build_tiny_qwen3
         >>> from ar_torchrl.modules import attach_value_head
         >>> stream = FullTensorStream(attach_value_head(build_tiny_qwen3(99)), dtype=torch.bfloat16)
         >>> name, t = next(stream)
@@ -116,7 +116,7 @@ def push_weights(
         RuntimeError: on every rank when rank 0's consumer failed (rank 0 re-raises its own error).
 
     Example:
-        >>> from ar_torchrl.assets import build_tiny_qwen3
+        >>> from ar_torchrl.models.tiny import build_tiny_qwen3
         >>> from ar_torchrl.backends import TransformersBackend
         >>> trainer, engine = build_tiny_qwen3(99, seed=0), TransformersBackend(build_tiny_qwen3(99, seed=1))
         >>> push_weights(trainer, DistContext(), lambda s: engine.sync_weights(s, 3), dtype=torch.float32)

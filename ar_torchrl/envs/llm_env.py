@@ -46,7 +46,7 @@ def _check_tokenizer(tokenizer) -> None:
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(
             "LLMEnv: the tokenizer has no chat template (tokenizer.chat_template is None); set one, "
-            "e.g. tokenizer.chat_template = ar_torchrl.assets.CHATML_TEMPLATE"
+            "e.g. tokenizer.chat_template = ar_torchrl.models.tiny.CHATML_TEMPLATE"
         )
     if tokenizer.pad_token_id is None:
         raise ValueError("LLMEnv: the tokenizer has no pad_token_id; set tokenizer.pad_token")
@@ -78,7 +78,7 @@ class LLMEnv(EnvBase):
     owns it); the env only reads it.
 
     Example:
-        >>> from ar_torchrl.assets import build_char_tokenizer, build_tiny_qwen3
+        >>> from ar_torchrl.models.tiny import build_char_tokenizer, build_tiny_qwen3
         >>> from ar_torchrl.backends import TransformersBackend
         >>> from ar_torchrl.data.datasets import arithmetic_dataset
         >>> tok = build_char_tokenizer()

@@ -18,16 +18,12 @@ References:
 
 from __future__ import annotations
 
-from ar_torchrl.checks import AGGREGATION_MODES, AggregationMode
+from ar_torchrl.functional._shapes import check_finite_reward
 from ar_torchrl.functional.gae import (
     _check_gae_inputs as _check_gae_inputs,
 )
-from ar_torchrl.functional.gae import (
-    check_finite_reward,
-    length_adaptive_lmbda,
-    token_gae,
-)
-from ar_torchrl.functional.grpo import grpo_advantage
+from ar_torchrl.functional.gae import length_adaptive_lmbda, token_gae
+from ar_torchrl.functional.grpo import grpo_advantage, rloo_advantage
 from ar_torchrl.functional.losses import (
     LOG_RATIO_CLAMP,
     aggregate_loss,
@@ -38,6 +34,7 @@ from ar_torchrl.functional.losses import (
     masked_log_ratio,
 )
 from ar_torchrl.functional.reductions import explained_variance, masked_mean, masked_whiten
+from ar_torchrl.utils.checks import AGGREGATION_MODES, AggregationMode
 
 __all__ = [
     "AGGREGATION_MODES",
@@ -49,6 +46,7 @@ __all__ = [
     "clipped_value_loss",
     "explained_variance",
     "grpo_advantage",
+    "rloo_advantage",
     "k3_kl",
     "length_adaptive_lmbda",
     "loss_normalizer",

@@ -8,10 +8,10 @@ import math
 import torch
 from torch import Tensor
 
-from ar_torchrl.checks import check_number
-from ar_torchrl.functional._shapes import _check_mask, _check_same_shape
+from ar_torchrl.functional._shapes import _check_mask, _check_same_shape, check_finite_reward
+from ar_torchrl.utils.checks import check_number
 
-__all__ = ["check_finite_reward", "length_adaptive_lmbda", "token_gae"]
+__all__ = ["length_adaptive_lmbda", "token_gae"]
 
 
 # ----------------------------------------------------------------------------- GAE
@@ -33,28 +33,6 @@ def _as_row_coeff(
     if ((t < 0) | (t > 1)).any() or not torch.isfinite(t).all():
         raise ValueError(f"{name} must be in [0, 1], got {t.tolist() if t.numel() < 9 else t}")
     return t.to(dtype).reshape(batch, 1)
-
-
-def check_finite_reward(reward: Tensor, owner: str, name: str = "reward") -> None:
-    """Raise if ``reward`` holds a NaN or inf, naming the first one's row (and position).
-
-    A single non-finite reward would make a whole GAE batch NaN (every update step then skipped), or
-    silently count as a zero-spread GRPO group; it is a bug in the reward function to fix.
-
-    Args:
-        reward: ``[B]`` or ``[B, L]``.
-    """
-    bad = ~torch.isfinite(reward)
-    if not bool(bad.any()):
-        return
-    first = [int(i) for i in bad.nonzero()[0]]
-    where = f"row {first[0]}" + (f", position {first[1]}" if len(first) > 1 else "")
-    rows = bad.reshape(bad.shape[0], -1).any(-1)
-    raise ValueError(
-        f"{owner}: non-finite {name} {reward[tuple(first)].item()} at {where} "
-        f"({int(rows.sum())} of {reward.shape[0]} rows hold NaN/inf rewards); fix the reward "
-        "function or drop those rows before computing advantages"
-    )
 
 
 def _check_gae_inputs(reward: Tensor, value: Tensor, mask: Tensor) -> bool:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ar_torchrl.checks import AGGREGATION_MODES, AggregationMode
 from ar_torchrl.functional._shapes import _check_mask, _check_same_shape
+from ar_torchrl.utils.checks import AGGREGATION_MODES, AggregationMode
 
 __all__ = [
     "LOG_RATIO_CLAMP",

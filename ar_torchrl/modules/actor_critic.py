@@ -23,7 +23,6 @@ from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 from torch import Tensor, nn
 
-from ar_torchrl.checks import check_actor_args
 from ar_torchrl.modules.log_probs import (
     LOGITS_MEMORY_BUDGET,
     _chunked_log_probs,
@@ -32,6 +31,7 @@ from ar_torchrl.modules.log_probs import (
     token_log_probs,
 )
 from ar_torchrl.modules.packing import PACKED_KEY, is_varlen, packed_layout
+from ar_torchrl.utils.checks import check_actor_args
 
 __all__ = ["LMActorCritic", "token_log_probs"]
 
@@ -63,7 +63,7 @@ class LMActorCritic(TensorDictModuleBase):
 
     Example:
         >>> from tensordict import TensorDict
-        >>> from ar_torchrl.assets import build_tiny_qwen3
+        >>> from ar_torchrl.models.tiny import build_tiny_qwen3
         >>> from ar_torchrl.modules import attach_value_head
         >>> ac = LMActorCritic(attach_value_head(build_tiny_qwen3(99)))
         >>> td = TensorDict({"tokens": torch.randint(3, 99, (2, 6)),

@@ -77,7 +77,7 @@ def attach_value_head(model: nn.Module, path: str | Path | None = None) -> nn.Mo
         path: optional saved head to load.
 
     Example:
-        >>> from ar_torchrl.assets import build_tiny_qwen3
+        >>> from ar_torchrl.models.tiny import build_tiny_qwen3
         >>> model = attach_value_head(build_tiny_qwen3(99))
         >>> [k for k in model.state_dict() if k.startswith("value_head")]
         ['value_head.weight', 'value_head.bias']
@@ -137,7 +137,7 @@ def save_policy(model: nn.Module, path: str | Path, tokenizer=None) -> Path:
     Example:
         >>> import tempfile
         >>> from transformers import AutoModelForCausalLM
-        >>> from ar_torchrl.assets import build_tiny_qwen3
+        >>> from ar_torchrl.models.tiny import build_tiny_qwen3
         >>> model = attach_value_head(build_tiny_qwen3(99))
         >>> _ = torch.nn.init.constant_(model.value_head.bias, 0.5)
         >>> d = save_policy(model, tempfile.mkdtemp())

@@ -1,16 +1,18 @@
 """Advantage modules and the PPO loss for token trajectories.
 
-The estimator registry (:mod:`ar_torchrl.objectives.registry`) imports nothing heavy; the classes
-below are imported on first access (PEP 562), so ``import ar_torchrl.objectives.registry`` does not
-import torch (the recipe checks ``algo.advantage_mode`` before it loads the training stack).
+The estimator registry (:mod:`ar_torchrl.objectives.registry`, with the built-in schemas in
+:mod:`ar_torchrl.objectives.config`) imports nothing heavy; the classes below are imported on first
+access (PEP 562), so ``import ar_torchrl.objectives.registry`` does not import torch (the recipe
+checks ``algo.advantage_mode`` before it loads the training stack).
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from ar_torchrl._lazy import lazy_exports
 from ar_torchrl.objectives.registry import (
+    ADVANTAGES,
     advantage_names,
     make_advantage,
     needs_critic,
@@ -22,16 +24,20 @@ if TYPE_CHECKING:
     from ar_torchrl.objectives.gae import TokenGAE
     from ar_torchrl.objectives.grpo import GRPOAdvantage
     from ar_torchrl.objectives.ppo import TokenPPOLoss
+    from ar_torchrl.objectives.rloo import RLOOAdvantage
 
 _LAZY = {
     "GRPOAdvantage": "grpo",
+    "RLOOAdvantage": "rloo",
     "TokenGAE": "gae",
     "TokenPPOLoss": "ppo",
     "recompute_anchors": "anchors",
 }
 
 __all__ = [
+    "ADVANTAGES",
     "GRPOAdvantage",
+    "RLOOAdvantage",
     "TokenGAE",
     "TokenPPOLoss",
     "advantage_names",
@@ -41,14 +47,4 @@ __all__ = [
     "register_advantage",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

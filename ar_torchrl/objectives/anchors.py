@@ -39,7 +39,7 @@ def recompute_anchors(
 
     Example:
         >>> from tensordict import TensorDict
-        >>> from ar_torchrl.assets import build_tiny_qwen3
+        >>> from ar_torchrl.models.tiny import build_tiny_qwen3
         >>> from ar_torchrl.data import plan_micro_batches
         >>> from ar_torchrl.modules import attach_value_head
         >>> ac = LMActorCritic(attach_value_head(build_tiny_qwen3(99)))

@@ -9,47 +9,16 @@ from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 from torchrl.objectives.value import ValueEstimatorBase
 
-from ar_torchrl.checks import check_gae_args
 from ar_torchrl.functional import (
     check_finite_reward,
     length_adaptive_lmbda,
     masked_whiten,
     token_gae,
 )
+from ar_torchrl.objectives._keys import MissingKeyError, require_key, squeeze_feature
+from ar_torchrl.utils.checks import check_gae_args
 
-__all__ = ["MissingKeyError", "TokenGAE", "require_key", "squeeze_feature"]
-
-
-class MissingKeyError(KeyError):
-    """A ``KeyError`` whose message prints as written (``KeyError`` would quote and escape it)."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else ""
-
-
-def require_key(td: TensorDictBase, key: NestedKey, owner: str, hint: str) -> torch.Tensor:
-    """``td.get(key)`` with an error that names the key, what is present and how to fix it."""
-    value = td.get(key, None)
-    if value is None:
-        present = sorted(str(k) for k in td.keys(include_nested=True, leaves_only=True))
-        raise MissingKeyError(
-            f"{owner}: missing key {key!r} ({hint}); the TensorDict holds {present}"
-        )
-    return value
-
-
-def squeeze_feature(
-    x: torch.Tensor, key: NestedKey, batch_shape: torch.Size, owner: str
-) -> torch.Tensor:
-    """``[B, L, 1]`` or ``[B, L]`` -> ``[B, L]``; anything else is an error naming ``key``."""
-    if x.shape == batch_shape:
-        return x
-    if x.shape == (*batch_shape, 1):
-        return x.squeeze(-1)
-    raise ValueError(
-        f"{owner}: {key!r} has shape {tuple(x.shape)}; expected {tuple(batch_shape)} or "
-        f"{(*tuple(batch_shape), 1)} (the token-trajectory layout [B, L])"
-    )
+__all__ = ["MissingKeyError", "TokenGAE"]
 
 
 class TokenGAE(ValueEstimatorBase):

@@ -10,15 +10,13 @@ from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 from torchrl.envs.transforms import Transform
 
-from ar_torchrl.checks import check_grpo_args
 from ar_torchrl.functional import check_finite_reward, grpo_advantage, token_gae
-from ar_torchrl.objectives.gae import require_key, squeeze_feature
+from ar_torchrl.objectives._keys import require_key, squeeze_feature
+from ar_torchrl.utils.checks import check_grpo_args
 
 __all__ = ["GRPOAdvantage"]
 
 logger = logging.getLogger(__name__)
-
-_OWNER = "GRPOAdvantage"
 
 
 class GRPOAdvantage(Transform):
@@ -27,13 +25,15 @@ class GRPOAdvantage(Transform):
     Sequence reward = sum of ``("next", "reward")`` over the row; rows are grouped by ``prompt_id``;
     advantage = ``(r - mean_group) / (std_group + eps)`` (``scale=False``: Dr.GRPO, no division),
     written as ``advantage`` ``[B, L, 1]`` on ``loss_mask`` tokens and 0 elsewhere (see
-    :func:`ar_torchrl.functional.grpo_advantage`). Groups whose rewards are all equal carry no signal:
-    they are counted in :attr:`stats` and, with ``drop_zero_spread=True`` (DAPO dynamic sampling),
-    their rows are removed from the batch. A NaN/inf reward is an error naming its row and position.
+    :func:`ar_torchrl.functional.grpo_advantage`). Groups whose rewards are all equal carry no signal
+    (advantage 0); they are counted in :attr:`stats`. DAPO's dynamic sampling (drop them and sample
+    more prompts) is the collector's job: ``WeightSyncCollector(dynamic_sampling=True)``. A NaN/inf
+    reward is an error naming its row and position. :class:`~ar_torchrl.objectives.RLOOAdvantage`
+    is the same module with RLOO's leave-one-out baseline.
 
     Call contract (shared with :class:`TokenGAE`, as TorchRL's value estimators): every call
     ``td = module(td)`` recomputes and overwrites the advantage. :attr:`stats` describes the last
-    call only: ``groups``, ``zero_spread_groups`` and ``dropped_rows`` of that batch.
+    call only: ``groups`` and ``groups_zero_spread`` of that batch.
 
     Replay buffers: register it with TorchRL's ``invert=True``
     (``rb.append_transform(GRPOAdvantage(), invert=True)``): the advantage is then computed when
@@ -53,7 +53,6 @@ class GRPOAdvantage(Transform):
     Args:
         scale: divide by the group std (GRPO); ``False`` for Dr.GRPO.
         eps: added to the std (``>= 0``).
-        drop_zero_spread: remove rows of zero-spread groups (dynamic sampling).
         critic_targets: also write ``value_target`` (Monte-Carlo returns) for a value head.
         gamma: discount of those returns (``critic_targets`` only), in ``[0, 1]``.
 
@@ -66,7 +65,7 @@ class GRPOAdvantage(Transform):
         >>> [[round(a, 4) for a in row] for row in grpo(td)["advantage"].squeeze(-1).tolist()]
         [[0.0, 0.7071], [0.0, -0.7071]]
         >>> grpo.stats
-        {'groups': 1, 'zero_spread_groups': 0, 'dropped_rows': 0}
+        {'groups': 1, 'groups_zero_spread': 0}
     """
 
     @dataclass
@@ -81,30 +80,31 @@ class GRPOAdvantage(Transform):
 
     default_keys = _AcceptedKeys
 
+    @property
+    def _owner(self) -> str:
+        return type(self).__name__
+
     def __init__(
         self,
         *,
         scale: bool = True,
         eps: float = 1e-6,
-        drop_zero_spread: bool = False,
         critic_targets: bool = False,
         gamma: float = 1.0,
     ) -> None:
         args = check_grpo_args(
-            _OWNER,
+            self._owner,
             scale=scale,
             eps=eps,
-            drop_zero_spread=drop_zero_spread,
             critic_targets=critic_targets,
             gamma=gamma,
         )
         super().__init__(in_keys=[], out_keys=[])
         self.scale, self.eps = args["scale"], args["eps"]
-        self.drop_zero_spread = args["drop_zero_spread"]
         self.critic_targets, self.gamma = args["critic_targets"], args["gamma"]
         self.tensor_keys = self._AcceptedKeys()
         self._refresh_keys()
-        self.stats: dict[str, int] = {"groups": 0, "zero_spread_groups": 0, "dropped_rows": 0}
+        self.stats: dict[str, int] = {"groups": 0, "groups_zero_spread": 0}
 
     def set_keys(self, **keys: NestedKey) -> GRPOAdvantage:
         """Rename keys: ``reward``, ``loss_mask``, ``group``, ``advantage``, ``value_target``."""
@@ -112,7 +112,7 @@ class GRPOAdvantage(Transform):
         for name, key in keys.items():
             if name not in names:
                 raise KeyError(
-                    f"{_OWNER}.set_keys: unknown key name {name!r}; expected one of {names}"
+                    f"{self._owner}.set_keys: unknown key name {name!r}; expected one of {names}"
                 )
             setattr(self.tensor_keys, name, key)
         self._refresh_keys()
@@ -127,43 +127,43 @@ class GRPOAdvantage(Transform):
         """Compute advantages for ``td`` (what every call does); updates :attr:`stats`."""
         if td.batch_dims != 2:
             raise ValueError(
-                f"{_OWNER} expects a [B, L] token trajectory, got batch_size {tuple(td.batch_size)}"
+                f"{self._owner} expects a [B, L] token trajectory, got batch_size {tuple(td.batch_size)}"
             )
         k, shape = self.tensor_keys, td.batch_size
-        mask = require_key(td, k.loss_mask, _OWNER, "bool [B, L]").bool()
+        mask = require_key(td, k.loss_mask, self._owner, "bool [B, L]").bool()
         reward = squeeze_feature(
-            require_key(td, k.reward, _OWNER, "per-token reward"), k.reward, shape, _OWNER
+            require_key(td, k.reward, self._owner, "per-token reward"), k.reward, shape, self._owner
         )
-        check_finite_reward(reward, _OWNER, f"reward {k.reward!r}")
+        check_finite_reward(reward, self._owner, f"reward {k.reward!r}")
         stray = (reward != 0) & ~mask
         if stray.any():
             raise ValueError(
-                f"{_OWNER}: {int(stray.sum())} non-zero reward(s) on masked tokens; rewards "
+                f"{self._owner}: {int(stray.sum())} non-zero reward(s) on masked tokens; rewards "
                 "belong on loss_mask tokens (the last generated token for the task reward)"
             )
-        group = require_key(td, k.group, _OWNER, "group id per row (stored [B, L])")
+        group = require_key(td, k.group, self._owner, "group id per row (stored [B, L])")
         group = group.reshape(shape[0], -1)[:, 0] if group.ndim > 1 else group
-        adv, flat = grpo_advantage(reward.sum(-1), group.long(), scale=self.scale, eps=self.eps)
+        adv, flat = self.group_advantage(reward.sum(-1), group.long())
         self._count(group, flat)
         td.set(k.advantage, torch.where(mask, adv.unsqueeze(-1), 0.0).unsqueeze(-1))
         if self.critic_targets:  # Monte-Carlo return: GAE with V = 0 and lambda = 1
             _, ret = token_gae(reward, torch.zeros_like(reward), mask, gamma=self.gamma, lmbda=1.0)
             td.set(k.value_target, ret.unsqueeze(-1))
-        if self.drop_zero_spread and flat.any():
-            self.stats["dropped_rows"] = int(flat.sum())
-            td = td[~flat]
         return td
+
+    def group_advantage(self, seq_reward: torch.Tensor, group: torch.Tensor):
+        """``(advantage [B], zero_spread [B])`` of the sequence rewards: GRPO's z-score."""
+        return grpo_advantage(seq_reward, group, scale=self.scale, eps=self.eps)
 
     def _count(self, group: torch.Tensor, flat: torch.Tensor) -> None:
         groups, flat_groups = torch.unique(group), torch.unique(group[flat])
-        self.stats = {
-            "groups": int(groups.numel()),
-            "zero_spread_groups": int(flat_groups.numel()),
-            "dropped_rows": 0,
-        }
+        self.stats = {"groups": int(groups.numel()), "groups_zero_spread": int(flat_groups.numel())}
         if flat_groups.numel():
             logger.debug(
-                "%s: %d of %d groups have zero spread", _OWNER, flat_groups.numel(), groups.numel()
+                "%s: %d of %d groups have zero spread",
+                type(self).__name__,
+                flat_groups.numel(),
+                groups.numel(),
             )
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
@@ -180,7 +180,7 @@ class GRPOAdvantage(Transform):
         if tensordict.get(self.tensor_keys.advantage, None) is not None:
             return tensordict
         raise RuntimeError(
-            f"{_OWNER}: reached through inv() on a batch without {self.tensor_keys.advantage!r}. On a "
+            f"{self._owner}: reached through inv() on a batch without {self.tensor_keys.advantage!r}. On a "
             "replay buffer, register it as rb.append_transform(GRPOAdvantage(), invert=True) so that "
             "advantages are computed when complete groups are written (extend), not on samples."
         )

@@ -25,10 +25,11 @@ from torchrl.objectives.utils import ValueEstimators
 from torchrl.objectives.value import ValueEstimatorBase
 
 from ar_torchrl import functional as F
-from ar_torchrl.checks import check_ppo_loss_args
 from ar_torchrl.functional import AggregationMode
 from ar_torchrl.modules import LMActorCritic
-from ar_torchrl.objectives.gae import TokenGAE, require_key, squeeze_feature
+from ar_torchrl.objectives._keys import require_key, squeeze_feature
+from ar_torchrl.objectives.gae import TokenGAE
+from ar_torchrl.utils.checks import check_ppo_loss_args
 
 __all__ = ["TokenPPOLoss"]
 
@@ -76,7 +77,7 @@ class TokenPPOLoss(ClipPPOLoss):
 
     Example:
         >>> from tensordict import TensorDict
-        >>> from ar_torchrl.assets import build_tiny_qwen3
+        >>> from ar_torchrl.models.tiny import build_tiny_qwen3
         >>> from ar_torchrl.modules import LMActorCritic, attach_value_head
         >>> ac = LMActorCritic(attach_value_head(build_tiny_qwen3(99)))
         >>> mask = torch.tensor([[False, False, True, True]])

@@ -19,15 +19,19 @@ import logging
 import re
 import threading
 from collections import Counter
+from dataclasses import dataclass
+from functools import partial
 
 from ar_torchrl.rewards._math_verify_worker import (
     MathVerifyWorker,
     math_verify_equal,
     require_math_verify,
 )
+from ar_torchrl.rewards.registry import TaskReward, register_reward
 
 __all__ = [
     "MATH_VERIFY_MAX_CHARS",
+    "DapoMathRewardConfig",
     "dapo_math_reward",
     "extract_answer",
     "normalize_final_answer",
@@ -258,3 +262,21 @@ def overlong_penalty(
         raise ValueError(f"overlong_penalty: length must be >= 0, got {length}")
     expected = max_len - buffer_len
     return min(0.0, -(length - expected) / buffer_len * penalty_factor)
+
+
+@register_reward("dapo_math", help="DAPO's +1/-1 rule on the last Answer: line (correct: +1)")
+@dataclass
+class DapoMathRewardConfig:
+    """``reward=dapo_math``: :func:`dapo_math_reward`; an answer is correct when it scores ``+1``
+    (any score above 0: the overlong penalty can lower a correct answer's score)."""
+
+    use_math_verify: bool = False  # also accept answers math-verify proves equivalent
+
+    def check(self, prefix: str) -> None:
+        from ar_torchrl.utils.checks import check_bool
+
+        check_bool(prefix, "use_math_verify", self.use_math_verify)
+
+    def build(self) -> TaskReward:
+        fn = partial(dapo_math_reward, use_math_verify=self.use_math_verify)
+        return TaskReward(fn, correct_above=0.0, name="dapo_math")

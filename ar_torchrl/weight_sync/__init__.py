@@ -1,26 +1,34 @@
-"""Weight sync: which tensors the rollout engine gets, the ``WeightSender`` protocol, its senders."""
+"""Weight sync: which tensors the rollout engine gets, the ``WeightSender`` protocol, the registry.
 
-from ar_torchrl.weight_sync.base import WeightSender, iter_buckets, policy_only
-from ar_torchrl.weight_sync.disk import DiskWeightSender
-from ar_torchrl.weight_sync.distributed import DistributedWeightSender
-from ar_torchrl.weight_sync.errors import WeightSyncError
-from ar_torchrl.weight_sync.names import VALUE_HEAD_PREFIX, named_policy_tensors
-from ar_torchrl.weight_sync.registry import SYNC_METHODS, make_sender, sync_methods
-from ar_torchrl.weight_sync.tensor import TensorWeightSender
-from ar_torchrl.weight_sync.trainside import TrainsideSender
+The senders live with their engine: :mod:`ar_torchrl.backends.transformers` (``copy`` / ``share``)
+and :mod:`ar_torchrl.backends.sglang.senders` (``disk`` / ``tensor`` / ``distributed``); the
+registry (:mod:`.registry`) builds them by name. Their old names here (``DiskWeightSender``, ...)
+still resolve for one release. Names are imported on first use (the registry needs no torch).
+"""
 
-__all__ = [
-    "SYNC_METHODS",
-    "VALUE_HEAD_PREFIX",
-    "DiskWeightSender",
-    "DistributedWeightSender",
-    "TensorWeightSender",
-    "TrainsideSender",
-    "WeightSender",
-    "WeightSyncError",
-    "iter_buckets",
-    "make_sender",
-    "named_policy_tensors",
-    "policy_only",
-    "sync_methods",
-]
+from __future__ import annotations
+
+from ar_torchrl._lazy import lazy_exports
+
+_EXPORTS = {
+    "WeightSender": "base",
+    "iter_buckets": "base",
+    "policy_only": "base",
+    "WeightSyncError": "errors",
+    "VALUE_HEAD_PREFIX": "names",
+    "named_policy_tensors": "names",
+    "SYNC_METHODS": "registry",
+    "make_sender": "registry",
+    "register_sync_method": "registry",
+    "sync_methods": "registry",
+}
+__all__ = sorted(_EXPORTS)
+
+# Moved to their engines' packages (issue 15); kept here for one release.
+_MOVED = {
+    "DiskWeightSender": "ar_torchrl.backends.sglang.senders.disk",
+    "DistributedWeightSender": "ar_torchrl.backends.sglang.senders.distributed",
+    "TensorWeightSender": "ar_torchrl.backends.sglang.senders.tensor",
+    "TrainsideSender": "ar_torchrl.backends.transformers.sender",
+}
+__getattr__, __dir__ = lazy_exports(__name__, {**_EXPORTS, **_MOVED})

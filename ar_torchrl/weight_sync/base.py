@@ -43,10 +43,10 @@ class WeightSender(Protocol):
     ``send`` loads ``named_tensors`` (HF names; ``value_head.*`` is dropped) and tags them
     ``version``; it raises :class:`~ar_torchrl.weight_sync.errors.WeightSyncError` on any failure.
     ``close`` releases what the sender holds (process groups, temp dirs). Implementations:
-    :class:`~ar_torchrl.weight_sync.trainside.TrainsideSender` (``copy`` / ``share``),
-    :class:`~ar_torchrl.weight_sync.disk.DiskWeightSender`,
-    :class:`~ar_torchrl.weight_sync.tensor.TensorWeightSender`,
-    :class:`~ar_torchrl.weight_sync.distributed.DistributedWeightSender`.
+    :class:`~ar_torchrl.backends.transformers.sender.TrainsideSender` (``copy`` / ``share``),
+    :class:`~ar_torchrl.backends.sglang.senders.disk.DiskWeightSender`,
+    :class:`~ar_torchrl.backends.sglang.senders.tensor.TensorWeightSender`,
+    :class:`~ar_torchrl.backends.sglang.senders.distributed.DistributedWeightSender`.
 
     Example:
         >>> class Recorder:

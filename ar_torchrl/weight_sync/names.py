@@ -31,7 +31,7 @@ def named_policy_tensors(
         dtype: convert floating-point tensors to this dtype as they are yielded.
 
     Example:
-        >>> from ar_torchrl.assets import build_tiny_qwen3
+        >>> from ar_torchrl.models.tiny import build_tiny_qwen3
         >>> from ar_torchrl.modules import attach_value_head
         >>> model = attach_value_head(build_tiny_qwen3(99))
         >>> names = [n for n, _ in named_policy_tensors(model)]

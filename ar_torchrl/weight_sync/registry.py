@@ -1,69 +1,45 @@
-"""The one registry of weight-sync methods: adding a method is one entry here (plus its module).
+"""The one registry of weight-sync methods (:data:`SYNC_METHODS`): name -> sender factory + options.
 
-Each entry names a factory ``factory(target, **options) -> WeightSender`` and the engine it serves:
-the trainside senders' target is the in-process rollout model, the SGLang senders' target is the
-client (an ``SGLangBackend``). Backends build their sender from here by name.
+An entry serves one engine (``meta["engine"]``: ``"trainside"`` or ``"sglang"``), says in one line
+what it does (``meta["help"]``) and carries the torch-free schema of its options (the keyword
+arguments of the sender, with their range checks). The factory is called as
+``factory(options, target=...)``: the trainside senders' target is the in-process rollout model, the
+SGLang senders' target is the client (an ``SGLangBackend``). Backends build their sender from here by
+name; a recipe validates ``backend.weight_sync_options`` against the same schema before it imports
+torch. The built-in methods are registered by their engines' torch-free config modules,
+:mod:`ar_torchrl.backends.transformers.config` and :mod:`ar_torchrl.backends.sglang.config`.
+
+Adding a method is one registration (``@register_sync_method``) beside its sender.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
-from functools import partial
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
-from ar_torchrl.weight_sync.base import WeightSender
-from ar_torchrl.weight_sync.disk import DiskWeightSender
-from ar_torchrl.weight_sync.distributed import DistributedWeightSender
-from ar_torchrl.weight_sync.tensor import TensorWeightSender
-from ar_torchrl.weight_sync.trainside import TrainsideSender
+from ar_torchrl.registry import Registry
 
-__all__ = ["SYNC_METHODS", "SyncMethod", "make_sender", "sync_methods"]
+__all__ = ["SYNC_METHODS", "make_sender", "register_sync_method", "sender_options", "sync_methods"]
 
 Engine = Literal["trainside", "sglang"]
+F = TypeVar("F", bound=Callable[..., Any])
+
+SYNC_METHODS = Registry(
+    "weight sync method",
+    builtins=("ar_torchrl.backends.transformers.config", "ar_torchrl.backends.sglang.config"),
+)
 
 
-@dataclass(frozen=True)
-class SyncMethod:
-    """A registered way to ship weights: its factory, the engine it serves, one line of help.
+def register_sync_method(
+    name: str, *, engine: Engine, help: str, config: type | None = None
+) -> Callable[[F], F]:
+    """Decorator: register ``factory(options, *, target) -> WeightSender`` as method ``name``.
 
-    Example:
-        >>> SYNC_METHODS["disk"].engine
-        'sglang'
+    ``config`` is the dataclass of its options (``None``: it takes none); a field left ``None``
+    means "the sender's own default".
     """
-
-    factory: Callable[..., WeightSender]
-    engine: Engine
-    help: str
-
-
-SYNC_METHODS: dict[str, SyncMethod] = {
-    "copy": SyncMethod(
-        partial(TrainsideSender, mode="copy"),
-        "trainside",
-        "copy into a private in-process rollout model",
-    ),
-    "share": SyncMethod(
-        partial(TrainsideSender, mode="share"),
-        "trainside",
-        "the rollout model is the trainer's module (names checked only)",
-    ),
-    "disk": SyncMethod(
-        DiskWeightSender,
-        "sglang",
-        "safetensors shards in a temp dir + /update_weights_from_disk (shared filesystem)",
-    ),
-    "tensor": SyncMethod(
-        TensorWeightSender,
-        "sglang",
-        "buckets through shared memory + /update_weights_from_tensor (same machine)",
-    ),
-    "distributed": SyncMethod(
-        DistributedWeightSender,
-        "sglang",
-        "broadcast over a gloo/nccl group + /update_weights_from_distributed",
-    ),
-}
+    return SYNC_METHODS.register(name, config=config, engine=engine, help=help)
 
 
 def sync_methods(engine: Engine) -> list[str]:
@@ -73,14 +49,43 @@ def sync_methods(engine: Engine) -> list[str]:
         >>> sync_methods("sglang")
         ['disk', 'tensor', 'distributed']
     """
-    return [name for name, m in SYNC_METHODS.items() if m.engine == engine]
+    return [e.name for e in SYNC_METHODS.entries() if e.engine == engine]
 
 
-def make_sender(method: str, target: Any, *, engine: Engine, **options: Any) -> WeightSender:
+def _entry(method: str, engine: Engine):
+    if method not in SYNC_METHODS or SYNC_METHODS[method].engine != engine:
+        what = "is unknown" if method not in SYNC_METHODS else f"does not serve {engine}"
+        raise ValueError(
+            f"weight sync method {method!r} {what}; choose one of {sync_methods(engine)}"
+        )
+    return SYNC_METHODS[method]
+
+
+def sender_options(method: str, options: Any = None, *, engine: Engine, prefix: str = "") -> Any:
+    """The checked options of ``method`` (its schema filled from a mapping), without torch.
+
+    Example:
+        >>> sender_options("disk", {"bucket_bytes": 0}, engine="sglang", prefix="config: o.")
+        Traceback (most recent call last):
+        ...
+        ValueError: config: o.bucket_bytes must be >= 1, got 0
+    """
+    _entry(method, engine)
+    return SYNC_METHODS.options(method, options, prefix=prefix)
+
+
+def set_options(options: Any) -> dict[str, Any]:
+    """The keyword arguments a schema instance sets (``None`` fields: the sender's default)."""
+    if options is None:
+        return {}
+    return {k: v for k, v in dataclasses.asdict(options).items() if v is not None}
+
+
+def make_sender(method: str, target: Any, *, engine: Engine, **options: Any) -> Any:
     """Build the sender registered as ``method`` for ``engine``.
 
     Raises:
-        ValueError: an unknown method, or one that serves another engine.
+        ValueError: an unknown method, one that serves another engine, or a bad option.
 
     Example:
         >>> type(make_sender("disk", None, engine="sglang", config_dir="/tmp")).__name__
@@ -90,10 +95,5 @@ def make_sender(method: str, target: Any, *, engine: Engine, **options: Any) -> 
         ...
         ValueError: weight sync method 'copy' does not serve sglang; choose one of ['disk', 'tensor', 'distributed']
     """
-    found = SYNC_METHODS.get(method)
-    if found is None or found.engine != engine:
-        what = "is unknown" if found is None else f"does not serve {engine}"
-        raise ValueError(
-            f"weight sync method {method!r} {what}; choose one of {sync_methods(engine)}"
-        )
-    return found.factory(target, **options)
+    _entry(method, engine)
+    return SYNC_METHODS.build(method, options, target=target)

@@ -1,42 +1,36 @@
-"""SGLang rollout backend: an HTTP client for SGLang 0.5.x servers, and a server launcher.
+"""SGLang rollout backend: an HTTP client for SGLang 0.5.x servers, its launcher, reaper and senders.
 
 Modules: :mod:`.errors`, :mod:`.http` (retries, deadline, body limit, API key), :mod:`.protocol`
 (request bodies, answers checked field by field), :mod:`.schema` (SGLang's own msgspec schema, for
 the test double), :mod:`.client` (:class:`SGLangBackend`), :mod:`.launcher`
-(:func:`launch_sglang_server`). The server runs in its own environment (``.venv-sglang``, made by
-``bash scripts/setup_sglang_env.sh``).
+(:func:`launch_sglang_server`), :mod:`.reaper` (launched servers die with their owner),
+:mod:`.senders` (disk / tensor / distributed weight sync), :mod:`.config` (torch-free config
+schemas). The server runs in its own environment (``.venv-sglang``, made by
+``bash scripts/setup_sglang_env.sh``). Names are imported on first use.
 """
 
-from ar_torchrl.backends.sglang.client import SGLangBackend
-from ar_torchrl.backends.sglang.errors import (
-    SGLangAbortError,
-    SGLangError,
-    SGLangLaunchError,
-    SGLangRequestError,
-    SGLangResponseError,
-    SGLangTimeoutError,
-    SGLangUnavailableError,
-)
-from ar_torchrl.backends.sglang.launcher import (
-    API_KEY_ENV,
-    CPU_SERVER_ARGS,
-    SGLangServer,
-    free_port,
-    launch_sglang_server,
-)
+from __future__ import annotations
 
-__all__ = [
-    "API_KEY_ENV",
-    "CPU_SERVER_ARGS",
-    "SGLangAbortError",
-    "SGLangBackend",
-    "SGLangError",
-    "SGLangLaunchError",
-    "SGLangRequestError",
-    "SGLangResponseError",
-    "SGLangServer",
-    "SGLangTimeoutError",
-    "SGLangUnavailableError",
-    "free_port",
-    "launch_sglang_server",
-]
+from ar_torchrl._lazy import lazy_exports
+
+_EXPORTS = {
+    "SGLangBackend": "client",
+    **dict.fromkeys(
+        [
+            "SGLangAbortError",
+            "SGLangError",
+            "SGLangLaunchError",
+            "SGLangRequestError",
+            "SGLangResponseError",
+            "SGLangTimeoutError",
+            "SGLangUnavailableError",
+        ],
+        "errors",
+    ),
+    **dict.fromkeys(
+        ["API_KEY_ENV", "CPU_SERVER_ARGS", "SGLangServer", "free_port", "launch_sglang_server"],
+        "launcher",
+    ),
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

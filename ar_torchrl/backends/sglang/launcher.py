@@ -6,8 +6,8 @@ dies with the process that launched it, whatever ends that process:
 
 - the context manager stops it on exit (exceptions and Ctrl-C included), and removes the weights
   directory it was serving if the client that wrote it has exited
-  (:func:`~ar_torchrl.weight_sync.disk.remove_if_orphaned`);
-- a watchdog (:mod:`ar_torchrl.reaper`) stops its process group when this process dies otherwise
+  (:func:`~ar_torchrl.backends.sglang.senders.disk.remove_if_orphaned`);
+- a watchdog (:mod:`ar_torchrl.backends.sglang.reaper`) stops its process group when this process dies otherwise
   (SIGTERM, SIGHUP, SIGKILL);
 - on Linux, launched from the main thread, the server also gets a parent-death signal (SIGTERM).
   ``PR_SET_PDEATHSIG`` fires when the *thread* that forked exits, so it is not set from other
@@ -33,10 +33,10 @@ from pathlib import Path
 
 import requests
 
-from ar_torchrl import reaper
+from ar_torchrl.backends.sglang import reaper
 from ar_torchrl.backends.sglang.errors import SGLangLaunchError
 from ar_torchrl.backends.sglang.schema import default_sglang_venv
-from ar_torchrl.weight_sync.disk import remove_if_orphaned
+from ar_torchrl.backends.sglang.senders.disk import remove_if_orphaned
 
 __all__ = [
     "API_KEY_ENV",

@@ -254,7 +254,6 @@ def check_grpo_args(
     *,
     scale: Any = True,
     eps: Any = 1e-6,
-    drop_zero_spread: Any = False,
     critic_targets: Any = False,
     gamma: Any = 1.0,
 ) -> dict[str, Any]:
@@ -269,7 +268,6 @@ def check_grpo_args(
     return {
         "scale": check_bool(owner, "scale", scale),
         "eps": float(check_number(owner, "eps", eps, ge=0)),
-        "drop_zero_spread": check_bool(owner, "drop_zero_spread", drop_zero_spread),
         "critic_targets": check_bool(owner, "critic_targets", critic_targets),
         "gamma": float(check_number(owner, "gamma", gamma, ge=0, le=1)),
     }
@@ -421,7 +419,7 @@ def check_warm_start_args(
     correct_fraction: Any = 0.3,
     grad_clip: Any = 1.0,
 ) -> dict[str, Any]:
-    """Arguments of :func:`~ar_torchrl.warmstart.supervised_warm_start`.
+    """Arguments of :func:`~ar_torchrl.models.warmstart.supervised_warm_start`.
 
     Example:
         >>> check_warm_start_args(lr=0.0)

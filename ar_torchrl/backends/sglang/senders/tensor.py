@@ -18,18 +18,18 @@ from typing import Any
 
 import torch
 
-from ar_torchrl.weight_sync.base import (
-    DEFAULT_BUCKET_BYTES,
-    NamedTensors,
-    iter_buckets,
-    with_last,
-)
-from ar_torchrl.weight_sync.sglang_base import (
+from ar_torchrl.backends.sglang.senders.base import (
     SGLangClient,
     SGLangSender,
     on_each_server,
     post_checked,
     weight_update_session,
+)
+from ar_torchrl.weight_sync.base import (
+    DEFAULT_BUCKET_BYTES,
+    NamedTensors,
+    iter_buckets,
+    with_last,
 )
 
 __all__ = ["TensorWeightSender", "flatten_bucket", "serialize_for_sglang"]

@@ -103,7 +103,7 @@ def decode_cache(config, capacity: int) -> DynamicCache:
         capacity: positions per layer (prompt width + ``max_new_tokens``).
 
     Example:
-        >>> from ar_torchrl.assets import build_tiny_qwen3
+        >>> from ar_torchrl.models.tiny import build_tiny_qwen3
         >>> cache = decode_cache(build_tiny_qwen3(99).config, capacity=16)
         >>> {type(layer).__name__ for layer in cache.layers}
         {'PreallocatedLayer'}

@@ -39,7 +39,7 @@ class TrainsideSender:
             (check names only; the weights are already shared).
 
     Example:
-        >>> from ar_torchrl.assets import build_tiny_qwen3
+        >>> from ar_torchrl.models.tiny import build_tiny_qwen3
         >>> from ar_torchrl.weight_sync import named_policy_tensors
         >>> trainer, rollout = build_tiny_qwen3(99, seed=0), build_tiny_qwen3(99, seed=1)
         >>> sender = TrainsideSender(rollout, mode="copy")

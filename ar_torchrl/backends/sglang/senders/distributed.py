@@ -19,16 +19,16 @@ from typing import Literal
 
 import torch
 
-from ar_torchrl.weight_sync.base import DEFAULT_BUCKET_BYTES, NamedTensors, iter_buckets, with_last
-from ar_torchrl.weight_sync.errors import WeightSyncError
-from ar_torchrl.weight_sync.sglang_base import (
+from ar_torchrl.backends.sglang.senders.base import (
     SGLangClient,
     SGLangSender,
     on_each_server,
     post_checked,
     weight_update_session,
 )
-from ar_torchrl.weight_sync.tensor import flatten_bucket
+from ar_torchrl.backends.sglang.senders.tensor import flatten_bucket
+from ar_torchrl.weight_sync.base import DEFAULT_BUCKET_BYTES, NamedTensors, iter_buckets, with_last
+from ar_torchrl.weight_sync.errors import WeightSyncError
 
 __all__ = [
     "DistributedWeightSender",

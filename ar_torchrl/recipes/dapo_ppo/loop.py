@@ -1,64 +1,42 @@
-"""The DAPO-math PPO recipe: ``setup`` builds every piece, ``train`` is the loop.
-
-examples/dapo_ppo.py runs it: it checks the configuration (examples/dapo_ppo_config.py), finds the
-checkpoint to resume and handles signals, then imports this module (torch, transformers, TorchRL:
-the slow imports) and calls ``setup(cfg, ...)`` and ``train(run, stop)``. The building blocks are in
-dapo_ppo_build.py, the data-parallel plumbing (torchrun, FSDP2) in dapo_ppo_dist.py.
+"""The DAPO-PPO loop: :func:`setup` builds every piece of a run, :func:`train` runs it.
 
 One iteration: collect a batch of rollouts -> recompute the PPO anchors (old log-probs and values)
-with the trainer's own model and micro-batch plan -> advantages (a registered estimator: GAE or
-GRPO) -> ``ppo_epochs`` over mini-batches of the plan's micro-batches (gradient accumulation,
-gradient clipping) -> push the new weights to the rollout backend. Under torchrun rank 0 collects
-and every rank trains on its share of the plan (its own anchors, the same advantages).
+with the trainer's own model and micro-batch plan -> advantages (a registered estimator: GAE, GRPO,
+RLOO) -> ``ppo_epochs`` over mini-batches of the plan's micro-batches (gradient accumulation,
+gradient clipping) -> push the new weights to the rollout engine. The execution strategy
+(:mod:`ar_torchrl.recipes.strategy`) decides how each step runs (one process, or FSDP2 ranks of
+which rank 0 collects and every rank trains on its share of the plan).
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import dapo_ppo_dist as parallel
 import torch
-from dapo_ppo_build import (  # noqa: F401 (build_datasets and build_model: tests reach them here)
-    build_advantage,
-    build_backend,
-    build_datasets,
-    build_envs,
-    build_model,
-    build_optimizer,
-    dynamic_sampling,
-    seed_everything,
-)
-from dapo_ppo_config import Config
 from tqdm.auto import tqdm
 
-from ar_torchrl.checkpoint import load_checkpoint, save_checkpoint
 from ar_torchrl.collectors import WeightSyncCollector
 from ar_torchrl.data import plan_micro_batches
-from ar_torchrl.distributed import (
-    DistContext,
-    broadcast_batch,
-    load_distributed_checkpoint,
-    push_weights,
-    recompute_sharded_anchors,
-    save_distributed_checkpoint,
-    shard_plan,
-)
 from ar_torchrl.envs import LLMEnv
 from ar_torchrl.functional import masked_mean
-from ar_torchrl.modules import LMActorCritic, attach_value_head
-from ar_torchrl.objectives import TokenPPOLoss, recompute_anchors
+from ar_torchrl.modules import LMActorCritic
+from ar_torchrl.objectives import TokenPPOLoss
+from ar_torchrl.recipes.dapo_ppo import build
+from ar_torchrl.recipes.dapo_ppo.config import Config
+from ar_torchrl.recipes.strategy import ExecutionStrategy
+from ar_torchrl.rewards.registry import is_correct
 from ar_torchrl.training import ppo_update
 from ar_torchrl.utils import StageTimer, append_jsonl, log_metrics, make_logger
 
-log = logging.getLogger("dapo_ppo")
+__all__ = ["Run", "setup", "train"]
+
+logger = logging.getLogger(__name__)
 
 
-# --------------------------------------------------------------------------- setup
 @dataclass
 class Run:
     """The pieces of a run, built by :func:`setup` and used by :func:`train`.
@@ -69,7 +47,7 @@ class Run:
 
     cfg: Config
     run_dir: Path
-    ctx: DistContext
+    strategy: ExecutionStrategy
     model: torch.nn.Module
     actor_critic: LMActorCritic
     ref_actor: LMActorCritic | None
@@ -84,74 +62,84 @@ class Run:
     start: int = 0
     timer: StageTimer = field(default_factory=StageTimer)
 
+    @property
+    def is_main(self) -> bool:
+        return self.strategy.ctx.is_main
 
+
+# --------------------------------------------------------------------------- setup
 def setup(
     cfg: Config,
     run_dir: Path,
     checkpoint: Path | None,
     stack: contextlib.ExitStack,
-    ctx: DistContext | None = None,
+    strategy: ExecutionStrategy,
 ) -> Run:
-    """Build everything a run needs (``ctx``: this rank; default one process); continue from
-    ``checkpoint`` when given."""
-    ctx = ctx or DistContext(device=torch.device(cfg.device))
+    """Build everything a run needs; continue from ``checkpoint`` when given."""
+    ctx = strategy.ctx
     torch.set_num_threads(cfg.num_threads)
-    seed_everything(cfg.seed)
-    # 1. Data: training prompts and held-out evaluation prompts, DAPO-Math schema (rank 0 samples).
-    rows, eval_rows = build_datasets(cfg) if ctx.is_main else ([], [])
+    build.seed_everything(cfg.seed)
+    # 1. Data: training prompts and held-out evaluation prompts (rank 0 samples).
+    rows, eval_rows = build.build_datasets(cfg) if ctx.is_main else ([], [])
     # 2. Model: policy + zero-initialised value head; a frozen copy of the start policy for KL.
     #    Log-probs are those of the sampling distribution (temperature-scaled; greedy: T = 1).
-    model, tokenizer, ref_actor, start_dir = build_policy(cfg, ctx)
-    actor_critic = LMActorCritic(model, temperature=cfg.rollout.temperature or 1.0)
+    temperature = cfg.rollout.temperature or 1.0
+    model, tokenizer, start_dir = strategy.build_policy(cfg.model, cfg.cache_dir)
+    ref_actor = None
+    if cfg.algo.kl_coeff > 0:
+        ref_actor = strategy.build_reference(model, start_dir, temperature)
+    actor_critic = LMActorCritic(model, temperature=temperature)
     # 3. Rollouts (rank 0): backend -> LLMEnv -> WeightSyncCollector (async: next batch in the
     #    background).
     collector = eval_env = backend = None
     if ctx.is_main:
-        backend = build_backend(cfg, model, tokenizer, run_dir, stack, start_dir=start_dir)
-        env, eval_env = build_envs(cfg, rows, eval_rows, tokenizer, backend, model)
+        backend = build.build_backend(cfg, model, tokenizer, run_dir, stack, start_dir=start_dir)
+        env, eval_env = build.build_envs(
+            cfg,
+            rows,
+            eval_rows,
+            tokenizer,
+            backend,
+            model,
+            trainer_can_generate=strategy.trainer_can_generate,
+        )
+        r = cfg.rollout
         collector = WeightSyncCollector(
             env,
             model,
             mode=cfg.train.mode,
             max_policy_lag=1,
-            dynamic_sampling=dynamic_sampling(cfg),
-            max_sampling_rounds=cfg.rollout.max_sampling_rounds,
+            dynamic_sampling=r.dynamic_sampling,
+            max_sampling_rounds=r.max_sampling_rounds,
         )
         stack.callback(collector.shutdown)  # also on errors: waits for an in-flight batch
-    # 4. FSDP2 (torchrun, or compute in bf16 over fp32 masters), activation checkpointing.
-    parallel.prepare_for_training(cfg, ctx, [actor_critic, ref_actor], start_dir)
+    # 4. Wrap for training (FSDP2 under torchrun or bf16 compute; activation checkpointing).
+    strategy.prepare([actor_critic, ref_actor], start_dir)
     # 5. Advantage estimator, PPO loss, optimizer (value head in its own group).
-    a = cfg.algo
-    loss_fn = TokenPPOLoss(
-        actor_critic,
-        clip_epsilon=tuple(a.clip_epsilon),
-        clip_value=a.clip_value,
-        entropy_coeff=a.entropy_coeff,
-        critic_coeff=a.critic_coeff,
-        kl_coeff=a.kl_coeff,
-        loss_agg_mode=a.loss_agg_mode,
-        norm_length=cfg.rollout.max_new_tokens,
-    )
     run = Run(
         cfg,
         run_dir,
-        ctx,
+        strategy,
         model,
         actor_critic,
         ref_actor,
         collector,
         eval_env,
-        build_advantage(cfg),
-        loss_fn,
-        build_optimizer(cfg, model),
+        build.build_advantage(cfg),
+        build.build_loss(cfg, actor_critic),
+        build.build_optimizer(cfg, model),
         torch.Generator().manual_seed(cfg.seed),
         ctx.broadcast_object(getattr(backend, "weight_dtype", None)),
     )
-    # 6. Resume: model + value head, optimizer, RNG states, data position, versions, step.
+    # 6. The engine's first weights (the one place that decides them): a checkpoint's, or the
+    #    trainer's when the engine does not start with them (servers that were already running).
+    starts_with_ours = ctx.broadcast_object(
+        cfg.backend.starts_with_trainer_weights() if ctx.is_main else None
+    )
     if checkpoint is not None:
         run.start = restore(run, checkpoint)
-    elif start_dir is not None and getattr(cfg.backend, "url", None) is not None:
-        push_policy(run, resync=True)  # a running server holds other weights
+    if checkpoint is not None or not starts_with_ours:
+        push_policy(run, resync=True)
     if ctx.is_main:
         run.logger = make_logger(
             cfg.logger.kind,
@@ -163,42 +151,18 @@ def setup(
     return run
 
 
-def build_policy(cfg: Config, ctx: DistContext):
-    """``(policy with value head, tokenizer, reference actor or None, start_dir)``; ``start_dir``
-    is the HF directory a meta-built (FSDP2) policy is loaded from, else ``None``."""
-    temperature = cfg.rollout.temperature or 1.0
-    if cfg.sharded:  # every rank (dapo_ppo_dist.py)
-        model, tokenizer, start_dir = parallel.build_policy(cfg, ctx, build_model)
-        ref_actor = None
-        if cfg.algo.kl_coeff > 0:
-            ref_actor = parallel.build_reference(cfg, model, start_dir, temperature)
-        return model, tokenizer, ref_actor, start_dir
-    model, tokenizer = build_model(cfg)
-    ref_actor = None
-    if cfg.algo.kl_coeff > 0:
-        ref = copy.deepcopy(model).to(ctx.device).eval().requires_grad_(False)
-        ref_actor = LMActorCritic(ref, temperature=temperature, critic=False)  # log-probs only
-    return attach_value_head(model).to(ctx.device), tokenizer, ref_actor, None
-
-
 def restore(run: Run, checkpoint: Path) -> int:
     """Load ``checkpoint`` into the run (every rank under FSDP2); returns its step."""
-    if run.cfg.sharded:  # this rank's model and optimizer shards, its RNG states
-        state = load_distributed_checkpoint(
-            checkpoint, model=run.actor_critic, optimizer=run.optimizer, ctx=run.ctx
-        )
-    else:  # + RNG states
-        state = load_checkpoint(checkpoint, model=run.model, optimizer=run.optimizer)
+    state = run.strategy.load(checkpoint, actor_critic=run.actor_critic, optimizer=run.optimizer)
     if run.collector is not None:  # data position, policy version
         run.collector.load_state_dict(state["extra"]["collector"])
     run.shuffle_rng.set_state(state["extra"]["shuffle_rng"])
-    push_policy(run, resync=True)  # the backend still holds the starting weights
-    log.info("resumed from %s (step %d)", checkpoint, state["step"])
+    logger.info("resumed from %s (step %d)", checkpoint, state["step"])
     return state["step"]
 
 
 # --------------------------------------------------------------------------- the loop
-def train(run: Run, stop) -> int:
+def train(run: Run, stop: Any) -> int:
     """The PPO loop from ``run.start`` to ``train.iterations``; returns the last finished step.
 
     ``stop.requested`` (SIGINT/SIGTERM) ends it after the current step, with a checkpoint.
@@ -208,16 +172,18 @@ def train(run: Run, stop) -> int:
         record(run, 0, evaluate(run))
     batches, step = iter(run.collector) if run.collector else None, run.start
     steps = range(run.start + 1, t.iterations + 1)
-    for step in (
-        tqdm(steps, desc="PPO", initial=run.start, total=t.iterations) if run.ctx.is_main else steps
-    ):
+    bar = None
+    if run.is_main:
+        desc = cfg.algo.advantage_mode.upper()
+        steps = bar = tqdm(steps, desc=desc, initial=run.start, total=t.iterations)
+    for step in steps:
         # 1. Rollouts: wait for the batch (async: mostly generated during the last update); under
         #    torchrun rank 0 collects it and every rank receives it.
         with run.timer("generate"):
-            td = broadcast_batch(next(batches) if batches else None, run.ctx)
+            td = run.strategy.broadcast_batch(next(batches) if batches else None)
         losses = {"train/update_skipped": float(td.shape[0] == 0)}
         if td.shape[0] == 0:  # dynamic sampling kept no group (every answer equal): skip the update
-            log.warning(
+            logger.warning(
                 "step %d: no group with a reward spread after rollout.max_sampling_rounds; "
                 "update skipped",
                 step,
@@ -227,7 +193,7 @@ def train(run: Run, stop) -> int:
             #    (under torchrun: each rank's share of the plan; the same anchors on every rank).
             with run.timer("anchors"):
                 plan = anchors(run, td)
-            # 3. Advantages (GAE or GRPO), identical on every rank.
+            # 3. Advantages (GAE, GRPO or RLOO), identical on every rank.
             with run.timer("advantage"):
                 td = run.advantage(td)
             # 4. PPO epochs over mini-batches of micro-batches (critic warm-up: value head only).
@@ -243,12 +209,11 @@ def train(run: Run, stop) -> int:
         if t.eval_every and (step % t.eval_every == 0 or step == t.iterations):
             metrics.update(evaluate(run))
         record(run, step, metrics)
-        stopping = parallel.agree_to_stop(run.ctx, stop)
-        if (
-            stopping
-            or step == t.iterations
-            or (t.checkpoint_every and step % t.checkpoint_every == 0)
-        ):
+        if bar is not None:
+            bar.set_postfix(progress_fields(metrics), refresh=False)
+        stopping = run.strategy.agree_to_stop(stop)
+        scheduled = t.checkpoint_every and step % t.checkpoint_every == 0
+        if stopping or step == t.iterations or scheduled:
             save(run, step)
         if stopping:
             break
@@ -257,30 +222,24 @@ def train(run: Run, stop) -> int:
     return step
 
 
+def progress_fields(metrics: dict[str, float]) -> dict[str, str]:
+    """What the progress bar shows: reward, accuracy and (when evaluated) held-out accuracy."""
+    shown = {"reward": "rollout/reward_mean", "acc": "rollout/accuracy", "eval": "eval/accuracy"}
+    return {k: f"{metrics[v]:.2f}" for k, v in shown.items() if metrics.get(v) is not None}
+
+
 def anchors(run: Run, td):
-    """The micro-batch plan (this rank's :class:`ShardedPlan` under FSDP2) and the anchors of
-    ``td`` computed with exactly those micro-batches (ratio exactly 1 on the first update)."""
+    """The micro-batch plan (this rank's share under FSDP2) and the anchors of ``td`` computed with
+    exactly those micro-batches (ratio exactly 1 on the first update)."""
     r = run.cfg.rollout
     plan = plan_micro_batches(td, r.token_budget, r.max_rows, packing=r.packing)
-    if not run.cfg.sharded:
-        recompute_anchors(run.actor_critic, td, plan, ref_actor=run.ref_actor)
-        return plan
-    plan = shard_plan(plan, td, rank=run.ctx.rank, world_size=run.ctx.world_size)
-    recompute_sharded_anchors(run.actor_critic, td, plan, ref_actor=run.ref_actor)
-    return plan
+    return run.strategy.anchors(run.actor_critic, td, plan, run.ref_actor)
 
 
 def push_policy(run: Run, *, resync: bool = False) -> None:
-    """The policy to the rollout engine as the next version (``resync``: again, as the restored
-    one). Under FSDP2 every rank gathers the tensors one by one and rank 0's collector sends them."""
-    collector = run.collector
-    if not run.cfg.sharded:
-        collector.resync_policy_weights_() if resync else collector.update_policy_weights_()
-        return
-    sync = None
-    if collector is not None:
-        sync = collector.resync_policy_weights_ if resync else collector.update_policy_weights_
-    push_weights(run.actor_critic, run.ctx, sync, dtype=run.push_dtype)
+    """The policy to the rollout engine as the next version (``resync``: again, as the current or
+    restored one)."""
+    run.strategy.push_weights(run.actor_critic, run.collector, resync=resync, dtype=run.push_dtype)
 
 
 def update(run: Run, td, plan, *, critic_only: bool) -> dict[str, float]:
@@ -288,7 +247,7 @@ def update(run: Run, td, plan, *, critic_only: bool) -> dict[str, float]:
     a = run.cfg.algo
     head = list(run.model.value_head.parameters())
     if a.num_minibatches > len(plan):
-        log.warning(
+        logger.warning(
             "algo.num_minibatches=%d but the batch has only %d micro-batches: using %d "
             "(train/optimizer_steps shows it)",
             a.num_minibatches,
@@ -311,8 +270,9 @@ def update(run: Run, td, plan, *, critic_only: bool) -> dict[str, float]:
 
 def rollout_metrics(run: Run, td) -> dict[str, float]:
     """Reward and accuracy over EVERY generated sample (the collector's stats: unbiased when
-    dynamic sampling dropped groups), groups generated / kept / dropped, and the trained batch's
-    response length and rollout-vs-trainer log-prob drift over generated tokens (rank 0)."""
+    dynamic sampling dropped groups), groups generated / zero-spread / kept / dropped, and the
+    trained batch's response length and rollout-vs-trainer log-prob drift over generated tokens
+    (rank 0)."""
     if run.collector is None:
         return {}
     stats = {k: v for k, v in run.collector.last_batch_stats.items() if k != "samples"}
@@ -325,27 +285,27 @@ def rollout_metrics(run: Run, td) -> dict[str, float]:
         drift = (td["rollout_log_prob"] - td["sample_log_prob"]).abs()
         out["rollout/response_length"] = float(mask.sum(-1).float().mean())
         out["rollout/logprob_drift"] = float(masked_mean(drift, mask))
-        grpo = getattr(run.advantage, "stats", {})  # e.g. GRPO's group counts
-        out.update({f"rollout/{k}": float(v) for k, v in grpo.items()})
     return out
 
 
 def evaluate(run: Run) -> dict[str, float]:
-    """Greedy decoding on the held-out prompts: mean reward and accuracy (rank 0, on the rollout
-    engine: the other ranks go on to the next collective and wait there)."""
+    """Greedy decoding on the held-out prompts: mean reward and accuracy (what the reward calls
+    correct); rank 0, on the rollout engine (the other ranks go on to the next collective and wait
+    there)."""
     if run.eval_env is None:
         return {}
     td = run.eval_env.rollout()
     reward = td["next", "reward"].squeeze(-1).sum(-1)
+    correct = is_correct(run.eval_env.reward_fn, reward)
     return {
         "eval/reward_mean": float(reward.mean()),
-        "eval/accuracy": float((reward > 0).float().mean()),
+        "eval/accuracy": float(correct.float().mean()),
     }
 
 
 def record(run: Run, step: int, metrics: dict[str, float]) -> None:
     """Append to ``metrics.jsonl`` (what resuming and the plot read) and the TorchRL logger (rank 0)."""
-    if not run.ctx.is_main:
+    if not run.is_main:
         return
     append_jsonl(run.run_dir / "metrics.jsonl", {"step": step, **metrics})
     log_metrics(run.logger, metrics, step)
@@ -360,17 +320,11 @@ def save(run: Run, step: int) -> Path:
     extra = {"shuffle_rng": run.shuffle_rng.get_state()}
     if run.collector is not None:
         extra["collector"] = run.collector.state_dict(include_pending=True)
-    directory, keep = run.run_dir / "checkpoints", run.cfg.train.keep_checkpoints
-    if run.cfg.sharded:
-        return save_distributed_checkpoint(
-            directory,
-            step=step,
-            model=run.actor_critic,
-            optimizer=run.optimizer,
-            ctx=run.ctx,
-            extra=extra,
-            keep_last=keep,
-        )
-    return save_checkpoint(
-        directory, step=step, model=run.model, optimizer=run.optimizer, extra=extra, keep_last=keep
+    return run.strategy.save(
+        run.run_dir / "checkpoints",
+        step,
+        actor_critic=run.actor_critic,
+        optimizer=run.optimizer,
+        extra=extra,
+        keep_last=run.cfg.train.keep_checkpoints,
     )

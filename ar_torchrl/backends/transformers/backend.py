@@ -13,7 +13,7 @@ explicit:
   the trainer recomputes), also under top-k/top-p; ``logprob_mode="processed"`` reports the
   filtered, renormalised sampling distribution instead (:func:`next_token_log_probs`);
 - decoding writes a preallocated KV cache in place and drops finished rows from the batch
-  (:mod:`ar_torchrl.backends.kv_cache`); the LM head runs on the last position only.
+  (:mod:`ar_torchrl.backends.transformers.kv_cache`); the LM head runs on the last position only.
 """
 
 from __future__ import annotations
@@ -29,8 +29,12 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ar_torchrl.backends.base import Completion, GenerationBackend, SamplingParams
-from ar_torchrl.backends.kv_cache import decode_cache
-from ar_torchrl.backends.token_sampling import LogProbMode, next_token_log_probs, sample_next_token
+from ar_torchrl.backends.transformers.kv_cache import decode_cache
+from ar_torchrl.backends.transformers.token_sampling import (
+    LogProbMode,
+    next_token_log_probs,
+    sample_next_token,
+)
 from ar_torchrl.weight_sync.registry import make_sender
 
 __all__ = ["LogProbMode", "TransformersBackend", "next_token_log_probs"]
@@ -57,7 +61,7 @@ class TransformersBackend(GenerationBackend):
         seed: seed of the backend's own generator (used when ``SamplingParams.seed`` is None).
 
     Example:
-        >>> from ar_torchrl.assets import build_tiny_qwen3
+        >>> from ar_torchrl.models.tiny import build_tiny_qwen3
         >>> backend = TransformersBackend(build_tiny_qwen3(99), seed=0)
         >>> out = backend.generate([[5, 6, 7], [8]], n=2, sampling=SamplingParams(max_new_tokens=4))
         >>> len(out), [c.prompt_index for c in out], all(len(c) <= 4 for c in out)

@@ -24,7 +24,7 @@ from transformers import (
     PreTrainedModel,
 )
 
-from ar_torchrl.assets import build_char_tokenizer, build_tiny_qwen3
+from ar_torchrl.models.tiny import build_char_tokenizer, build_tiny_qwen3
 
 __all__ = [
     "SMOLLM2_GGUF",
@@ -59,7 +59,7 @@ def check_tokenizer(tokenizer, *, where: str = "tokenizer") -> None:
         raise ValueError(
             f"{where} has no chat template (tokenizer.chat_template is None): the recipe formats "
             "prompts with apply_chat_template. Use an instruct/chat tokenizer, or set "
-            "tokenizer.chat_template (e.g. ar_torchrl.assets.CHATML_TEMPLATE) before training."
+            "tokenizer.chat_template (e.g. ar_torchrl.models.tiny.CHATML_TEMPLATE) before training."
         )
     if tokenizer.eos_token_id is None:
         raise ValueError(f"{where} has no eos_token_id: set tokenizer.eos_token before training.")
@@ -98,7 +98,7 @@ def load_hf_model(
 
     Example:
         >>> import tempfile
-        >>> from ar_torchrl.assets import save_tiny_model
+        >>> from ar_torchrl.models.tiny import save_tiny_model
         >>> model, tok = load_hf_model(save_tiny_model(tempfile.mkdtemp()))
         >>> model.dtype, tok.pad_token_id
         (torch.float32, 0)
@@ -132,7 +132,7 @@ def load_hf_tokenizer(path: str | os.PathLike):
 
     Example:
         >>> import tempfile
-        >>> from ar_torchrl.assets import save_tiny_model
+        >>> from ar_torchrl.models.tiny import save_tiny_model
         >>> load_hf_tokenizer(save_tiny_model(tempfile.mkdtemp())).pad_token_id
         0
     """
@@ -173,7 +173,7 @@ def load_smollm2_135m(cache_dir: str | os.PathLike) -> tuple[PreTrainedModel, ob
         (134.5M parameters) and its 49,152-token tokenizer; converting takes ~20 s on 2 cores.
 
         >>> load_smollm2_135m.__module__
-        'ar_torchrl.models'
+        'ar_torchrl.models.hf'
     """
     target = Path(cache_dir) / "smollm2-135m"
     if not (target / "config.json").is_file():

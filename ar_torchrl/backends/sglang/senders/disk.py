@@ -19,10 +19,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ar_torchrl import reaper
-from ar_torchrl.weight_sync.base import DEFAULT_BUCKET_BYTES, NamedTensors, iter_buckets
-from ar_torchrl.weight_sync.errors import WeightSyncError
-from ar_torchrl.weight_sync.sglang_base import (
+from ar_torchrl.backends.sglang import reaper
+from ar_torchrl.backends.sglang.senders.base import (
     SGLangClient,
     SGLangSender,
     check_shapes,
@@ -30,6 +28,8 @@ from ar_torchrl.weight_sync.sglang_base import (
     on_each_server,
     post_checked,
 )
+from ar_torchrl.weight_sync.base import DEFAULT_BUCKET_BYTES, NamedTensors, iter_buckets
+from ar_torchrl.weight_sync.errors import WeightSyncError
 
 __all__ = ["DiskWeightSender", "remove_if_orphaned"]
 
@@ -50,7 +50,7 @@ class DiskWeightSender(SGLangSender):
 
     Temp dirs are named ``ar_torchrl-*``. The directory of the latest sync is kept while it is
     served (the servers' ``model_path`` points at it); it is removed at this sender's next
-    successful sync, or when this process ends, whatever ends it (see :mod:`ar_torchrl.reaper`),
+    successful sync, or when this process ends, whatever ends it (see :mod:`ar_torchrl.backends.sglang.reaper`),
     unless a live server still serves it.
 
     Example:

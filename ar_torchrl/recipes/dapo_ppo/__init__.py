@@ -1,0 +1,33 @@
+"""The DAPO-math PPO recipe as library code: config schemas, builders, the loop, the entry.
+
+- :mod:`.config`: the typed configuration (the recipe's sections; group options from registries);
+- :mod:`.main`: :func:`run`, from a composed configuration to a finished run (what
+  ``examples/dapo_ppo.py`` calls);
+- :mod:`.build` and :mod:`.loop`: the pieces and the PPO loop (torch, transformers, TorchRL).
+
+Importing this package imports neither torch nor Hydra.
+"""
+
+from ar_torchrl.recipes.dapo_ppo.config import Config, schemas, validate_config
+from ar_torchrl.recipes.dapo_ppo.main import (
+    PROG,
+    RESUMABLE_CHANGES,
+    Result,
+    find_checkpoint,
+    help_text,
+    hydra_argv,
+    run,
+)
+
+__all__ = [
+    "PROG",
+    "RESUMABLE_CHANGES",
+    "Config",
+    "Result",
+    "find_checkpoint",
+    "help_text",
+    "hydra_argv",
+    "run",
+    "schemas",
+    "validate_config",
+]

@@ -1,0 +1,153 @@
+"""The recipe's building blocks: each turns one part of the configuration into library objects by
+registry lookup (data, rollout engine, environments, advantage estimator, loss, optimizer).
+
+:func:`ar_torchrl.recipes.dapo_ppo.loop.setup` calls them in order; the policy itself is built by
+the execution strategy (:mod:`ar_torchrl.recipes.strategy`) from the ``model`` option's schema.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ar_torchrl.backends import SamplingParams, TransformersBackend
+from ar_torchrl.backends.registry import BACKENDS, BackendContext
+from ar_torchrl.data.registry import TASKS
+from ar_torchrl.envs import LLMEnv
+from ar_torchrl.objectives import TokenPPOLoss, make_advantage
+from ar_torchrl.recipes.dapo_ppo.config import Config
+from ar_torchrl.rewards.registry import REWARDS
+
+__all__ = [
+    "build_advantage",
+    "build_backend",
+    "build_datasets",
+    "build_envs",
+    "build_loss",
+    "build_optimizer",
+    "build_reward",
+    "seed_everything",
+]
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build_datasets(cfg: Config) -> tuple[list[dict], list[dict]]:
+    """Training rows and the held-out evaluation rows (the first ``train.eval_prompts``)."""
+    train_rows, eval_rows = TASKS.entry_for(cfg.data).factory(cfg.data)
+    return list(train_rows), list(eval_rows)[: cfg.train.eval_prompts]
+
+
+def build_reward(cfg: Config) -> Any:
+    """The ``reward`` option's reward (it also says what counts as correct)."""
+    return REWARDS.entry_for(cfg.reward).factory(cfg.reward)
+
+
+def build_backend(
+    cfg: Config,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    run_dir: Path,
+    stack: contextlib.ExitStack,
+    *,
+    start_dir: Path | None = None,
+) -> Any:
+    """The ``backend`` option's rollout engine, closed by ``stack`` (see :class:`BackendContext`)."""
+    context = BackendContext(
+        model=model,
+        tokenizer=tokenizer,
+        run_dir=run_dir,
+        stack=stack,
+        device=cfg.device,
+        dtype=cfg.model.dtype,
+        seed=cfg.seed,
+        start_dir=start_dir,
+    )
+    return BACKENDS.entry_for(cfg.backend).factory(cfg.backend, context)
+
+
+def build_envs(
+    cfg: Config, rows, eval_rows, tokenizer, backend, model, *, trainer_can_generate: bool
+) -> tuple[LLMEnv, LLMEnv]:
+    """Prompts in, scored token trajectories out: sampled for training, greedy for evaluation.
+
+    Evaluation decodes greedily from the trainer's own weights when the trainer can generate and
+    the rollouts are trainside (a shared-weights engine, no copy); otherwise on the rollout engine
+    (synced after each update).
+    """
+    r, reward = cfg.rollout, build_reward(cfg)
+    sampling = SamplingParams(
+        max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k
+    )
+    env = LLMEnv(
+        rows,
+        tokenizer,
+        backend,
+        reward_fn=reward,
+        num_samples=r.samples_per_prompt,
+        prompts_per_batch=r.prompts_per_iter,
+        sampling=sampling,
+        overlong_buffer_len=r.overlong_buffer,
+        overlong_penalty_factor=r.overlong_penalty,
+        seed=cfg.seed,
+    )
+    trainside = isinstance(backend, TransformersBackend) and trainer_can_generate
+    eval_backend = TransformersBackend(model, mode="share") if trainside else backend
+    greedy = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=0.0)
+    eval_env = LLMEnv(
+        eval_rows,
+        tokenizer,
+        eval_backend,
+        reward_fn=reward,
+        num_samples=1,
+        prompts_per_batch=len(eval_rows),
+        sampling=greedy,
+        shuffle=False,
+    )
+    return env, eval_env
+
+
+def build_advantage(cfg: Config) -> Any:
+    """``algo.advantage_mode`` from the registry, with its ``algo.<mode>`` options; the value head
+    (``critic_coeff > 0``) is its critic (GRPO/RLOO then train it on Monte-Carlo returns)."""
+    a = cfg.algo
+    options = a.advantage_options()
+    kwargs = {} if options is None else dict(vars(options))
+    return make_advantage(a.advantage_mode, critic=a.critic_coeff > 0, gamma=a.gamma, **kwargs)
+
+
+def build_loss(cfg: Config, actor_critic: Any) -> TokenPPOLoss:
+    """The clipped PPO loss of ``algo`` (``rollout.max_new_tokens`` as the length normaliser)."""
+    a = cfg.algo
+    return TokenPPOLoss(
+        actor_critic,
+        clip_epsilon=tuple(a.clip_epsilon),
+        clip_value=a.clip_value,
+        entropy_coeff=a.entropy_coeff,
+        critic_coeff=a.critic_coeff,
+        kl_coeff=a.kl_coeff,
+        loss_agg_mode=a.loss_agg_mode,
+        norm_length=cfg.rollout.max_new_tokens,
+    )
+
+
+def build_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """AdamW with its own param group (learning rate) for the value head."""
+    a = cfg.algo
+    head = list(model.value_head.parameters())
+    head_ids = {id(p) for p in head}
+    policy = [p for p in model.parameters() if id(p) not in head_ids]
+    groups = [{"params": policy, "lr": a.lr, "name": "policy"}]
+    if a.critic_coeff > 0:
+        value_lr = a.lr if a.value_lr is None else a.value_lr  # 0: a frozen head
+        groups.append({"params": head, "lr": value_lr, "name": "value_head"})
+    return torch.optim.AdamW(groups, weight_decay=a.weight_decay)

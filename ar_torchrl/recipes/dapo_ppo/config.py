@@ -1,0 +1,317 @@
+"""The DAPO-PPO recipe's configuration: its own sections, and the registries' group options.
+
+The values live in ``configs/`` (every key commented there). Group options come from the component
+registries, each with its schema (:func:`schemas`): ``model`` (:data:`ar_torchrl.models.config.MODELS`),
+``backend`` (:data:`ar_torchrl.backends.registry.BACKENDS`), ``data``
+(:data:`ar_torchrl.data.registry.TASKS`), ``reward`` (:data:`ar_torchrl.rewards.REWARDS`); the
+advantage estimators' options are the ``algo.<name>`` sections of :class:`AlgoConfig`
+(:data:`ar_torchrl.objectives.registry.ADVANTAGES`). This module defines the recipe's own sections
+(``algo``, ``rollout``, ``train``, ``logger``, ``dist``) and the whole :class:`Config`, whose
+``check()`` applies the same range checks the library applies (:mod:`ar_torchrl.utils.checks`).
+
+Nothing here imports torch: the recipe answers ``--help`` and rejects a bad configuration in under a
+second, before it loads the training stack.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, make_dataclass
+from typing import Any, Optional
+
+from omegaconf import MISSING, DictConfig
+
+from ar_torchrl.backends.registry import BACKENDS
+from ar_torchrl.data.registry import TASKS
+from ar_torchrl.models.config import MODELS
+from ar_torchrl.objectives.registry import ADVANTAGES, needs_critic
+from ar_torchrl.recipes import config as recipe_config
+from ar_torchrl.recipes.run import world_size
+from ar_torchrl.rewards.registry import REWARDS
+from ar_torchrl.utils.checks import (
+    check_choice,
+    check_number,
+    check_optimizer_args,
+    check_ppo_loss_args,
+    check_ppo_update_args,
+)
+from ar_torchrl.utils.loggers import LOGGER_KINDS
+
+# OmegaConf reads the annotations at run time: they must stay `Optional[...]`, not `X | None`.
+# ruff: noqa: UP045
+
+__all__ = [
+    "GROUPS",
+    "AlgoConfig",
+    "Config",
+    "DistConfig",
+    "LoggerConfig",
+    "RolloutConfig",
+    "TrainConfig",
+    "schemas",
+    "validate_config",
+]
+
+#: config group -> the registry whose entries are its options.
+GROUPS = {"model": MODELS, "backend": BACKENDS, "data": TASKS, "reward": REWARDS}
+
+
+def _count(prefix: str, key: str, value: Any, *, ge: int = 1, allow_none: bool = False) -> Any:
+    return check_number(prefix, key, value, ge=ge, integer=True, allow_none=allow_none)
+
+
+# --------------------------------------------------------------------------- algo
+@dataclass
+class _AlgoKeys:
+    """The advantage estimator (by registry name), the PPO loss and the optimizer."""
+
+    advantage_mode: str = MISSING
+    gamma: float = 1.0
+    clip_epsilon: list[float] = MISSING
+    clip_value: Optional[float] = None
+    entropy_coeff: float = 0.0
+    critic_coeff: float = MISSING
+    kl_coeff: float = MISSING
+    loss_agg_mode: str = "token_mean"
+    ppo_epochs: int = MISSING
+    num_minibatches: int = 1
+    lr: float = MISSING
+    value_lr: Optional[float] = None
+    weight_decay: float = 0.0
+    grad_clip: Optional[float] = 1.0
+    critic_warmup_iters: int = 0
+
+    def advantage_options(self) -> Any:
+        """The selected estimator's options: its ``algo.<advantage_mode>`` section."""
+        return getattr(self, self.advantage_mode, None)
+
+    def check(self, *, norm_length: int) -> None:
+        """Ranges of the library's own checks; ``norm_length`` is the recipe's max_new_tokens."""
+        p = "config: algo."
+        check_choice(p, "advantage_mode", self.advantage_mode, ADVANTAGES.names())
+        if needs_critic(self.advantage_mode) and not self.critic_coeff > 0:
+            raise ValueError(
+                f"config: algo.advantage_mode={self.advantage_mode} needs the value head: set "
+                f"algo.critic_coeff > 0 (got {self.critic_coeff})"
+            )
+        check_number(p, "gamma", self.gamma, ge=0, le=1)
+        for entry in ADVANTAGES.entries():
+            if entry.config is not None:
+                ADVANTAGES.options(
+                    entry.name, getattr(self, entry.name), prefix=f"{p}{entry.name}."
+                )
+        check_ppo_loss_args(
+            p,
+            clip_epsilon=list(self.clip_epsilon),
+            clip_value=self.clip_value,
+            entropy_coeff=self.entropy_coeff,
+            critic_coeff=self.critic_coeff,
+            kl_coeff=self.kl_coeff,
+            loss_agg_mode=self.loss_agg_mode,
+            norm_length=norm_length,
+        )
+        _count(p, "ppo_epochs", self.ppo_epochs)  # ppo_update's `epochs`
+        check_ppo_update_args(p, num_minibatches=self.num_minibatches, grad_clip=self.grad_clip)
+        check_optimizer_args(p, lr=self.lr, value_lr=self.value_lr, weight_decay=self.weight_decay)
+        _count(p, "critic_warmup_iters", self.critic_warmup_iters, ge=0)
+        if self.critic_warmup_iters and not self.critic_coeff > 0:
+            raise ValueError(
+                f"config: algo.critic_warmup_iters={self.critic_warmup_iters} trains only the value "
+                f"head, which algo.critic_coeff={self.critic_coeff} switches off: set critic_coeff > 0"
+            )
+
+
+#: ``algo``: :class:`_AlgoKeys` plus one section per registered estimator with options
+#: (``algo.gae``, ``algo.grpo``, ``algo.rloo``): registering an estimator adds its section.
+AlgoConfig = make_dataclass(
+    "AlgoConfig",
+    [
+        (e.name, e.config, field(default_factory=e.config))
+        for e in ADVANTAGES.entries()
+        if e.config is not None
+    ],
+    bases=(_AlgoKeys,),
+)
+
+
+# --------------------------------------------------------------------------- logger, rollout, train
+@dataclass
+class LoggerConfig:
+    """TorchRL's metric logger (``ar_torchrl.utils.make_logger``)."""
+
+    kind: str = "csv"
+    exp_name: str = "dapo_ppo"
+    project: str = "ar_torchrl"
+
+    def check(self, prefix: str) -> None:
+        check_choice(prefix, "kind", self.kind, LOGGER_KINDS)
+
+
+@dataclass
+class RolloutConfig:
+    """How prompts are sampled and completions generated (``rollout.*``)."""
+
+    prompts_per_iter: int = MISSING
+    samples_per_prompt: int = MISSING
+    max_new_tokens: int = MISSING
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    token_budget: int = MISSING
+    max_rows: Optional[int] = None
+    packing: Any = False  # False | True | "auto" (plan_micro_batches)
+    overlong_buffer: Optional[int] = None
+    overlong_penalty: float = 1.0
+    dynamic_sampling: bool = False  # DAPO: keep groups whose rewards differ, refill (the collector)
+    max_sampling_rounds: int = 4
+
+    def check(self, prefix: str) -> None:
+        for key in ("prompts_per_iter", "samples_per_prompt", "max_new_tokens", "token_budget"):
+            _count(prefix, key, getattr(self, key))
+        _count(prefix, "max_sampling_rounds", self.max_sampling_rounds)
+        check_number(prefix, "temperature", self.temperature, ge=0)
+        check_number(prefix, "top_p", self.top_p, gt=0, le=1)
+        if not (self.top_k == -1 or self.top_k >= 1):
+            raise ValueError(f"{prefix}top_k must be -1 (off) or >= 1, got {self.top_k}")
+        _count(prefix, "max_rows", self.max_rows, allow_none=True)
+        if not (isinstance(self.packing, bool) or self.packing == "auto"):
+            raise ValueError(f"{prefix}packing={self.packing!r} must be false, true or auto")
+        check_number(
+            prefix,
+            "overlong_buffer",
+            self.overlong_buffer,
+            ge=1,
+            le=self.max_new_tokens,
+            integer=True,
+            allow_none=True,
+        )
+        check_number(prefix, "overlong_penalty", self.overlong_penalty, ge=0)
+
+
+@dataclass
+class TrainConfig:
+    """The loop, evaluation, checkpoints and resuming (``train.*``)."""
+
+    iterations: int = MISSING
+    mode: str = "sync"
+    eval_every: int = 0
+    eval_prompts: int = 64
+    checkpoint_every: int = 0
+    keep_checkpoints: Optional[int] = 2
+    resume_from: Optional[str] = None
+    plot: bool = True
+
+    def check(self, prefix: str) -> None:
+        _count(prefix, "iterations", self.iterations)
+        check_choice(prefix, "mode", self.mode, ("sync", "async"))
+        _count(prefix, "eval_every", self.eval_every, ge=0)  # 0 = off
+        _count(prefix, "eval_prompts", self.eval_prompts)
+        _count(prefix, "checkpoint_every", self.checkpoint_every, ge=0)  # 0 = only at the end
+        _count(prefix, "keep_checkpoints", self.keep_checkpoints, allow_none=True)  # null: all
+        if self.resume_from is not None and not self.resume_from.strip():
+            raise ValueError(f"{prefix}resume_from must be null, 'auto' or a path, got ''")
+
+
+# --------------------------------------------------------------------------- dist
+@dataclass
+class DistConfig:
+    """``dist``: data parallelism with FSDP2 under torchrun (``ar_torchrl.distributed``)."""
+
+    backend: str = "auto"
+    fsdp: Any = "auto"  # "auto" | True | False
+    reshard_after_forward: bool = True
+    timeout_s: float = 1800.0
+
+    def check(self, prefix: str) -> None:
+        check_choice(prefix, "backend", self.backend, ("auto", "gloo", "nccl"))
+        if not (isinstance(self.fsdp, bool) or self.fsdp == "auto"):
+            raise ValueError(f"{prefix}fsdp={self.fsdp!r} must be auto, true or false")
+        check_number(prefix, "timeout_s", self.timeout_s, gt=0)
+
+
+# --------------------------------------------------------------------------- the whole config
+@dataclass
+class Config:
+    """The recipe's configuration (configs/dapo_ppo.yaml and its groups)."""
+
+    model: Any = MISSING
+    backend: Any = MISSING
+    algo: AlgoConfig = MISSING
+    data: Any = MISSING
+    reward: Any = MISSING
+    logger: LoggerConfig = MISSING
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    seed: int = 0
+    device: str = "cpu"
+    num_threads: int = 1
+    cache_dir: str = MISSING
+    runs_dir: str = "outputs"
+
+    def check(self) -> None:
+        for name in ("model", "backend", "data", "reward", "logger", "rollout", "train", "dist"):
+            getattr(self, name).check(f"config: {name}.")
+        self.algo.check(norm_length=self.rollout.max_new_tokens)
+        _count("config", "seed", self.seed, ge=0)
+        check_number("config", "seed", self.seed, le=2**32 - 1, integer=True)
+        _count("config", "num_threads", self.num_threads)
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"config: device={self.device!r} must be cpu, cuda or cuda:<index>")
+        if not str(self.runs_dir).strip():
+            raise ValueError("config: runs_dir must name a directory, got ''")
+        if self.train.eval_every and self.train.eval_prompts > self.data.holdout:
+            raise ValueError(
+                f"config: train.eval_prompts={self.train.eval_prompts} must be <= "
+                f"data.holdout={self.data.holdout} (the held-out rows evaluation draws from)"
+            )
+        self.check_dist()
+
+    @property
+    def sharded(self) -> bool:
+        """Train with FSDP2: ``dist.fsdp=true``, or ``auto`` under torchrun (more than one process)
+        or with a compute dtype other than float32 (fp32 masters, bf16 compute)."""
+        fsdp = self.dist.fsdp
+        return fsdp is True or (
+            fsdp == "auto" and (world_size() > 1 or self.model.dtype != "float32")
+        )
+
+    def check_dist(self) -> None:
+        """The ``dist`` settings against the model, the device and the launch (``WORLD_SIZE``)."""
+        d = self.dist
+        if d.fsdp is False and (world_size() > 1 or self.model.dtype != "float32"):
+            why = (
+                f"WORLD_SIZE={world_size()}"
+                if world_size() > 1
+                else f"model.dtype={self.model.dtype}"
+            )
+            raise ValueError(
+                f"config: dist.fsdp=false but {why} needs FSDP2 (data parallelism, or fp32 masters "
+                "with low-precision compute; bf16 storage would round lr-1e-6 updates away): set "
+                "dist.fsdp=auto"
+            )
+        if d.backend == "nccl" and not self.device.startswith("cuda"):
+            raise ValueError(
+                f"config: dist.backend=nccl needs device=cuda, got device={self.device}"
+            )
+        if self.sharded and self.device.startswith("cuda:"):
+            raise ValueError(
+                f"config: device={self.device}: with FSDP2 each rank uses cuda:LOCAL_RANK; set "
+                "device=cuda (choose the GPUs with CUDA_VISIBLE_DEVICES)"
+            )
+
+
+def schemas() -> list[tuple[str | None, str, type]]:
+    """``(group, name, schema)`` for Hydra's ConfigStore: the whole config (``schema``) and every
+    registered group option (``schema_<option>``); YAML files name theirs in ``defaults``."""
+    return [(None, "schema", Config), *recipe_config.group_schemas(GROUPS)]
+
+
+def validate_config(raw: DictConfig) -> Config:
+    """The typed, checked configuration (interpolations resolved).
+
+    Raises:
+        ValueError, TypeError: a value out of range, of the wrong type, missing, or a key that no
+            schema reads, naming the key.
+    """
+    return recipe_config.validate(raw, Config)

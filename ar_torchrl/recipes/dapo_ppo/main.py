@@ -1,0 +1,162 @@
+"""The DAPO-PPO recipe from a composed configuration to a finished (or stopped) run.
+
+:func:`run` is what ``examples/dapo_ppo.py`` calls inside ``@hydra.main``: it validates the
+configuration (before torch is imported), opens the execution strategy, finds the checkpoint to
+continue from, prepares the run directory, handles signals, builds and trains
+(:mod:`ar_torchrl.recipes.dapo_ppo.loop`, the slow imports), plots the curves and returns what the
+entry point prints and its exit status.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from ar_torchrl.recipes import run as runs
+from ar_torchrl.recipes.config import render_help
+from ar_torchrl.recipes.dapo_ppo.config import Config, validate_config
+
+__all__ = ["PROG", "RESUMABLE_CHANGES", "Result", "help_text", "hydra_argv", "run"]
+
+logger = logging.getLogger("dapo_ppo")
+
+PROG = "dapo_ppo"
+
+#: Keys a continued run may change; ``train.resume_from=auto`` ignores them when it matches configs.
+RESUMABLE_CHANGES = (
+    "train.iterations",
+    "train.resume_from",
+    "train.checkpoint_every",
+    "train.keep_checkpoints",
+    "train.plot",
+    "dist.timeout_s",
+)
+
+#: What ``--help`` says above the groups and keys.
+HELP_HEADER = """DAPO-math PPO (token-level GAE + value head, or GRPO / RLOO) with TorchRL.
+Override any key (algo.lr=1e-4 train.iterations=50), pick a group option (algo=grpo), resume a run
+(train.resume_from=auto or train.resume_from=<run dir>). README: what the default reproduces."""
+
+
+@dataclass
+class Result:
+    """What the entry point prints (``lines``: stdout, or stderr for a failed start) and returns."""
+
+    status: int = 0
+    lines: list[str] = field(default_factory=list)
+
+
+def hydra_argv(argv: list[str]) -> list[str]:
+    """Hydra's arguments for this process: under torchrun, ranks > 0 write no Hydra files and log
+    to stdout (rank 0 alone writes the run directory's ``.hydra/`` and log)."""
+    if int(os.environ.get("RANK", "0")) > 0:
+        return [*argv, "hydra.output_subdir=null", "hydra/job_logging=stdout"]
+    return argv
+
+
+def help_text(config_dir: Path, argv: list[str]) -> str:
+    """``--help``: config groups, and every key of the chosen configuration with its comment."""
+    name = "dapo_ppo"
+    if "--config-name" in argv and argv.index("--config-name") + 1 < len(argv):
+        name = argv[argv.index("--config-name") + 1]
+    overrides = [a for a in argv[1:] if "=" in a and not a.startswith("-")]
+    return render_help(config_dir, name, app=PROG, header=HELP_HEADER, overrides=overrides)
+
+
+def _matches(raw: DictConfig):
+    want = runs.without_keys(OmegaConf.to_container(raw, resolve=False), RESUMABLE_CHANGES)
+
+    def matches(saved: Path) -> bool:
+        other = OmegaConf.to_container(OmegaConf.load(saved), resolve=False)
+        return runs.without_keys(other, RESUMABLE_CHANGES) == want
+
+    return matches
+
+
+def find_checkpoint(cfg: Config, raw: DictConfig, run_dir: Path, strategy) -> Path | None:
+    """The checkpoint to continue from (``train.resume_from``, see
+    :func:`ar_torchrl.recipes.run.find_checkpoint`), or ``None`` for a fresh start."""
+    return runs.find_checkpoint(
+        cfg.train.resume_from,
+        run_dir=run_dir,
+        runs_dir=Path(cfg.runs_dir),
+        iterations=cfg.train.iterations,
+        latest=strategy.latest_checkpoint,
+        check=strategy.check_checkpoint,
+        matches=_matches(raw),
+        kind=strategy.checkpoint_pattern,
+        resumable=RESUMABLE_CHANGES,
+    )
+
+
+def run(raw: DictConfig, launch: runs.Launch) -> Result:
+    """Validate, resume or start, train, report. A user error (bad value, nothing to resume) is a
+    status-1 :class:`Result` naming it; SIGINT/SIGTERM give 130/143 with a checkpoint."""
+    try:  # what a user can get wrong is checked here, before the slow imports
+        cfg = validate_config(raw)
+    except (TypeError, ValueError) as err:
+        runs.remove_empty_run_dir(launch.run_dir)
+        return Result(1, [f"{PROG}: {err}"])
+    from ar_torchrl.recipes.strategy import open_strategy  # torch
+
+    with open_strategy(
+        sharded=cfg.sharded,
+        device=cfg.device,
+        compute_dtype=cfg.model.dtype,
+        gradient_checkpointing=cfg.model.gradient_checkpointing,
+        reshard_after_forward=cfg.dist.reshard_after_forward,
+        backend=cfg.dist.backend,
+        timeout_s=cfg.dist.timeout_s,
+    ) as strategy:
+        main = strategy.ctx.is_main
+        run_dir = strategy.shared_run_dir(launch.run_dir)
+        launch = dataclasses.replace(launch, run_dir=run_dir)
+        try:
+            checkpoint = strategy.on_main(find_checkpoint, cfg, raw, run_dir, strategy)
+        except (TypeError, ValueError, FileNotFoundError) as err:
+            return Result(1, [f"{PROG}: {err}"] if main else [])
+        if main:
+            runs.prepare_run_dir(run_dir, checkpoint)
+        ended, stop = None, runs.StopOnSignal()
+        try:
+            # The stack stops a launched SGLang server and closes clients, also on errors.
+            with stop, contextlib.ExitStack() as stack:
+                from ar_torchrl.recipes.dapo_ppo import loop  # transformers, TorchRL
+
+                state = loop.setup(cfg, run_dir, checkpoint, stack, strategy)
+                stop.graceful = (
+                    True  # from now on the first signal ends the run after its iteration
+                )
+                step = loop.train(state, stop)
+            if stop.requested:
+                ended = f"stopped by {stop.name} after iteration {step}"
+        except KeyboardInterrupt:
+            stop.signum = stop.signum or signal.SIGINT
+            ended = f"interrupted ({stop.name})"
+        last = strategy.latest_checkpoint(run_dir / "checkpoints") if main else None
+    status = 128 + stop.signum if stop.requested else 0
+    if not main:
+        return Result(status)
+    if cfg.train.plot and ended is None:
+        _plot(run_dir)
+    lines = runs.report_lines(
+        launch, iterations=cfg.train.iterations, stopped=ended, checkpoint=last, prog=PROG
+    )
+    return Result(status, lines)
+
+
+def _plot(run_dir: Path) -> None:
+    from ar_torchrl.utils import plot_training_curves, read_jsonl
+
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists():
+        history = read_jsonl(metrics)
+        if history:
+            plot_training_curves(history, run_dir / "curves.png")
