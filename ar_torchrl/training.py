@@ -20,8 +20,7 @@ from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 from torch import nn
 
-from ar_torchrl.data.micro_batch import MicroBatchPlan
-from ar_torchrl.distributed.plan import ShardedPlan
+from ar_torchrl.data.micro_batch import Plan
 from ar_torchrl.utils.checks import check_ppo_update_args
 
 __all__ = ["ppo_update", "total_loss"]
@@ -65,20 +64,21 @@ def _minibatch_step(
     grad_clip: float | None,
     loss_keys: Sequence[str] | None,
     mask_key: NestedKey,
-    sharded: ShardedPlan | None = None,
+    plan: Plan,
 ) -> tuple[dict[str, float], bool]:
     """Accumulate gradients over ``micro`` (``(td, is_padding)`` pairs); step unless not finite.
 
-    Data-parallel (``sharded``): the normaliser and metric weights are summed over ranks, and a
-    non-finite loss does not return early (every rank must run the same backward passes): the ranks
-    agree on skipping the step after the last one.
+    Data-parallel (``plan.spans_ranks``): the normaliser and metric weights are summed over ranks
+    (``plan.reduce``), and a non-finite loss does not return early (every rank must run the same
+    backward passes): the ranks agree on skipping the step after the last one.
     """
     optimizer.zero_grad(set_to_none=True)
     real = [mb for mb, pad in micro if not pad]
     counts = [0.0 if pad else _mask_count(mb, mask_key) for mb, pad in micro]
     norm, weights = normalizer(real), sum(counts)
-    if sharded is not None:
-        total = sharded.reduce({"norm": float(norm), "weights": weights})
+    sharded = plan.spans_ranks
+    if sharded:
+        total = plan.reduce({"norm": float(norm), "weights": weights})
         norm, weights = total["norm"], total["weights"]
     weights = weights or 1.0
     sums: dict[str, float] = {}
@@ -90,13 +90,13 @@ def _minibatch_step(
             loss = loss * 0.0
         if not torch.isfinite(loss):
             finite = False
-            if sharded is None:
+            if not sharded:
                 optimizer.zero_grad(set_to_none=True)
                 return {}, False
         loss.backward()
         _accumulate(sums, out, count / weights, padding=pad)
-    if sharded is not None:
-        sums = sharded.reduce({**sums, "_nonfinite": float(not finite)})
+    if sharded:
+        sums = plan.reduce({**sums, "_nonfinite": float(not finite)})
         finite = sums.pop("_nonfinite") == 0.0
     if not finite:
         optimizer.zero_grad(set_to_none=True)
@@ -137,7 +137,7 @@ def ppo_update(
     loss_fn: Callable,
     optimizer: torch.optim.Optimizer,
     td: TensorDictBase,
-    plan: MicroBatchPlan | ShardedPlan,
+    plan: Plan,
     *,
     epochs: int = 1,
     num_minibatches: int = 1,
@@ -155,9 +155,11 @@ def ppo_update(
             ``loss_*`` terms and scalar metrics (e.g. :class:`~ar_torchrl.objectives.TokenPPOLoss`).
         optimizer: steps once per mini-batch.
         td: the ``[B, L]`` rollout batch carrying anchors and advantages.
-        plan: the micro-batch plan the anchors were computed with, or this rank's
-            :class:`~ar_torchrl.distributed.ShardedPlan` (data-parallel training: each rank trains
-            on the micro-batches it owns, normalisers and metrics are summed over ranks).
+        plan: the micro-batch plan the anchors were computed with: any
+            :class:`~ar_torchrl.data.micro_batch.Plan`, e.g. a :class:`~ar_torchrl.data.MicroBatchPlan`
+            or, in data-parallel training, this rank's :class:`~ar_torchrl.distributed.ShardedPlan`
+            (each rank trains on the micro-batches it owns; normalisers and metrics are summed over
+            ranks).
         epochs: passes over the data (PPO epochs).
         num_minibatches: optimizer steps per epoch (:meth:`MicroBatchPlan.minibatches`: the
             micro-batches are shuffled, then dealt into groups).
@@ -201,7 +203,6 @@ def ppo_update(
             f"ppo_update: plan was made for batch size {plan.batch_size}, got {tuple(td.batch_size)}"
         )
     normalizer = normalizer or _default_normalizer(loss_fn)
-    sharded = plan if isinstance(plan, ShardedPlan) else None
     params = [p for g in optimizer.param_groups for p in g["params"]]
     keep = None if trainable is None else {id(p) for p in trainable}
     totals: dict[str, float] = {}
@@ -218,7 +219,7 @@ def ppo_update(
                 grad_clip=grad_clip,
                 loss_keys=loss_keys,
                 mask_key=mask_key,
-                sharded=sharded,
+                plan=plan,
             )
             steps, skipped = steps + ok, skipped + (not ok)
             for key, value in metrics.items():

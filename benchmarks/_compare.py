@@ -91,7 +91,7 @@ def ppo_step(
     backend.sync_weights(named_policy_tensors(model), version=backend.weight_version + 1)
     row = {
         "loss": out["train/loss_objective"] + out["train/loss_critic"],
-        "ratio_mean": out["train/ratio_mean"],
+        "mean_ratio": out["train/mean_ratio"],
         **extra,
         "grad_norm": out["train/grad_norm"],
         "reward_mean": float(td["next", "reward"].sum((-2, -1)).mean()),

@@ -81,7 +81,7 @@ def table(results: dict[str, list[dict]]) -> str:
     head = ["rollout", "metric", "trainside", "sglang", "abs diff"]
     lines = [" | ".join(f"{h:>17}" for h in head)]
     for a, b in zip(results["trainside"], results["sglang"]):
-        for key in ("loss", "ratio_mean", "logprob_abs_diff", "grad_norm", "reward_mean"):
+        for key in ("loss", "mean_ratio", "logprob_abs_diff", "grad_norm", "reward_mean"):
             cells = [
                 a["rollout"],
                 key,
@@ -115,7 +115,7 @@ def main() -> None:
         math.isfinite(r[k])
         for rows in results.values()
         for r in rows
-        for k in ("loss", "ratio_mean", "logprob_abs_diff", "grad_norm")
+        for k in ("loss", "mean_ratio", "logprob_abs_diff", "grad_norm")
     )
     print(table(results))
     print(

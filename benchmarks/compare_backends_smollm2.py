@@ -35,8 +35,8 @@ from ar_torchrl.objectives import TokenGAE, TokenPPOLoss
 RESULTS = Path(__file__).resolve().parent / "results" / "compare_backends_smollm2.json"
 METRICS = (
     "loss",
-    "ratio_mean",
-    "rollout_ratio_mean",
+    "mean_ratio",
+    "rollout_mean_ratio",
     "drift_mean",
     "drift_max",
     "grad_norm",
@@ -47,7 +47,7 @@ METRICS = (
 def drift(td) -> dict[str, float]:
     """Trainer (anchor, before the update) vs rollout engine log-probs over generated tokens.
 
-    ``drift_mean`` / ``drift_max``: mean / max ``|rollout - trainer|``; ``rollout_ratio_mean``: mean
+    ``drift_mean`` / ``drift_max``: mean / max ``|rollout - trainer|``; ``rollout_mean_ratio``: mean
     ``exp(trainer - rollout)``, the PPO ratio an update would start from if it took the engine's
     log-probs as the old policy (the recipe recomputes anchors, so its own ratio starts at 1).
     """
@@ -56,7 +56,7 @@ def drift(td) -> dict[str, float]:
     return {
         "drift_mean": float(delta.abs().mean()),
         "drift_max": float(delta.abs().max()),
-        "rollout_ratio_mean": float(delta.exp().mean()),
+        "rollout_mean_ratio": float(delta.exp().mean()),
     }
 
 

@@ -99,7 +99,7 @@ def make_batch(rows: int, lengths: tuple[int, int], vocab: int, seed: int) -> Te
 
 
 class RecordRatios:
-    """Wraps the loss and records ``ratio_min/max`` of each micro-batch of the first mini-batch."""
+    """Wraps the loss and records ``min_ratio/max`` of each micro-batch of the first mini-batch."""
 
     def __init__(self, loss: TokenPPOLoss):
         self.loss, self.ratios = loss, []
@@ -110,7 +110,7 @@ class RecordRatios:
     def __call__(self, td, normalizer=None):
         out = self.loss(td, normalizer=normalizer)
         if bool(td["loss_mask"].any()):
-            self.ratios.append((out["ratio_min"].item(), out["ratio_max"].item()))
+            self.ratios.append((out["min_ratio"].item(), out["max_ratio"].item()))
         return out
 
 
@@ -181,8 +181,8 @@ def run(args) -> dict:
             "micro_batches": len(sharded.plan),
             "tokens": real,
             "padded_tokens": padded,
-            "ratio_min": min(r[0] for rank in ratios for r in rank),
-            "ratio_max": max(r[1] for rank in ratios for r in rank),
+            "min_ratio": min(r[0] for rank in ratios for r in rank),
+            "max_ratio": max(r[1] for rank in ratios for r in rank),
             "ratio_exactly_one": all(r == (1.0, 1.0) for rank in ratios for r in rank),
             "anchor_s": t_anchor,
             "update_s": t_update,
@@ -207,7 +207,7 @@ def print_table(result: dict) -> None:
             "micro-batches / tokens (padded)",
             f"{result['micro_batches']} / {result['tokens']} ({result['padded_tokens']})",
         ),
-        ("first-update ratio min / max", f"{result['ratio_min']!r} / {result['ratio_max']!r}"),
+        ("first-update ratio min / max", f"{result['min_ratio']!r} / {result['max_ratio']!r}"),
         ("anchor pass tokens/s", f"{result['anchor_tokens_per_s']:,.0f}"),
         ("PPO update tokens/s", f"{result['update_tokens_per_s']:,.0f}"),
         (

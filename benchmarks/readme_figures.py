@@ -9,6 +9,7 @@ What it runs, one after the other (never in parallel: wall times are part of the
   the last 20 % of iterations minus the first 20 %), sampled accuracy over the same windows,
   held-out greedy accuracy at step 0 and at the end, wall time and seconds per iteration;
 - ``algo=grpo`` (300 iterations, seed 0): the same figures;
+- ``algo=rloo`` (300 iterations) for seeds 0-4: the same figures;
 - the CI version (``train.iterations=100``, tests/test_recipe.py) for seeds 0-4: reward rise (the
   test's threshold is half the smallest of them).
 
@@ -135,6 +136,7 @@ def measure(args: argparse.Namespace) -> dict:
         its = f"train.iterations={args.iterations}"
         default = [run_recipe(tmp / f"default_{s}", cache, its, f"seed={s}") for s in seeds]
         grpo = run_recipe(tmp / "grpo", cache, its, "algo=grpo")
+        rloo = [run_recipe(tmp / f"rloo_{s}", cache, its, "algo=rloo", f"seed={s}") for s in seeds]
         ci_its = f"train.iterations={args.ci_iterations}"
         ci = [
             run_recipe(
@@ -153,6 +155,7 @@ def measure(args: argparse.Namespace) -> dict:
         "startup_s": warm["wall_s"],
         "default": default,
         "grpo": grpo,
+        "rloo": rloo,
         "ci": ci,
     }
 
@@ -187,8 +190,16 @@ def readme_block(result: dict) -> str:
         "| wall time (min) | " + " | ".join(f"{r['wall_s'] / 60:.1f}" for r in d) + " |",
     ]
     per_it = sum(r["stage_s_per_iteration"] for r in d) / len(d)
-    loads = [r["load_avg_before"][0] for r in (*d, g, *ci)] + [d[-1]["load_avg_after"][0]]
+    rloo = result.get("rloo", [])
+    loads = [r["load_avg_before"][0] for r in (*d, g, *rloo, *ci)] + [d[-1]["load_avg_after"][0]]
     ci_rises = ", ".join(f"{r['reward_rise']:+.2f}" for r in ci)
+    rloo_rises = ", ".join(f"{r['reward_rise']:+.2f}" for r in rloo)
+    rloo_text = (
+        f" `algo=rloo` ({rloo[0]['iterations']} iterations, leave-one-out baselines, no critic) "
+        f"rose by {rloo_rises} over seeds 0-{len(rloo) - 1}."
+        if rloo
+        else ""
+    )
     return "\n".join(
         [
             *rows,
@@ -196,7 +207,7 @@ def readme_block(result: dict) -> str:
             f"One run of the README command takes {d[0]['wall_s'] / 60:.1f} minutes with the warm start "
             f"cached ({per_it:.2f} s per iteration; the first run on a machine adds the warm start, "
             f"{result['warm_start_s']:.0f} s). `algo=grpo` ({g['iterations']} iterations) rose by "
-            f"{g['reward_rise']:+.2f}. The CI version ({ci[0]['iterations']} iterations, "
+            f"{g['reward_rise']:+.2f}.{rloo_text} The CI version ({ci[0]['iterations']} iterations, "
             f"`tests/test_recipe.py`) rose by {ci_rises} over seeds 0-{len(ci) - 1}.",
             "",
             f"Measured by `benchmarks/readme_figures.py`: {m['threads']} thread, {m['cpu_count']} "

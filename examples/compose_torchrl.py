@@ -112,7 +112,7 @@ def main(iterations: int, epochs: int = 2, minibatch_rows: int = 32, seed: int =
         reward = data["next", "reward"].sum(dim=(-2, -1)).mean().item()
         print(
             f"iter {i:3d}  reward {reward:+.3f}  loss {loss.item():+.4f}  "
-            f"ratio {loss_vals['ratio_mean'].item():.4f}"
+            f"ratio {loss_vals['mean_ratio'].item():.4f}"
         )
 
 

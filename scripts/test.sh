@@ -5,9 +5,10 @@
 # Extra arguments go to pytest (e.g. `bash scripts/test.sh -k gae`).
 #
 # Fast tier for contributors: `bash scripts/test.sh --fast` (or AR_TORCHRL_TESTS=fast) skips the
-# SGLang venv build (6.3 GB) and deselects the tests marked `sglang` (real servers); the SGLang
-# client's tests on the protocol double still run when .venv-sglang exists (they need SGLang's own
-# schema from it) and are skipped otherwise. CI runs the complete command without --fast.
+# SGLang venv build (6.3 GB) and deselects the tests marked `slow` (end-to-end runs) and `sglang`
+# (real servers), as the README says; the SGLang client's tests on the protocol double still run
+# when .venv-sglang exists (they need SGLang's own schema from it) and are skipped otherwise. CI
+# runs the complete command without --fast.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--fast" ]; then
@@ -17,7 +18,7 @@ fi
 bash scripts/setup.sh
 marker=()
 if [ "${AR_TORCHRL_TESTS:-}" = "fast" ]; then
-  marker=(-m "not sglang")
+  marker=(-m "not slow and not sglang")
 else
   bash scripts/setup_sglang_env.sh
 fi

@@ -186,7 +186,7 @@ def _bf16_checks(ctx, out: Path) -> None:
     for mb in sharded.local_plan.micro_batches:  # the same number of forwards on both ranks
         res = loss(sharded.crop(td, mb))
         if not mb.padding:
-            ratios.append([res["ratio_min"].item(), res["ratio_max"].item()])
+            ratios.append([res["min_ratio"].item(), res["max_ratio"].item()])
     reshard(ac)  # forwards without backward leave FSDP2's root gathered
     policy = [p for n, p in ac.named_parameters() if "value_head" not in n]
     before = [p.to_local().detach().clone() for p in policy]

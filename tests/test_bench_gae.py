@@ -29,6 +29,7 @@ def quick_result(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow  # a benchmark script or a multi-process run: full tier only
 def test_bench_gae_quick_json_has_every_row(quick_result: dict) -> None:
     cfg = quick_result["config"]
     assert (cfg["batch"], cfg["length"], cfg["prompt"], cfg["quick"]) == (16, 512, 64, True)
@@ -41,6 +42,7 @@ def test_bench_gae_quick_json_has_every_row(quick_result: dict) -> None:
     assert len(rows) == 12
 
 
+@pytest.mark.slow  # a benchmark script or a multi-process run: full tier only
 def test_bench_gae_quick_numbers_are_consistent(quick_result: dict) -> None:
     for threads, bw in quick_result["bandwidth"].items():
         assert bw["copy_gbs"] > 0

@@ -11,9 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_logprob_memory.py"
 
 
+@pytest.mark.slow  # a benchmark script or a multi-process run: full tier only
 def test_bench_logprob_memory_quick(tmp_path: Path) -> None:
     out = tmp_path / "bench_logprob_memory.json"
     proc = subprocess.run(

@@ -16,6 +16,7 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_packing.py"
 
 
+@pytest.mark.slow  # a benchmark script or a multi-process run: full tier only
 @pytest.mark.parametrize("dist", ["lognormal", "uniform"])
 def test_bench_packing_quick(tmp_path: Path, dist: str) -> None:
     out = tmp_path / "bench_packing.json"

@@ -25,7 +25,7 @@ def test_drift_counts_generated_tokens_only():
     assert gaps["drift_mean"] == pytest.approx((0.1 + 0.2 + 0.0) / 3)
     assert gaps["drift_max"] == pytest.approx(0.2)
     expected_ratio = (math.exp(-0.1) + math.exp(0.2) + 1.0) / 3
-    assert gaps["rollout_ratio_mean"] == pytest.approx(expected_ratio)
+    assert gaps["rollout_mean_ratio"] == pytest.approx(expected_ratio)
 
 
 def test_backend_table_and_summary():

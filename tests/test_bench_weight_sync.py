@@ -41,6 +41,7 @@ def check_rows(result: dict, methods: set[str], model: str = "tiny") -> None:
         assert r["vs_raw"] == pytest.approx(r["seconds"] / raw)
 
 
+@pytest.mark.slow  # a benchmark script or a multi-process run: full tier only
 def test_bench_weight_sync_trainside_senders(tmp_path):
     result = run_quick(tmp_path, "--methods", "copy,share")
     check_rows(result, {"copy", "share"})

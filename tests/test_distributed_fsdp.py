@@ -43,7 +43,7 @@ def _grads(ac, td, plan):
 
 
 class RecordRatios:
-    """Wraps a loss: records ``(ratio_min, ratio_max)`` of every call."""
+    """Wraps a loss: records ``(min_ratio, max_ratio)`` of every call."""
 
     def __init__(self, loss):
         self.loss, self.ratios = loss, []
@@ -53,7 +53,7 @@ class RecordRatios:
 
     def __call__(self, td, normalizer=None):
         out = self.loss(td, normalizer=normalizer)
-        self.ratios.append((out["ratio_min"].item(), out["ratio_max"].item()))
+        self.ratios.append((out["min_ratio"].item(), out["max_ratio"].item()))
         return out
 
 

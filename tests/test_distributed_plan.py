@@ -133,7 +133,7 @@ def test_only_padding_passes_leave_weights_untouched():
     before = copy.deepcopy(ac.state_dict())
     out = ppo_update(ppo_loss(ac), torch.optim.SGD(ac.parameters(), lr=0.5), td, idle)
     assert out["train/optimizer_steps"] == 1.0 and out["train/grad_norm"] == 0.0
-    assert out["train/loss_objective"] == 0.0 and out["train/ratio_mean"] == 0.0
+    assert out["train/loss_objective"] == 0.0 and out["train/mean_ratio"] == 0.0
     for name, p in ac.state_dict().items():
         assert torch.equal(p, before[name]), name
 

@@ -12,9 +12,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_smoke.py"
 
 
+@pytest.mark.slow  # a benchmark script or a multi-process run: full tier only
 def test_gpu_smoke_runs_on_cpu_with_a_tiny_model(tmp_path):
     out = tmp_path / "gpu_smoke.json"
     cmd = [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass
 
 import pytest
@@ -49,8 +50,8 @@ def test_first_update_has_ratio_exactly_one_over_the_plan():
     loss = TokenPPOLoss(ac, clip_epsilon=(0.2, 0.28), clip_value=0.2, entropy_coeff=0.01)
     for mb in plan.split(td):
         out = loss(mb)
-        assert out["ratio_min"].item() == 1.0 and out["ratio_max"].item() == 1.0
-        assert out["ratio_mean"].item() == 1.0
+        assert out["min_ratio"].item() == 1.0 and out["max_ratio"].item() == 1.0
+        assert out["mean_ratio"].item() == 1.0
         assert out["approx_kl"].item() == 0.0
         assert out["clip_fraction"].item() == 0.0 and out["value_clip_fraction"].item() == 0.0
 
@@ -74,7 +75,7 @@ def test_anchors_follow_the_micro_batch_geometry():
             assert torch.equal(sub["sample_log_prob"], direct["log_prob"])
             assert torch.equal(sub["state_value"], direct["state_value"])
             out = loss(TokenGAE()(sub))
-            assert out["ratio_min"].item() == out["ratio_max"].item() == 1.0
+            assert out["min_ratio"].item() == out["max_ratio"].item() == 1.0
         rows_outside = ~torch.zeros_like(td["attention_mask"])
         for mb in plan.micro_batches:
             rows_outside[list(mb.rows), mb.start : mb.end] = False
@@ -170,7 +171,7 @@ def test_metrics_are_computed_over_loss_mask_only():
     # a huge log-prob shift on masked tokens would blow up every unmasked metric
     td["sample_log_prob"] = torch.where(td["loss_mask"], td["sample_log_prob"], -30.0)
     out = TokenPPOLoss(ac, entropy_coeff=0.01)(td)
-    assert out["ratio_max"].item() == 1.0 and out["clip_fraction"].item() == 0.0
+    assert out["max_ratio"].item() == 1.0 and out["clip_fraction"].item() == 0.0
     assert out["approx_kl"].item() == 0.0
     lp = td["rollout_log_prob"]
     expected = (td["sample_log_prob"] - lp).abs()[td["loss_mask"]].mean()
@@ -428,6 +429,22 @@ def test_loss_builds_token_gae_when_advantage_is_missing():
         loss.make_value_estimator("td0")
 
 
+def test_plan_less_value_fallback_warns_and_says_why():
+    """Values computed without the micro-batch plan lose the ratio-exactly-1 property: say so."""
+    ac = tiny_actor_critic(seed=0)
+    td = _batch()
+    td["sample_log_prob"] = torch.zeros(td.shape)
+    loss = TokenPPOLoss(ac).make_value_estimator()
+    with pytest.warns(UserWarning, match=r"without the micro-batch plan.*recompute_anchors"):
+        loss.value_estimator(td)
+    assert "state_value" in td.keys() and "advantage" in td.keys()
+    anchored = _batch()
+    recompute_anchors(ac, anchored, plan_micro_batches(anchored, token_budget=1000))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # anchored values: no warning
+        loss.value_estimator(anchored)
+
+
 def test_truncated_importance_sampling_weights_policy_loss():
     ac = tiny_actor_critic(seed=0)
     td = _batch()
@@ -614,10 +631,8 @@ def test_loss_emits_torchrl_metric_names_and_lists_every_key_in_out_keys():
         "kl_approx": (-lr).mean(),
         "approx_kl": ((r - 1) - lr).mean(),
         "mean_ratio": r.mean(),
-        "ratio_mean": r.mean(),
         "max_ratio": r.max(),
-        "ratio_max": r.max(),
-        "ratio_min": r.min(),
+        "min_ratio": r.min(),
         "ESS": r.sum() ** 2 / (r**2).sum() / r.numel(),
     }
     for key, value in expected.items():
@@ -653,7 +668,7 @@ def test_loss_metrics_are_finite_for_one_and_zero_trained_tokens():
         out = TokenPPOLoss(ac)(td.clone().set("loss_mask", mask))
         assert all(torch.isfinite(v) for v in out.values())
         assert out["explained_variance"].item() == ev  # was nan for one token
-    assert out["ratio_min"].item() == out["max_ratio"].item() == 1.0
+    assert out["min_ratio"].item() == out["max_ratio"].item() == 1.0
 
 
 def test_actor_only_module_as_reference_and_critic_errors():

@@ -142,7 +142,7 @@ def test_packed_plan_first_update_has_ratio_exactly_one(budget):
     for sub in plan.split(td):
         assert sub.get_non_tensor(PACKED_KEY)
         out = loss(sub)
-        assert out["ratio_min"].item() == 1.0 and out["ratio_max"].item() == 1.0
+        assert out["min_ratio"].item() == 1.0 and out["max_ratio"].item() == 1.0
         assert out["approx_kl"].item() == 0.0 and out["value_clip_fraction"].item() == 0.0
     opt = torch.optim.SGD(ac.parameters(), lr=1e-3)
     metrics = ppo_update(loss, opt, td, plan, epochs=1, num_minibatches=2)

@@ -56,10 +56,12 @@ def test_block_states_load_and_threads_and_replaces_the_readme_section(tmp_path)
         "warm_start_s": 16.0,
         "default": [run] * 5,
         "grpo": run,
+        "rloo": [run] * 5,
         "ci": [run] * 5,
     }
     block = mod.readme_block(result)
     assert "| reward rise | +0.90 | +0.90 | +0.90 | +0.90 | +0.90 |" in block
+    assert "`algo=rloo` (10 iterations, leave-one-out baselines, no critic) rose by +0.90" in block
     assert "takes 2.0 minutes" in block and "1 thread, 2 cores" in block
     assert "load average 0.5-1.5" in block
     readme = tmp_path / "README.md"

@@ -334,4 +334,4 @@ def test_compare_backends_ppo_run_agrees(sglang_server, tmp_path):
     assert result["all_finite"] and result["same_tokens"] == [True, True, True]
     assert result["max_loss_abs_diff"] < 1e-6
     for row in result["rollouts"]["sglang"]:
-        assert row["ratio_mean"] == 1.0 and row["logprob_abs_diff"] < 1e-4
+        assert row["mean_ratio"] == 1.0 and row["logprob_abs_diff"] < 1e-4

@@ -69,7 +69,7 @@ def test_accumulation_over_micro_batches_equals_one_big_batch():
     assert out_a["train/loss_critic"] == pytest.approx(out_b["train/loss_critic"], abs=1e-6)
     assert out_a["train/grad_norm"] == pytest.approx(out_b["train/grad_norm"], rel=1e-4)
     # the first forward reproduces the anchors: ratio exactly 1 before the step
-    assert out_b["train/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert out_b["train/mean_ratio"] == pytest.approx(1.0, abs=1e-6)
     for (name, pa), pb in zip(model_a.named_parameters(), model_b.parameters()):
         torch.testing.assert_close(pa, pb, atol=2e-6, rtol=1e-4, msg=name)
 

@@ -317,6 +317,7 @@ def test_bad_arguments(model):
         TransformersBackend(model, mode="ref")
 
 
+@pytest.mark.slow  # a benchmark script or a multi-process run: full tier only
 def test_benchmark_script_runs_quick(tmp_path):
     """Smoke test so ``benchmarks/bench_trainside_generate.py`` can't rot (no timing asserted)."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_trainside_generate.py"

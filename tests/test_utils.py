@@ -117,3 +117,15 @@ def test_utils_import_no_torch():
     code = "import sys, ar_torchrl.utils; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_curves_have_an_accuracy_panel_labels_and_say_what_was_not_logged(tmp_path):
+    from ar_torchrl.utils.plotting import DEFAULT_PANELS
+
+    keys = [key for panel in DEFAULT_PANELS for key, _ in panel.curves]
+    assert {"rollout/accuracy", "eval/accuracy", "train/explained_variance"} <= set(keys)
+    assert all(panel.ylabel for panel in DEFAULT_PANELS)
+    grpo = [{"step": 0, "eval/accuracy": 0.5}] + [
+        {"step": i, "rollout/reward_mean": -0.5, "rollout/accuracy": 0.2} for i in (1, 2)
+    ]  # no critic: the value-loss panel says it was not logged
+    assert plot_training_curves(grpo, tmp_path / "grpo.png").stat().st_size > 10_000

@@ -19,6 +19,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from ar_torchrl.envs.llm_env import LLMEnv
 from ar_torchrl.functional import grpo_advantage
+from ar_torchrl.rewards.registry import is_correct
 
 __all__ = ["batch_policy_version", "gather_batch"]
 
@@ -58,14 +59,14 @@ def _spread_groups(seq: TensorDictBase) -> tuple[list[int], int]:
     return spread, len(groups) - len(spread)
 
 
-def _summary(rewards: list[torch.Tensor], counts: dict[str, int]) -> dict[str, float]:
+def _summary(env: LLMEnv, rewards: list[torch.Tensor], counts: dict[str, int]) -> dict[str, float]:
     r = torch.cat(rewards) if rewards else torch.zeros(0)
     n = max(int(r.numel()), 1)
     return {
         **{k: float(v) for k, v in counts.items()},
         "samples": float(r.numel()),
         "reward_mean": float(r.sum()) / n,
-        "accuracy": float((r > 0).sum()) / n,
+        "accuracy": float(is_correct(env.reward_fn, r).sum()) / n,  # what the reward calls correct
     }
 
 
@@ -84,7 +85,8 @@ def gather_batch(
         when non-finite rewards were dropped; ``B = 0`` when no group was kept) and ``stats`` has
         ``groups_generated``, ``groups_zero_spread``, ``groups_kept``, ``groups_dropped``,
         ``sampling_rounds``, ``non_finite_rewards_dropped``, ``samples``, and ``reward_mean`` /
-        ``accuracy`` (fraction of samples with a positive reward) over every generated sample.
+        ``accuracy`` (fraction of samples the env's reward calls correct,
+        :func:`ar_torchrl.rewards.is_correct`) over every generated sample.
     """
     target, rounds = env.prompts_per_batch, max_rounds if dynamic else 1
     before = env.non_finite_rewards_dropped
@@ -116,4 +118,4 @@ def gather_batch(
         )
     rows = torch.cat(kept) if kept else raw[:0]
     batch = env.to_token_trajectory(rows) if rows.shape[0] else env.to_token_trajectory(raw)[:0]
-    return batch, _summary(rewards, counts)
+    return batch, _summary(env, rewards, counts)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from ar_torchrl._lazy import lazy_exports
 
 _EXPORTS = {
-    **dict.fromkeys(["MicroBatch", "MicroBatchPlan", "plan_micro_batches"], "micro_batch"),
+    **dict.fromkeys(["MicroBatch", "MicroBatchPlan", "Plan", "plan_micro_batches"], "micro_batch"),
     "completions_to_trajectory": "collate",
     **dict.fromkeys(
         [

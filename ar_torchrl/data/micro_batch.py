@@ -14,9 +14,9 @@ packed forward computes (real tokens plus the slack of its bins) instead of ``ro
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 from tensordict import TensorDictBase
@@ -67,6 +67,33 @@ class MicroBatch:
         return len(self.rows) * self.width
 
 
+@runtime_checkable
+class Plan(Protocol):
+    """What :func:`~ar_torchrl.training.ppo_update` and the anchors need of a micro-batch plan.
+
+    :class:`MicroBatchPlan` (one process) and :class:`~ar_torchrl.distributed.ShardedPlan` (this
+    rank's share of a plan over several ranks) implement it. ``spans_ranks``: the plan is a rank's
+    share, run in lockstep with the other ranks (every backward pass runs even after a non-finite
+    loss; the ranks agree on skipping the step) and :meth:`reduce` sums over ranks; a one-process
+    plan's :meth:`reduce` returns its values.
+    """
+
+    batch_size: tuple[int, int]
+
+    @property
+    def spans_ranks(self) -> bool: ...
+
+    def __len__(self) -> int: ...
+
+    def crop(self, td: TensorDictBase, mb: MicroBatch) -> TensorDictBase: ...
+
+    def minibatches(
+        self, num_minibatches: int, generator: torch.Generator | None = None
+    ) -> list[list[MicroBatch]]: ...
+
+    def reduce(self, values: Mapping[str, float]) -> dict[str, float]: ...
+
+
 @dataclass(frozen=True)
 class MicroBatchPlan:
     """A partition of the rows of a ``[B, L]`` batch into cropped micro-batches.
@@ -88,6 +115,13 @@ class MicroBatchPlan:
 
     def __len__(self) -> int:
         return len(self.micro_batches)
+
+    #: a one-process plan: :meth:`reduce` returns its values
+    spans_ranks = False
+
+    def reduce(self, values: Mapping[str, float]) -> dict[str, float]:
+        """The values as floats (the sum over the one process; see :class:`Plan`)."""
+        return {k: float(values[k]) for k in sorted(values)}
 
     @property
     def num_tokens(self) -> int:

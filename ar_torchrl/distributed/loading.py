@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ar_torchrl.modules import LMActorCritic, attach_value_head
 from ar_torchrl.modules.value_head import VALUE_HEAD_FILE
+from ar_torchrl.weight_sync.names import is_policy_tensor
 
 __all__ = ["build_meta_model", "load_pretrained_weights", "parameters_on_meta"]
 
@@ -217,9 +218,7 @@ def load_pretrained_weights(
                 _copy(targets[key], f.get_slice(key), key)
                 loaded.add(id(targets[key]))
     missing = sorted(
-        n
-        for n, p in model.named_parameters()
-        if id(p) not in loaded and not n.startswith("value_head.")
+        n for n, p in model.named_parameters() if id(p) not in loaded and is_policy_tensor(n)
     )
     if missing:
         raise KeyError(

@@ -116,6 +116,12 @@ class ShardedPlan:
             groups.append(mine + [self.filler] * (max(counts) - len(mine)))
         return groups
 
+    @property
+    def spans_ranks(self) -> bool:
+        """Always: a rank's share runs in lockstep with the other ranks' (every backward pass runs,
+        :class:`~ar_torchrl.data.micro_batch.Plan`); at world size 1 :meth:`reduce` is the identity."""
+        return True
+
     def reduce(self, values: Mapping[str, float]) -> dict[str, float]:
         """Sum scalar ``values`` over ranks (one collective; the same keys on every rank)."""
         keys = sorted(values)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -123,6 +124,15 @@ class TokenGAE(ValueEstimatorBase):
     def _values(self, td: TensorDictBase) -> torch.Tensor:
         key = self.tensor_keys.value
         if td.get(key, None) is None and self.value_network is not None:
+            warnings.warn(
+                "TokenGAE: no 'state_value' in the batch, computing it with value_network in one "
+                "pass over the whole batch, without the micro-batch plan: these values differ (in "
+                "the last bits) from what the training forward computes, so value clipping is not "
+                "anchored at the values the loss sees and the first update's ratio is not exactly "
+                "1; run recompute_anchors(actor_critic, td, plan) with the plan ppo_update uses",
+                UserWarning,
+                stacklevel=3,
+            )
             with torch.no_grad():
                 self.value_network(td)
         return require_key(

@@ -67,9 +67,9 @@ class TokenPPOLoss(ClipPPOLoss):
       ``max_ratio``, ``ESS`` (``(sum r)^2 / sum r^2 / n``), ``entropy``, ``value_clip_fraction``,
       ``explained_variance``;
     - ours: ``approx_kl`` (``mean((r - 1) - log r)``, the non-negative k3 estimate, as CleanRL logs it),
-      ``ratio_mean`` (= ``mean_ratio``), ``ratio_min``, ``ratio_max`` (= ``max_ratio``), ``kl_ref`` (k3
-      KL to the reference policy) and ``rollout_log_prob_abs_diff`` (only when the batch holds
-      ``rollout_log_prob``).
+      ``min_ratio`` (named as TorchRL's ``max_ratio``), ``kl_ref`` (k3 KL to the reference policy)
+      and ``rollout_log_prob_abs_diff`` (only when the batch holds ``rollout_log_prob``). One name
+      per metric: there are no aliases.
 
     ``entropy`` is present only when entropies are computed (``entropy_coeff > 0`` or the actor's
     ``return_entropy``), the critic metrics only with a critic, ``loss_kl``/``kl_ref`` only with
@@ -89,7 +89,7 @@ class TokenPPOLoss(ClipPPOLoss):
         ...     anchors = ac(td.select("tokens", "attention_mask"))
         >>> td["sample_log_prob"], td["state_value"] = anchors["log_prob"], anchors["state_value"]
         >>> out = TokenPPOLoss(ac, clip_epsilon=(0.2, 0.28), clip_value=0.2)(td)
-        >>> out["ratio_min"].item(), out["max_ratio"].item(), out["kl_approx"].item()
+        >>> out["min_ratio"].item(), out["max_ratio"].item(), out["kl_approx"].item()
         (1.0, 1.0, 0.0)
     """
 
@@ -331,9 +331,7 @@ _POLICY_METRICS = (
     "max_ratio",
     "ESS",
     "approx_kl",
-    "ratio_mean",
-    "ratio_min",
-    "ratio_max",
+    "min_ratio",
 )
 
 
@@ -354,9 +352,7 @@ def _policy_metrics(
         "max_ratio": top,
         "ESS": mean * mean / sq if has else one,
         "approx_kl": F.masked_mean(torch.expm1(log_ratio) - log_ratio, mask),
-        "ratio_mean": mean if has else one,
-        "ratio_min": ratio[mask].min() if has else one,
-        "ratio_max": top,
+        "min_ratio": ratio[mask].min() if has else one,
     }
 
 

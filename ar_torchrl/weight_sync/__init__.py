@@ -13,7 +13,8 @@ from ar_torchrl._lazy import lazy_exports
 _EXPORTS = {
     "WeightSender": "base",
     "iter_buckets": "base",
-    "policy_only": "base",
+    "policy_only": "names",
+    "is_policy_tensor": "names",
     "WeightSyncError": "errors",
     "VALUE_HEAD_PREFIX": "names",
     "named_policy_tensors": "names",

@@ -18,7 +18,7 @@ from typing import Protocol, TypeVar, runtime_checkable
 import torch
 
 from ar_torchrl.weight_sync.errors import WeightSyncError
-from ar_torchrl.weight_sync.names import VALUE_HEAD_PREFIX
+from ar_torchrl.weight_sync.names import policy_only
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -60,23 +60,6 @@ class WeightSender(Protocol):
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None: ...
 
     def close(self) -> None: ...
-
-
-def policy_only(
-    named_tensors: Iterable[tuple[str, torch.Tensor]],
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield the pairs lazily, dropping ``value_head.*`` (train-only; logged at debug level).
-
-    Example:
-        >>> pairs = [("a.weight", torch.ones(2)), ("value_head.weight", torch.ones(1, 2))]
-        >>> [n for n, _ in policy_only(pairs)]
-        ['a.weight']
-    """
-    for name, tensor in named_tensors:
-        if name.startswith(VALUE_HEAD_PREFIX):
-            logger.debug("weight sync: dropping train-only tensor %s", name)
-            continue
-        yield name, tensor
 
 
 def iter_buckets(

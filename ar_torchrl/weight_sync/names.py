@@ -1,16 +1,56 @@
-"""The tensors a rollout engine loads: HF-named parameters and persistent buffers, no value head."""
+"""The tensors a rollout engine loads: HF-named parameters and persistent buffers, no value head.
+
+:func:`is_policy_tensor` is the one place that decides what is train-only (``value_head.*``):
+:func:`policy_only`, :func:`named_policy_tensors`, the senders and the sharded loader all ask it.
+"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["VALUE_HEAD_PREFIX", "as_named_tensors", "named_policy_tensors"]
+__all__ = [
+    "VALUE_HEAD_PREFIX",
+    "as_named_tensors",
+    "is_policy_tensor",
+    "named_policy_tensors",
+    "policy_only",
+]
+
+logger = logging.getLogger(__name__)
 
 VALUE_HEAD_PREFIX = "value_head."
+
+
+def is_policy_tensor(name: str) -> bool:
+    """Whether the rollout engine loads tensor ``name`` (everything but the train-only value head).
+
+    Example:
+        >>> is_policy_tensor("model.norm.weight"), is_policy_tensor("value_head.bias")
+        (True, False)
+    """
+    return not name.startswith(VALUE_HEAD_PREFIX)
+
+
+def policy_only(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the pairs lazily, dropping the train-only ones (``value_head.*``; logged at debug level).
+
+    Example:
+        >>> pairs = [("a.weight", torch.ones(2)), ("value_head.weight", torch.ones(1, 2))]
+        >>> [n for n, _ in policy_only(pairs)]
+        ['a.weight']
+    """
+    for name, tensor in named_tensors:
+        if not is_policy_tensor(name):
+            logger.debug("weight sync: dropping train-only tensor %s", name)
+            continue
+        yield name, tensor
 
 
 def named_policy_tensors(
@@ -40,9 +80,7 @@ def named_policy_tensors(
         >>> {t.dtype for _, t in named_policy_tensors(model, dtype=torch.bfloat16)}
         {torch.bfloat16}
     """
-    for name, tensor in model.state_dict(keep_vars=not detach).items():
-        if name.startswith(VALUE_HEAD_PREFIX):
-            continue
+    for name, tensor in policy_only(model.state_dict(keep_vars=not detach).items()):
         tensor = tensor.detach() if detach else tensor
         if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
             tensor = tensor.to(dtype)

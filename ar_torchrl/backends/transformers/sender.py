@@ -20,9 +20,8 @@ from typing import Literal
 import torch
 from torch import nn
 
-from ar_torchrl.weight_sync.base import policy_only
 from ar_torchrl.weight_sync.errors import WeightSyncError
-from ar_torchrl.weight_sync.names import VALUE_HEAD_PREFIX
+from ar_torchrl.weight_sync.names import policy_only
 
 __all__ = ["TrainsideSender"]
 
@@ -56,9 +55,7 @@ class TrainsideSender:
         self.last_count = 0
 
     def _expected(self) -> dict[str, torch.Tensor]:
-        return {
-            k: v for k, v in self.target.state_dict().items() if not k.startswith(VALUE_HEAD_PREFIX)
-        }
+        return dict(policy_only(self.target.state_dict().items()))
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Check and load ``named_tensors`` tensor by tensor (``version`` is the backend's to keep).

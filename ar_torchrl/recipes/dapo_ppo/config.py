@@ -159,7 +159,7 @@ class RolloutConfig:
     top_k: int = -1
     token_budget: int = MISSING
     max_rows: Optional[int] = None
-    packing: Any = False  # False | True | "auto" (plan_micro_batches)
+    packing: Any = "auto"  # False | True | "auto" (plan_micro_batches; measured faster on CPU)
     overlong_buffer: Optional[int] = None
     overlong_penalty: float = 1.0
     dynamic_sampling: bool = False  # DAPO: keep groups whose rewards differ, refill (the collector)
