@@ -71,7 +71,8 @@ def test_write_is_atomic_and_old_checkpoint_survives_a_crash(tmp_path, monkeypat
     monkeypatch.setattr(torch, "save", crash)
     with pytest.raises(OSError, match="disk full"):
         save_checkpoint(tmp_path, step=2, model=model, optimizer=opt)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1.pt"]  # no partial file, no temp
+    # no partial file, no temporary file, no manifest of the failed save
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".step_1.pt.manifest.json", "step_1.pt"]
     assert latest_checkpoint(tmp_path) == good
 
 
@@ -79,7 +80,12 @@ def test_keep_last_and_latest(tmp_path):
     model = torch.nn.Linear(2, 1)
     for step in (1, 2, 10, 11):
         save_checkpoint(tmp_path, step=step, model=model, keep_last=2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_10.pt", "step_11.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".step_10.pt.manifest.json",
+        ".step_11.pt.manifest.json",
+        "step_10.pt",
+        "step_11.pt",
+    ]  # the manifests of the deleted ones are deleted too
     assert latest_checkpoint(tmp_path).name == "step_11.pt"
     assert latest_checkpoint(tmp_path / "missing") is None
 
@@ -136,10 +142,15 @@ def test_unfinished_saves_are_removed(tmp_path, caplog):
     left.write_bytes(b"half a checkpoint")
     assert latest_checkpoint(tmp_path).name == "step_1.pt"  # never mistaken for a checkpoint
     save_checkpoint(tmp_path, step=2, model=model)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1.pt", "step_2.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_")) == [
+        "step_1.pt",
+        "step_2.pt",
+    ]
     assert ".step_2.pt-k3j2x.tmp" in caplog.text and "did not finish" in caplog.text
     left.write_bytes(b"again")
-    assert remove_partial_checkpoints(tmp_path) == [left] and not left.exists()
+    manifest_left = tmp_path / ".step_2.pt.manifest.json-p9q8.tmp"  # killed writing the manifest
+    manifest_left.write_bytes(b"{")
+    assert remove_partial_checkpoints(tmp_path) == [left, manifest_left] and not left.exists()
     assert remove_partial_checkpoints(tmp_path / "missing") == []
     # distributed checkpoints: a save killed before its rename, a replaced one not yet deleted
     dcp = [tmp_path / ".step_3.tmp", tmp_path / ".step_2.old"]
@@ -148,7 +159,13 @@ def test_unfinished_saves_are_removed(tmp_path, caplog):
         (d / "__0_0.distcp").write_bytes(b"shard")
     (tmp_path / "step_2").mkdir()  # a complete one is kept
     assert remove_partial_checkpoints(tmp_path) == sorted(dcp)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1.pt", "step_2", "step_2.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".step_1.pt.manifest.json",
+        ".step_2.pt.manifest.json",
+        "step_1.pt",
+        "step_2",
+        "step_2.pt",
+    ]
 
 
 def test_checkpoint_step_names():

@@ -5,6 +5,7 @@ DCP runs without a process group here; the 2-rank resume is in tests/test_distri
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
@@ -116,6 +117,8 @@ def test_metadata_that_would_run_code_is_refused(tmp_path, monkeypatch):
     (path / ".metadata").write_bytes(pickle.dumps(_Evil()))
     meta = json.loads((path / "meta.json").read_text())
     meta["files"][".metadata"] = (path / ".metadata").stat().st_size  # a consistent forgery
+    meta["sha256"][".metadata"] = hashlib.sha256((path / ".metadata").read_bytes()).hexdigest()
+    meta["meta_sha256"] = ckpt._meta_digest(meta)
     (path / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(pickle.UnpicklingError, match=r"refers to (posix|os)\.system"):
         ckpt.load_distributed_checkpoint(path, model=model, optimizer=opt, ctx=CTX)

@@ -27,6 +27,7 @@ from ar_torchrl.data.datasets import make_row
 from ar_torchrl.models.tiny import save_tiny_model
 from ar_torchrl.recipes import dapo_ppo
 from ar_torchrl.recipes import run as runs
+from ar_torchrl.recipes.checkpoint import save_checkpoint
 from ar_torchrl.recipes.dapo_ppo import build as recipe
 from ar_torchrl.recipes.dapo_ppo import config as C
 from ar_torchrl.recipes.strategy import LocalStrategy
@@ -266,7 +267,7 @@ def test_help_and_bad_config_answer_before_the_training_stack_is_imported(
 
 # ----------------------------------------------------------------------------- run directories
 def fake_run(run_dir: Path, steps: int, checkpoint_steps=(), raw=None) -> None:
-    """A run directory as the recipe leaves it (checkpoint files are only looked up by name)."""
+    """A run directory as the recipe leaves it (tiny checkpoints: damaged ones would be skipped)."""
     (run_dir / "checkpoints").mkdir(parents=True)
     scalars = run_dir / "logs" / "dapo_ppo" / "scalars" / "rollout"
     scalars.mkdir(parents=True)
@@ -275,7 +276,7 @@ def fake_run(run_dir: Path, steps: int, checkpoint_steps=(), raw=None) -> None:
     )
     (scalars / "reward_mean.csv").write_text("".join(f"{s},0.5\n" for s in range(1, steps + 1)))
     for s in checkpoint_steps:
-        (run_dir / "checkpoints" / f"step_{s}.pt").write_bytes(b"")
+        save_checkpoint(run_dir / "checkpoints", step=s, model=torch.nn.Linear(1, 1))
     if raw is not None:
         (run_dir / ".hydra").mkdir()
         (run_dir / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(raw))

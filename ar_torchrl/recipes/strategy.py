@@ -157,7 +157,12 @@ class LocalStrategy:
         return latest_checkpoint(directory)
 
     def check_checkpoint(self, checkpoint: Path) -> None:
+        from ar_torchrl.recipes.checkpoint import verify_checkpoint_file
+
         _check_kind(checkpoint, sharded=False)
+        problem = verify_checkpoint_file(checkpoint)
+        if problem is not None:
+            raise ValueError(f"train.resume_from: {checkpoint} is unusable: {problem}")
 
     def on_main(self, fn: Callable[..., Any], *args: Any) -> Any:
         return fn(*args)
