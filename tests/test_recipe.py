@@ -205,6 +205,24 @@ def test_resume_continues_exactly(tmp_path, cache_dir, straight):
 
 
 @pytest.mark.slow
+def test_a_checkpoint_of_the_previous_layout_resumes_exactly(tmp_path, cache_dir):
+    """A .pt checkpoint written before the recipe moved into the library (tests/data/legacy_run)
+    resumes, and the resumed run equals an uninterrupted one of today's code, step for step."""
+    import shutil
+
+    legacy = tmp_path / "legacy"
+    shutil.copytree(ROOT / "tests" / "data" / "legacy_run", legacy)
+    common = ["train.eval_every=3", "train.plot=false", "logger=none", "train.iterations=8"]
+    checkpoint = legacy / "checkpoints" / "step_6.pt"
+    _, resumed = run_recipe(
+        tmp_path / "resumed", cache_dir, *common, f"train.resume_from={checkpoint}"
+    )
+    _, straight = run_recipe(tmp_path / "straight", cache_dir, *common)
+    assert [h["step"] for h in resumed] == list(range(9))  # steps 0-6: the legacy run's history
+    same_runs(straight[7:], resumed[7:])  # the steps trained after resuming: exactly equal
+
+
+@pytest.mark.slow
 def test_sigterm_stops_cleanly_and_auto_resume_continues_exactly(tmp_path, cache_dir, straight):
     first = tmp_path / "runs" / "first"
     runs = f"runs_dir={tmp_path / 'runs'}"
