@@ -167,6 +167,10 @@ RANGE_ERRORS = [
         r"advantage_mode=gae needs the value head: set algo.critic_coeff > 0",
     ),
     (["algo.gae.lmbda=1.5"], r"algo.gae.lmbda must be >= 0 and <= 1, got 1.5"),
+    (  # one dynamic-sampling key: rollout.dynamic_sampling (the GRPO-only spelling is gone)
+        ["algo=grpo", "+algo.grpo.drop_zero_spread=true"],
+        r"no schema has the key\(s\) algo.grpo.drop_zero_spread",
+    ),
     (["rollout.top_p=0"], r"rollout.top_p must be > 0 and <= 1, got 0.0"),
     (["rollout.top_k=0"], r"rollout.top_k must be -1 \(off\) or >= 1, got 0"),
     (["rollout.overlong_buffer=20"], r"rollout.overlong_buffer must be >= 1 and <= 12, got 20"),

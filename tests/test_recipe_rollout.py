@@ -36,13 +36,13 @@ def test_grpo_dynamic_sampling_refills_and_logs_unbiased_metrics(tmp_path, cache
 
 @pytest.mark.slow
 def test_dynamic_sampling_with_every_answer_wrong_skips_the_update(tmp_path, cache_dir):
-    # one new token can never hold "Answer: X": every reward is -1, no group has a spread. The old
-    # key algo.grpo.drop_zero_spread=true (GRPO) still switches dynamic sampling on.
+    # one new token can never hold "Answer: X": every reward is -1, no group has a spread. One key
+    # switches dynamic sampling on (the old algo.grpo.drop_zero_spread is gone: tests/test_configs.py)
     proc, history = run_recipe(
         tmp_path,
         cache_dir,
         "algo=grpo",
-        "algo.grpo.drop_zero_spread=true",
+        "rollout.dynamic_sampling=true",
         "rollout.max_new_tokens=1",
         "rollout.max_sampling_rounds=2",
         "train.iterations=2",

@@ -315,7 +315,13 @@ class TokenPPOLoss(ClipPPOLoss):
     def _critic_terms(self, td, value, mask, normalizer, out) -> None:
         k = self.tensor_keys
         old = self._get(td, k.value, "anchor values: run recompute_anchors(actor_critic, td, plan)")
-        target = self._get(td, k.value_target, "value targets from TokenGAE")
+        target = self._get(
+            td,
+            k.value_target,
+            "the critic's targets: TokenGAE writes them; with GRPO/RLOO advantages use "
+            "GRPOAdvantage(critic_targets=True) (or RLOOAdvantage(critic_targets=True)), or train "
+            "without a critic: TokenPPOLoss(critic_coeff=0)",
+        )
         clip = None if self.clip_value is None else float(self.clip_value)
         loss, clipped = F.clipped_value_loss(value, old, target, mask, clip_value=clip)
         out["loss_critic"] = self.critic_coeff * self._agg(loss, mask, normalizer)
