@@ -24,6 +24,7 @@ _EXPORTS = {
         "datasets",
     ),
     "arithmetic_task_split": "tasks",
+    **dict.fromkeys(["PromptCheck", "check_prompts", "prompt_token_ids"], "prompts"),
     "TASKS": "registry",
     "register_task": "registry",
 }

@@ -165,6 +165,8 @@ class MathDataset(Sequence):
         skip_invalid: skip (and count) invalid rows instead of raising.
         name: shown in log messages.
         lines: the source line of each row (``.jsonl``): errors then name ``line N``, not ``row i``.
+        sources: where each row comes from, as messages name it (default ``"<name> line N"`` /
+            ``"<name> row i"``); kept through :func:`train_holdout_split` (:meth:`source`).
 
     Example:
         >>> ds = MathDataset([{"prompt": [{"role": "user", "content": "1+1?"}],
@@ -181,13 +183,17 @@ class MathDataset(Sequence):
         skip_invalid: bool = False,
         name: str = "dataset",
         lines: Sequence[int] | None = None,
+        sources: Sequence[str] | None = None,
     ) -> None:
+        self.name = name
         self.rows: list[dict] = []
+        self.sources: list[str] = []
         self.skipped: list[tuple[int, str]] = []
         for i, raw in enumerate(rows):
             try:
                 where = None if lines is None else f"line {lines[i]}"
                 self.rows.append(validate_row(raw, i, where=where))
+                self.sources.append(sources[i] if sources else f"{name} {where or f'row {i}'}")
             except ValueError as err:
                 if not skip_invalid:
                     raise ValueError(f"{name}: {err} (pass skip_invalid=True to skip it)") from None
@@ -211,6 +217,18 @@ class MathDataset(Sequence):
 
     def __getitem__(self, i):
         return self.rows[i]
+
+    def subset(self, indices: Sequence[int], name: str | None = None) -> MathDataset:
+        """The rows ``indices`` (in that order) as a dataset of their own, sources kept."""
+        return MathDataset(
+            [self.rows[i] for i in indices],
+            name=name or self.name,
+            sources=[self.sources[i] for i in indices],
+        )
+
+    def source(self, i: int) -> str:
+        """Where row ``i`` comes from (``"data/dapo.jsonl line 7"``), for messages."""
+        return self.sources[i]
 
     def messages(self, i: int) -> list[dict]:
         """Chat messages of row ``i``."""
@@ -330,8 +348,13 @@ def train_holdout_split(
     order = list(range(n))
     random.Random(seed).shuffle(order)
     rows = list(dataset)
-    test = MathDataset([rows[i] for i in order[:k]], name="holdout")
-    train = MathDataset([rows[i] for i in order[k:]], name="train")
+    src = getattr(dataset, "sources", None) or [f"row {i}" for i in range(n)]
+    test = MathDataset(
+        [rows[i] for i in order[:k]], name="holdout", sources=[src[i] for i in order[:k]]
+    )
+    train = MathDataset(
+        [rows[i] for i in order[k:]], name="train", sources=[src[i] for i in order[k:]]
+    )
     return train, test
 
 

@@ -46,6 +46,7 @@ from ar_torchrl.distributed._safe_io import (
 from ar_torchrl.distributed._safe_io import restore_rng as _restore_rng_state
 from ar_torchrl.distributed.context import DistContext
 from ar_torchrl.distributed.fsdp import reshard
+from ar_torchrl.utils.files import file_sha256
 
 __all__ = [
     "latest_distributed_checkpoint",
@@ -79,17 +80,12 @@ def _file_sizes(root: Path) -> dict[str, int]:
     }
 
 
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def _digests(root: Path, names: list[str]) -> dict[str, str]:
     """SHA-256 of each file, several at a time (hashlib releases the GIL while hashing)."""
     if not names:
         return {}
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1, len(names))) as pool:
-        return dict(zip(names, pool.map(lambda name: _sha256(root / name), names)))
+        return dict(zip(names, pool.map(lambda name: file_sha256(root / name), names)))
 
 
 def _meta_digest(meta: dict) -> str:

@@ -30,6 +30,7 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.envs import EnvBase
 
 from ar_torchrl.backends.base import GenerationBackend, SamplingParams
+from ar_torchrl.data.prompts import prompt_token_ids
 from ar_torchrl.envs.layout import completions_to_actions, sequence_specs, sequences_to_trajectory
 from ar_torchrl.envs.sampler import EpochSampler
 from ar_torchrl.rewards.math import dapo_math_reward, overlong_penalty
@@ -138,11 +139,8 @@ class LLMEnv(EnvBase):
     def prompt_token_ids(self, index: int) -> list[int]:
         """Chat-templated token ids of dataset row ``index`` (with the generation prompt)."""
         if index not in self._prompt_cache:
-            messages = self.dataset[index]["prompt"]
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
-            )
-            self._prompt_cache[index] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids = prompt_token_ids(self.dataset[index]["prompt"], self.tokenizer)
+            self._prompt_cache[index] = ids
         return self._prompt_cache[index]
 
     def _make_specs(self) -> None:

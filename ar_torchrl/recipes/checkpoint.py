@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ar_torchrl.utils.checks import check_number
+from ar_torchrl.utils.files import file_sha256
 
 if TYPE_CHECKING:
     import torch
@@ -221,11 +222,6 @@ def _manifest_path(checkpoint: Path) -> Path:
     return checkpoint.with_name(f".{checkpoint.name}.manifest.json")
 
 
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def verify_checkpoint_file(path: str | os.PathLike) -> str | None:
     """What is wrong with the checkpoint file at ``path`` (``None``: intact), naming the file.
 
@@ -263,7 +259,7 @@ def verify_checkpoint_file(path: str | os.PathLike) -> str | None:
             f"{path.name} has {size} bytes, its manifest {manifest.name} says {want_size} "
             "(truncated?)"
         )
-    got = _sha256(path)
+    got = file_sha256(path)
     if got != want_sha256:
         return (
             f"{path.name} does not match the SHA-256 in its manifest {manifest.name} (same size, "

@@ -17,6 +17,8 @@ import torch
 
 from ar_torchrl.backends import SamplingParams, TransformersBackend
 from ar_torchrl.backends.registry import BACKENDS, BackendContext
+from ar_torchrl.data.datasets import MathDataset
+from ar_torchrl.data.prompts import check_prompts
 from ar_torchrl.data.registry import TASKS
 from ar_torchrl.envs import LLMEnv
 from ar_torchrl.objectives import TokenPPOLoss, make_advantage
@@ -27,6 +29,8 @@ __all__ = [
     "build_advantage",
     "build_backend",
     "build_datasets",
+    "context_length",
+    "fit_prompts",
     "build_envs",
     "build_loss",
     "build_optimizer",
@@ -41,10 +45,41 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_datasets(cfg: Config) -> tuple[list[dict], list[dict]]:
+def build_datasets(cfg: Config) -> tuple[MathDataset, MathDataset]:
     """Training rows and the held-out evaluation rows (the first ``train.eval_prompts``)."""
     train_rows, eval_rows = TASKS.entry_for(cfg.data).factory(cfg.data)
-    return list(train_rows), list(eval_rows)[: cfg.train.eval_prompts]
+    return train_rows, eval_rows.subset(range(min(len(eval_rows), cfg.train.eval_prompts)))
+
+
+def fit_prompts(
+    cfg: Config, datasets: tuple[MathDataset, MathDataset], tokenizer: Any, context: int
+) -> tuple[MathDataset, MathDataset]:
+    """The rows whose prompts leave ``rollout.max_new_tokens`` of the ``context``: checked once,
+    at load (:func:`ar_torchrl.data.check_prompts`: an error naming the row's source, or with
+    ``data.skip_invalid`` skipped and counted; characters the tokenizer drops are warned about)."""
+    limit = context - cfg.rollout.max_new_tokens
+    skip = bool(getattr(cfg.data, "skip_invalid", False))
+    fitted = []
+    for name, rows in zip(("data", "data (held-out rows)"), datasets):
+        found = check_prompts(
+            rows, tokenizer, max_prompt_tokens=limit, skip_invalid=skip, name=name
+        )
+        fitted.append(rows if len(found.kept) == len(rows) else rows.subset(found.kept))
+    return fitted[0], fitted[1]
+
+
+def context_length(model: torch.nn.Module, backend: Any) -> int:
+    """The tokens a sequence may have: the model's ``max_position_embeddings`` and the rollout
+    engine's own limit (``backend.max_context_tokens``, e.g. a server's ``--context-length``)."""
+    limits = [getattr(model.config, "max_position_embeddings", None)]
+    limits.append(getattr(backend, "max_context_tokens", None))
+    known = [int(x) for x in limits if x]
+    if not known:
+        raise ValueError(
+            f"{type(model).__name__}.config has no max_position_embeddings and the backend says no "
+            "context length: the recipe cannot check prompt lengths"
+        )
+    return min(known)
 
 
 def build_reward(cfg: Config) -> Any:

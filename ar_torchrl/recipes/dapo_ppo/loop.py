@@ -80,7 +80,7 @@ def setup(
     torch.set_num_threads(cfg.num_threads)
     build.seed_everything(cfg.seed)
     # 1. Data: training prompts and held-out evaluation prompts (rank 0 samples).
-    rows, eval_rows = build.build_datasets(cfg) if ctx.is_main else ([], [])
+    datasets = build.build_datasets(cfg) if ctx.is_main else None
     # 2. Model: policy + zero-initialised value head; a frozen copy of the start policy for KL.
     #    Log-probs are those of the sampling distribution (temperature-scaled; greedy: T = 1).
     temperature = cfg.rollout.temperature or 1.0
@@ -94,6 +94,9 @@ def setup(
     collector = eval_env = backend = None
     if ctx.is_main:
         backend = build.build_backend(cfg, model, tokenizer, run_dir, stack, start_dir=start_dir)
+        # every prompt checked once against the context (the model's and the engine's)
+        context = build.context_length(model, backend)
+        rows, eval_rows = build.fit_prompts(cfg, datasets, tokenizer, context)
         env, eval_env = build.build_envs(
             cfg,
             rows,
