@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
+import ipaddress
 import json
 import os
 import pickle
@@ -196,6 +198,56 @@ def listening_addresses(port: int) -> list[str]:
     return found
 
 
+def listening_sockets(pids) -> list[tuple[str, int]]:
+    """``(address, port)`` of the TCP sockets in LISTEN state that processes ``pids`` hold open
+    (their fds matched by inode in ``/proc/net/tcp`` and ``tcp6``; ``::`` and ``0.0.0.0`` are the
+    wildcard addresses)."""
+    inodes = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith("socket:["):
+                        inodes.add(target[len("socket:[") : -1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            address, hexport = fields[1].split(":")
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                continue
+            raw = bytes.fromhex(address)
+            # the kernel prints each 32-bit word in host (little-endian) order
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            found.append((str(ipaddress.ip_address(raw)), int(hexport, 16)))
+    return found
+
+
+def mapped_files(pids, prefix: str) -> set[str]:
+    """Paths starting with ``prefix`` that processes ``pids`` have mapped (``/proc/<pid>/maps``)."""
+    found = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].startswith(prefix):
+                    found.add(fields[5].removesuffix(" (deleted)"))
+    return found
+
+
+def children_named(ppid: int, comm: str) -> list[int]:
+    """Running children of ``ppid`` whose command name (``/proc/<pid>/comm``) is ``comm``."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[1]) == ppid and (entry / "comm").read_text().strip() == comm:
+                    out.append(int(entry.name))
+    return out
+
+
 class ParentServer:
     """A real SGLang server launched by a separate "trainer" process (``tests/sglang_parent.py``).
 
@@ -228,7 +280,9 @@ class ParentServer:
             self.parent.wait(30)
             raise RuntimeError(f"the server parent exited ({self.parent.returncode}); log {log}")
         info = json.loads(line)
+        self.log = log
         self.url, self.pid, self.dirs = info["url"], info["pid"], [Path(d) for d in info["dirs"]]
+        self.owned, self.trainer_log = Path(info["owned"]), Path(info["trainer_log"])
 
     def alive(self) -> bool:
         return self.parent.poll() is None and alive(self.pid)

@@ -105,3 +105,50 @@ def test_a_dir_a_live_server_serves_is_kept():
         for d in info["dirs"]:
             if Path(d).exists():
                 os.rmdir(d)
+
+
+# A stand-in "server" group whose process maps a /dev/shm file (as SGLang's scheduler maps its
+# sglang_loads_*.shm), next to a file of the same prefix that nobody maps.
+MAPPER = """
+import mmap, os, sys, time
+fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR, 0o600)
+os.ftruncate(fd, 4096)
+view = mmap.mmap(fd, 4096)
+print("mapped", flush=True)
+time.sleep(300)
+"""
+SHM_OWNER = """
+import json, subprocess, sys, tempfile
+from ar_torchrl.backends.sglang import reaper
+name = "/dev/shm/ar_torchrl-test-" + tempfile.mktemp(dir="")
+tree = subprocess.Popen([sys.executable, "-c", sys.argv[1], name + ".shm"],
+                        start_new_session=True, stdout=subprocess.PIPE, text=True)
+tree.stdout.readline()
+open(name + "-unmapped.shm", "w").close()
+reaper.guard_process_group(tree.pid, ["ar_torchrl-test-"])
+print(json.dumps({"pgid": tree.pid, "mapped": name + ".shm", "unmapped": name + "-unmapped.shm",
+                  "found": reaper.mapped_shm_files(tree.pid, ["ar_torchrl-test-"])}), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_the_shm_files_a_guarded_group_maps_are_removed_after_it():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    owner = subprocess.Popen(
+        [sys.executable, "-c", SHM_OWNER, MAPPER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    info = json.loads(owner.stdout.readline())
+    try:
+        assert info["found"] == [info["mapped"]]  # found by mapping, not by name
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait(10)
+        assert wait_until(lambda: not group_pids(info["pgid"]), 10) < 10
+        assert wait_until(lambda: not Path(info["mapped"]).exists(), 10) < 10
+        assert Path(info["unmapped"]).exists()
+    finally:
+        for path in (info["mapped"], info["unmapped"]):
+            Path(path).unlink(missing_ok=True)

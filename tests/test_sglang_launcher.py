@@ -3,6 +3,8 @@ outlives the process that launched it (real servers killed with their parent: SI
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
 import sys
 import textwrap
@@ -11,7 +13,16 @@ import time
 from pathlib import Path
 
 import pytest
-from sglang_helpers import ParentServer, alive, group_pids, wait_until
+import requests
+from sglang_helpers import (
+    ParentServer,
+    alive,
+    children_named,
+    group_pids,
+    listening_sockets,
+    mapped_files,
+    wait_until,
+)
 
 import ar_torchrl.backends.sglang.launcher as launcher
 from ar_torchrl.backends import SamplingParams
@@ -31,17 +42,23 @@ def _fake_sglang(root: Path) -> Path:
     (pkg / "__init__.py").write_text("")
     (pkg / "launch_server.py").write_text(
         textwrap.dedent('''
-        """A stand-in for sglang.launch_server: binds --host/--port for real, answers /health."""
-        import http.server, sys
+        """A stand-in for sglang.launch_server: binds --host/--port for real, answers /health and
+        /argv (its in-memory sys.argv), and logs its flags the way SGLang logs its server_args."""
+        import http.server, json, logging, sys
 
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        logging.info(f"server_args={sys.argv[1:]}")  # formatted before logging sees it
+        logging.info("flags %s, first %s", sys.argv[1:], sys.argv[1])  # formatted by logging
         argv = sys.argv[1:]
         host, port = argv[argv.index("--host") + 1], int(argv[argv.index("--port") + 1])
 
         class Health(http.server.BaseHTTPRequestHandler):
             def do_GET(self):
+                body = json.dumps(sys.argv).encode() if self.path == "/argv" else b""
                 self.send_response(200)
-                self.send_header("Content-Length", "0")
+                self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
+                self.wfile.write(body)
 
         try:
             server = http.server.HTTPServer((host, port), Health)
@@ -90,16 +107,42 @@ def test_a_taken_port_is_retried_on_another(tmp_path, monkeypatch):
 
 
 def test_parent_death_signal_only_from_the_main_thread():
-    cmd = launcher._command(Path("/venv/bin/python"), ["--port", "1"])
-    assert (
-        cmd[1] == "-c"
-        and "prctl" in cmd[2]
-        and cmd[4:] == ["-m", "sglang.launch_server", "--port", "1"]
-    )
+    cmd = launcher._command(Path("/venv/bin/python"), ["--port", "1"], 7)
+    assert cmd[1] == "-c" and "prctl" in cmd[2] and "sglang.launch_server" in cmd[2]
+    assert cmd[3:] == [str(os.getpid()), "7", "--port", "1"]
     box = {}
     worker = threading.Thread(target=lambda: box.update(cmd=launcher._command(Path("/p"), [])))
     worker.start(), worker.join()
-    assert box["cmd"] == ["/p", "-m", "sglang.launch_server"]  # PDEATHSIG would fire when it exits
+    assert box["cmd"][3:] == ["0", "-1"]  # no PDEATHSIG: it would fire when that thread exits
+
+
+def test_secrets_reach_the_server_through_a_pipe_and_are_redacted(tmp_path, caplog):
+    """--api-key (and secret extra flags) reach the server's in-memory argv, but neither its
+    command line, nor our log lines, nor the log lines the server's main process writes."""
+    env = {"PYTHONPATH": str(_fake_sglang(tmp_path / "fake"))}
+    log = tmp_path / "server.log"
+    extra = ["--admin-api-key=admin-s3cret", "--log-level", "info"]
+    with caplog.at_level(logging.INFO, logger="ar_torchrl.backends.sglang.launcher"):
+        with launch_sglang_server(
+            "model",
+            python=sys.executable,
+            api_key="k3y-s3cret",
+            extra_args=extra,
+            log_file=log,
+            env=env,
+            timeout_s=60,
+        ) as server:
+            argv = requests.get(server.url + "/argv", timeout=10).json()
+            cmdline = Path(f"/proc/{server.process.pid}/cmdline").read_bytes().decode()
+            environ = Path(f"/proc/{server.process.pid}/environ").read_bytes().decode()
+    assert argv[-4:] == ["--admin-api-key", "admin-s3cret", "--api-key", "k3y-s3cret"]
+    assert "--log-level" in argv and server.api_key == "k3y-s3cret"
+    assert "k3y-s3cret" not in repr(server)
+    for secret in ("k3y-s3cret", "admin-s3cret"):
+        assert secret not in cmdline and secret not in environ and secret not in caplog.text
+        assert secret not in log.read_text()
+    assert "+ --admin-api-key --api-key through a pipe" in caplog.text  # the names only
+    assert log.read_text().count("<redacted>") == 4, log.read_text()  # 2 in each log line
 
 
 def test_sgl_kernel_shim_raises_naming_the_op(monkeypatch):
@@ -126,20 +169,63 @@ def _assert_gone(server: ParentServer) -> None:
     assert took < 10, (
         f"server (pid {server.pid}) and children {group_pids(server.pid)} outlived the trainer"
     )
-    assert wait_until(lambda: not any(d.exists() for d in server.dirs), 10) < 10, server.dirs
+    dirs = [*server.dirs, server.owned]  # weight syncs' dirs, the server's own start weights
+    assert wait_until(lambda: not any(d.exists() for d in dirs), 10) < 10, dirs
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+def test_launched_servers_keep_the_key_private_and_listen_on_loopback_only(
+    sglang_server, second_server, sglang_api_key
+):
+    """(Before the SIGKILL test below, which ends the second server.) The API key is in no command
+    line or environment of the servers' processes, in no log line of the trainer, and SGLang's own
+    ``server_args`` dump shows it redacted; no server process listens on a wildcard address
+    (SGLang's scheduler opened torch's TCPStore on ``::`` whatever ``--host``)."""
+    second = second_server.get()
+    for pgid, log, url in (
+        (sglang_server.process.pid, sglang_server.log_path, sglang_server.url),
+        (second.pid, second.log, second.url),
+    ):
+        pids = group_pids(pgid)
+        assert len(pids) >= 3  # main + scheduler + detokenizer (+ resource tracker)
+        for pid in pids:
+            for part in ("cmdline", "environ"):
+                assert sglang_api_key.encode() not in Path(f"/proc/{pid}/{part}").read_bytes()
+        text = log.read_text()
+        assert sglang_api_key not in text
+        assert text.count("'api_key': '<redacted>'") == 1, "SGLang's server_args dump changed"
+        sockets = listening_sockets(pids)
+        assert ("127.0.0.1", int(url.rsplit(":", 1)[1])) in sockets
+        assert not [s for s in sockets if s[0] in ("0.0.0.0", "::")], sockets
+        assert {address for address, _ in sockets} == {"127.0.0.1"}  # gloo's too (lo)
+        # SGLang itself answers GET /server_info with every argument, the key in clear, to any
+        # client that holds the key (documented in the launcher's docstring)
+        with SGLangBackend(url, show_progress=False) as backend:
+            assert backend.get(url, "/server_info")["api_key"] == sglang_api_key
+    trainer = second.trainer_log.read_text()  # the stand-in trainer's own log (INFO)
+    assert "launching SGLang" in trainer and "+ --api-key through a pipe" in trainer
+    assert "SGLang disk weight sync" in trainer and "SGLang tensor weight sync" in trainer
+    assert sglang_api_key not in trainer
 
 
 @pytest.mark.sglang
 @pytest.mark.slow
 def test_a_real_server_dies_when_its_trainer_is_sigkilled(second_server):
-    """(Runs after the two-server tests, reusing that server.) SIGKILL: no finally, no atexit."""
+    """(Runs after the two-server tests, reusing that server.) SIGKILL: no finally, no atexit.
+    Nothing of the trainer's is left: the server's processes, its copy of the start weights
+    (``owned_dirs``), the disk syncs' dirs, its ``/dev/shm/sglang_loads_*`` file, and the
+    ``torch_shm_manager`` torch started for the tensor sync (the server kept it alive)."""
     server = second_server.get()
     children = group_pids(server.pid)
-    assert len(children) >= 3 and all(
-        d.is_dir() for d in server.dirs
-    )  # main + scheduler + detokenizer
+    shm = mapped_files(children, "/dev/shm/sglang_loads_")
+    managers = children_named(server.parent.pid, "torch_shm_manag")
+    assert len(children) >= 3 and all(d.is_dir() for d in server.dirs) and server.owned.is_dir()
+    assert len(shm) == 1 and all(Path(f).is_file() for f in shm) and len(managers) == 1
     server.kill_parent(signal.SIGKILL)
     _assert_gone(server)
+    assert wait_until(lambda: not any(alive(pid) for pid in managers), 10) < 10, managers
+    assert not [f for f in shm if Path(f).exists()]
 
 
 @pytest.mark.sglang

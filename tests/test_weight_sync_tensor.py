@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.multiprocessing  # noqa: F401 - registers the reductions used to decode tensor payloads
-from sglang_helpers import SentNames, assert_server_matches, metadata_only, trainer_with_value_head
+from sglang_helpers import (
+    ROOT,
+    SentNames,
+    alive,
+    assert_server_matches,
+    metadata_only,
+    trainer_with_value_head,
+    wait_until,
+)
 
 from ar_torchrl.backends.sglang import SGLangBackend
 from ar_torchrl.backends.sglang.senders.tensor import flatten_bucket
@@ -128,3 +144,61 @@ def test_flatten_bucket_refills_a_buffer_that_fits_and_replaces_one_that_does_no
     assert again.data_ptr() == first.data_ptr() and torch.equal(again, flatten_bucket(bucket)[0])
     other, _ = flatten_bucket(bucket[:1], out=first)  # another size: a new buffer
     assert other.data_ptr() != first.data_ptr() and other.numel() == 60
+
+
+# A stand-in trainer: shares a tensor the way the tensor sender does (file_system strategy, which
+# starts torch's torch_shm_manager), hands it to a stand-in server that opens it and then keeps
+# running (as an SGLang scheduler does, connected to the manager), registers its manager with the
+# reaper, reports, and waits.
+SHARING_TRAINER = """
+import json, subprocess, sys, tempfile, time
+from pathlib import Path
+import torch
+from ar_torchrl.backends.sglang.senders import tensor
+
+torch.multiprocessing.set_sharing_strategy("file_system")
+flat, _ = tensor.flatten_bucket([("w", torch.ones(1000))], shared=True)
+work = Path(tempfile.mkdtemp(prefix="ar_torchrl-test-"))
+(work / "payload").write_text(tensor.serialize_for_sglang(flat))
+server = subprocess.Popen([sys.executable, "-c", sys.argv[1], str(work)], start_new_session=True)
+while not (work / "opened").exists():
+    time.sleep(0.1)
+del flat  # as the sender does once every server has answered
+tensor._guard_shm_manager()
+managers = [pid for pid, _ in tensor.shm_managers()]
+print(json.dumps({"managers": managers, "server": server.pid, "work": str(work)}), flush=True)
+sys.stdin.read()
+"""
+SERVER = """
+import base64, pickle, sys, time
+from pathlib import Path
+work = Path(sys.argv[1])
+t = pickle.loads(base64.b64decode((work / "payload").read_text()))
+(work / "opened").write_text(str(t.numel()))
+del t
+time.sleep(120)
+"""
+
+
+def test_the_shm_manager_ends_with_the_trainer_though_a_server_holds_it():
+    """torch's torch_shm_manager exits only once no client is connected, and a server that opened
+    one of our segments stays connected: without the reaper it outlives the trainer (~100 MB)."""
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", SHARING_TRAINER, SERVER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    info = json.loads(trainer.stdout.readline())
+    try:
+        assert len(info["managers"]) == 1 and alive(info["managers"][0])
+        trainer.kill()
+        trainer.wait(10)
+        took = wait_until(lambda: not alive(info["managers"][0]), 15)
+        assert took < 15, "torch_shm_manager outlived its trainer"
+        assert alive(info["server"])  # it was stopped although its client still runs
+        assert not list(Path("/dev/shm").glob(f"torch_{trainer.pid}_*"))
+    finally:
+        os.kill(info["server"], signal.SIGKILL)
+        shutil.rmtree(info["work"], ignore_errors=True)

@@ -184,12 +184,15 @@ class SGLangBackendConfig:
 
         urls = self.urls
         if urls is None:  # a local server on the starting policy, stopped when the run ends
-            model_dir = context.start_dir
+            model_dir, owned = context.start_dir, []
             if model_dir is None:  # the server's start weights: deleted when it stops
+                from ar_torchrl.backends.sglang import reaper
                 from ar_torchrl.modules import save_policy
 
                 model_dir = context.run_dir / "sglang_model"
+                owned = [model_dir]  # also removed if this process is killed (the reaper)
                 context.stack.callback(shutil.rmtree, model_dir, ignore_errors=True)
+                reaper.guard_dir(model_dir)
                 save_policy(context.model, model_dir, context.tokenizer)
             server = context.stack.enter_context(
                 launch_sglang_server(
@@ -198,6 +201,7 @@ class SGLangBackendConfig:
                     device=self.device,
                     extra_args=list(self.extra_args),
                     log_file=context.run_dir / "sglang_server.log",
+                    owned_dirs=owned,
                 )
             )
             urls = [server.url]

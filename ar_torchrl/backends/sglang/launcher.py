@@ -12,11 +12,46 @@ dies with the process that launched it, whatever ends that process:
 - on Linux, launched from the main thread, the server also gets a parent-death signal (SIGTERM).
   ``PR_SET_PDEATHSIG`` fires when the *thread* that forked exits, so it is not set from other
   threads (the watchdog still covers them).
+
+What a launched server leaves behind: nothing, whatever stops it. Its ``owned_dirs`` (e.g. the
+copy of the starting policy it loads), its run directory (SGLang's temp files: ``TMPDIR`` points
+there, so its ZMQ sockets and temp files of ``/tmp`` go with it; torch's rendezvous file) and the
+16 KiB ``/dev/shm/sglang_loads_*.shm`` file its scheduler maps (SGLang names it after a random
+instance id and never removes it; it is found in the server's ``/proc/<pid>/maps``) are removed
+after it stopped, by the context manager or by the watchdog.
+
+Secrets (``api_key``; ``--api-key``, ``--admin-api-key``, ``--ssl-keyfile-password`` in
+``extra_args``) never appear in a command line (``ps``, ``/proc/<pid>/cmdline``) nor in this
+module's log lines: they travel through a pipe to a small Python prelude that runs in the server's
+interpreter, appends them to SGLang's in-memory ``sys.argv`` and installs a log-record factory that
+writes ``<redacted>`` for them in every log line of SGLang's main process (SGLang 0.5.23 logs its
+whole ``server_args``, key included, at start). The key is not passed through the server's
+environment either (``$AR_TORCHRL_SGLANG_API_KEY`` is removed from it). What SGLang itself still
+exposes, measured with 0.5.23:
+
+- ``GET /server_info`` answers with every server argument, ``api_key`` included in clear, to any
+  client that holds the key (the endpoint needs it);
+- the in-memory ``sys.argv`` of its processes holds the flags (SGLang's crash and request dumps
+  record that command line when ``--crash-dump-folder`` or request dumping is enabled);
+- its child processes (scheduler, detokenizer) do not get the log filter; in 0.5.23 they log no
+  server argument.
+
+Network: the HTTP port is bound on ``host``. SGLang's scheduler would also open torch's
+``TCPStore`` (the rendezvous of its internal process group) on *all* interfaces (``*:<port>``,
+whatever ``--host``): the ``tcp://`` rendezvous binds its store that way (only a pre-bound socket,
+``master_listen_fd``, narrows it, and SGLang does not pass one). The launcher avoids it with
+a file rendezvous (``SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE=file://<run dir>/...``, which SGLang
+0.5.23 reads), unless the server is multi-node (``--nnodes``/``--dist-init-addr`` in
+``extra_args``) or the variable is already set. For a loopback ``host``, ``GLOO_SOCKET_IFNAME=lo``
+(unless set) keeps gloo's sockets (one per process group) on loopback too; by default gloo binds
+the address the machine's hostname resolves to.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
+import json
 import logging
 import os
 import random
@@ -28,7 +63,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import requests
@@ -41,10 +76,13 @@ from ar_torchrl.backends.sglang.senders.disk import remove_if_orphaned
 __all__ = [
     "API_KEY_ENV",
     "CPU_SERVER_ARGS",
+    "SECRET_FLAGS",
+    "SHM_PREFIXES",
     "SGLangServer",
     "free_port",
     "launch_sglang_server",
     "log_tail",
+    "split_secret_args",
     "stop_server",
 ]
 
@@ -52,6 +90,14 @@ logger = logging.getLogger(__name__)
 
 #: Environment variable holding the SGLang API key (read by the launcher and the client by default).
 API_KEY_ENV = "AR_TORCHRL_SGLANG_API_KEY"
+
+#: ``sglang.launch_server`` flags whose value is a secret: passed through a pipe, never in argv.
+SECRET_FLAGS = ("--api-key", "--admin-api-key", "--ssl-keyfile-password")
+
+#: Prefixes of the ``/dev/shm`` files a server maps that are removed once it stopped.
+SHM_PREFIXES = ("sglang_loads_",)
+
+_DIST_INIT_ENV = "SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE"
 
 #: Flags that run SGLang 0.5.23 on a CPU (tiny models): torch-native attention, fp32, no CUDA graphs.
 CPU_SERVER_ARGS = (
@@ -72,25 +118,55 @@ CPU_SERVER_ARGS = (
     "0.1",
 )
 
-# Runs in the server's process before it becomes SGLang: ask for SIGTERM when the parent dies, and
-# exit at once if the parent is already gone (the race between fork and prctl).
-_PDEATHSIG_SHIM = (
-    "import ctypes, os, signal, sys; "
-    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM); "
-    "os.getppid() == int(sys.argv[1]) or sys.exit('launcher gone'); "
-    "os.execv(sys.executable, [sys.executable] + sys.argv[2:])"
-)
+# Runs in the server's interpreter before it becomes SGLang (argv: parent pid or 0, the secrets'
+# pipe fd or -1, SGLang's flags). With a parent pid: ask for SIGTERM when the parent dies and exit
+# at once if it is already gone (the race between fork and prctl). The secret flags are read from
+# the pipe and appended to the in-memory sys.argv only; a log-record factory hides their values.
+_SERVER_MAIN = """
+import ctypes, json, logging, os, runpy, signal, sys
+
+parent, fd, args = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+if parent:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+    if os.getppid() != parent:
+        sys.exit("launcher gone")
+if fd >= 0:
+    with os.fdopen(fd, "rb") as pipe:
+        secret = json.loads(pipe.read())
+    args += secret
+    values = [v for v in secret[1::2] if v]
+    make_record = logging.getLogRecordFactory()
+
+    def hide(text):
+        for value in values:
+            text = text.replace(value, "<redacted>")
+        return text
+
+    def record(*a, **kw):
+        rec = make_record(*a, **kw)
+        if isinstance(rec.msg, str):
+            rec.msg = hide(rec.msg)
+        if isinstance(rec.args, tuple) and any(v in str(x) for x in rec.args for v in values):
+            rec.args = tuple(hide(str(x)) if hide(str(x)) != str(x) else x for x in rec.args)
+        return rec
+
+    logging.setLogRecordFactory(record)
+sys.argv = [sys.argv[0], *args]
+runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
+"""
 
 
 @dataclass
 class SGLangServer:
-    """A server started by :func:`launch_sglang_server`."""
+    """A server started by :func:`launch_sglang_server` (``api_key`` is left out of its repr)."""
 
     url: str
     process: subprocess.Popen
     log_path: Path
     port: int
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    run_dir: Path | None = None
+    shm_files: list[str] = field(default_factory=list)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -141,15 +217,75 @@ def _shim_dir(python: Path, shim_dir: str | Path | None) -> Path:
 
 
 def _server_env(
-    device: str, python: Path, shim_dir, env: Mapping[str, str] | None
+    device: str,
+    python: Path,
+    shim_dir,
+    env: Mapping[str, str] | None,
+    *,
+    host: str = "127.0.0.1",
+    run_dir: Path | None = None,
+    args: Sequence[str] = (),
 ) -> dict[str, str]:
+    """The server's environment: ours without the API key, plus ``env``, the CPU shim, the run
+    directory as ``TMPDIR``, and loopback-only networking for a loopback ``host``."""
     out = dict(os.environ)
+    out.pop(API_KEY_ENV, None)  # the server gets its key through a pipe (see the module docstring)
     out.update(env or {})
     if device == "cpu":
         shim = _shim_dir(python, shim_dir)
         out["SGLANG_USE_CPU_ENGINE"] = "1"
         out["PYTHONPATH"] = os.pathsep.join(p for p in (str(shim), out.get("PYTHONPATH", "")) if p)
+    if run_dir is not None and len(str(run_dir)) < 60:  # ZMQ ipc paths must stay < 108 bytes
+        # torch's default compile cache lives in the temp dir: keep it where it was
+        out.setdefault(
+            "TORCHINDUCTOR_CACHE_DIR",
+            os.path.join(tempfile.gettempdir(), f"torchinductor_{_user()}"),
+        )
+        out["TMPDIR"] = str(run_dir)
+    if _is_loopback(host) and Path("/sys/class/net/lo").exists():
+        out.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    multi_node = any(
+        a.split("=")[0] in ("--nnodes", "--dist-init-addr", "--nccl-init-addr") for a in args
+    )
+    if run_dir is not None and not multi_node and _DIST_INIT_ENV not in out:
+        out[_DIST_INIT_ENV] = f"file://{run_dir}/dist-store"  # the launcher adds the port
     return out
+
+
+def _user() -> str:
+    import getpass
+
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return str(os.getuid())
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def split_secret_args(args: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Split flags into (public, secret) ones (:data:`SECRET_FLAGS`; ``--flag value`` or
+    ``--flag=value``; secret ones come back as ``--flag value`` pairs).
+
+    Example:
+        >>> split_secret_args(["--port", "1", "--api-key", "k", "--admin-api-key=a"])
+        (['--port', '1'], ['--api-key', 'k', '--admin-api-key', 'a'])
+    """
+    public, secret, items = [], [], iter(args)
+    for arg in items:
+        flag, eq, value = str(arg).partition("=")
+        if flag in SECRET_FLAGS:
+            secret += [flag, value if eq else next(items, "")]
+        else:
+            public.append(arg)
+    return public, secret
 
 
 def log_tail(path: Path, lines: int = 40) -> str:
@@ -177,8 +313,12 @@ def _wait_healthy(server: SGLangServer, timeout_s: float) -> None:
     )
 
 
-def stop_server(process: subprocess.Popen, grace_s: float = 20.0) -> None:
-    """SIGTERM the server's main pid, SIGKILL it after ``grace_s``, then SIGKILL stray children."""
+def stop_server(
+    process: subprocess.Popen, grace_s: float = 20.0, shm_prefixes: Sequence[str] = SHM_PREFIXES
+) -> None:
+    """SIGTERM the server's main pid, SIGKILL it after ``grace_s``, then SIGKILL stray children;
+    then unlink the ``/dev/shm/<prefix>*`` files its processes had mapped."""
+    shm = reaper.mapped_shm_files(process.pid, shm_prefixes)
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
         try:
@@ -188,6 +328,8 @@ def stop_server(process: subprocess.Popen, grace_s: float = 20.0) -> None:
             process.wait(10)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signal.SIGKILL)  # its own session: only its children are left in it
+    for path in shm:
+        reaper.remove_path(path)
     reaper.release_process_group(process.pid)
 
 
@@ -205,6 +347,7 @@ def launch_sglang_server(
     timeout_s: float = 300.0,
     shim_dir: str | Path | None = None,
     env: Mapping[str, str] | None = None,
+    owned_dirs: Sequence[str | Path] = (),
 ) -> Iterator[SGLangServer]:
     """Start ``python -m sglang.launch_server`` and stop it on exit (see the module docstring).
 
@@ -215,9 +358,13 @@ def launch_sglang_server(
         model_path: HF model directory.
         python: the server venv's interpreter (default ``.venv-sglang/bin/python``).
         port: HTTP port (default: a free one; retried up to 3 times if SGLang's children take it).
-        api_key: the server's ``--api-key`` (default ``$AR_TORCHRL_SGLANG_API_KEY``, if set).
+        api_key: the server's ``--api-key`` (default ``$AR_TORCHRL_SGLANG_API_KEY``, if set);
+            passed through a pipe, never on the command line.
         log_file: where the server writes (default: a temp file).
         timeout_s: how long to wait for health.
+        owned_dirs: directories that belong to this server (e.g. the copy of the weights it
+            starts from): removed once it stopped, whatever stops it (also a failed launch, and
+            this process's death: see :mod:`~ar_torchrl.backends.sglang.reaper`).
 
     Raises:
         FileNotFoundError: no server venv (run ``bash scripts/setup_sglang_env.sh``).
@@ -230,32 +377,56 @@ def launch_sglang_server(
         ...
         FileNotFoundError: SGLang server python /nonexistent/python not found. Run `bash scripts/setup_sglang_env.sh` ...
     """
-    python = _server_python(python)
-    api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
-    log_path = Path(log_file) if log_file else Path(_tempfile("sglang-server-", ".log"))
-    args = ["--model-path", str(model_path), "--host", host, "--device", device]
-    args += list(CPU_SERVER_ARGS if device == "cpu" else ()) + list(extra_args)
-    args += ["--api-key", api_key] if api_key else []
-    env = _server_env(device, python, shim_dir, env)
-    attempts = 1 if port else 3  # an auto-picked port can be taken by SGLang's own children
-    for attempt in range(1, attempts + 1):
-        try:
-            server = _start_server(
-                python, args, host, port or free_port(host), log_path, timeout_s, env
-            )
-            break
-        except _PortTaken as err:
-            if attempt == attempts:
-                raise SGLangLaunchError(str(err)) from err
-            logger.warning("SGLang: %s; retrying on another port (%d/%d)", err, attempt, attempts)
-    server.api_key = api_key
+    owned = [Path(d) for d in owned_dirs]
+    for path in owned:
+        reaper.guard_dir(path)
+    run_dir: Path | None = None
     try:
-        yield server
+        python = _server_python(python)
+        api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+        log_path = Path(log_file) if log_file else Path(_tempfile("sglang-server-", ".log"))
+        public, secret = split_secret_args(extra_args)
+        secret += ["--api-key", api_key] if api_key else []
+        api_key = api_key or _last_value(secret, "--api-key")
+        args = ["--model-path", str(model_path), "--host", host, "--device", device]
+        args += list(CPU_SERVER_ARGS if device == "cpu" else ()) + public
+        run_dir = Path(tempfile.mkdtemp(prefix="ar_torchrl-sglang-"))
+        owned.append(run_dir)
+        reaper.guard_dir(run_dir)
+        env = _server_env(device, python, shim_dir, env, host=host, run_dir=run_dir, args=args)
+        attempts = 1 if port else 3  # an auto-picked port can be taken by SGLang's own children
+        for attempt in range(1, attempts + 1):
+            try:
+                server = _start_server(
+                    python, args, secret, host, port or free_port(host), log_path, timeout_s, env
+                )
+                break
+            except _PortTaken as err:
+                if attempt == attempts:
+                    raise SGLangLaunchError(str(err)) from err
+                logger.warning(
+                    "SGLang: %s; retrying on another port (%d/%d)", err, attempt, attempts
+                )
+        server.api_key, server.run_dir = api_key, run_dir
+        try:
+            yield server
+        finally:
+            served = _served_path(server)
+            stop_server(server.process)
+            for path in server.shm_files:
+                reaper.remove_path(path)
+                reaper.release_dir(path)
+            if served is not None:  # a dir a client left to it when that client exited
+                remove_if_orphaned(served)
     finally:
-        served = _served_path(server)
-        stop_server(server.process)
-        if served is not None:  # a dir a client left to it when that client exited
-            remove_if_orphaned(served)
+        for path in owned:
+            reaper.remove_path(path)
+            reaper.release_dir(path)
+
+
+def _last_value(pairs: Sequence[str], flag: str) -> str | None:
+    values = [v for f, v in zip(pairs[::2], pairs[1::2]) if f == flag]
+    return values[-1] if values else None
 
 
 def _served_path(server: SGLangServer) -> Path | None:
@@ -275,30 +446,46 @@ class _PortTaken(SGLangLaunchError):
     """The server could not bind its HTTP port (taken between our pick and its bind)."""
 
 
-def _command(python: Path, args: list[str]) -> list[str]:
-    cmd = ["-m", "sglang.launch_server", *args]
-    if sys.platform.startswith("linux") and threading.current_thread() is threading.main_thread():
-        return [str(python), "-c", _PDEATHSIG_SHIM, str(os.getpid()), *cmd]
-    return [str(python), *cmd]
+def _command(python: Path, args: list[str], secret_fd: int = -1) -> list[str]:
+    """``python -c <prelude> <parent pid or 0> <secrets fd or -1> <flags>`` (see ``_SERVER_MAIN``)."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    parent = os.getpid() if sys.platform.startswith("linux") and main_thread else 0
+    return [str(python), "-c", _SERVER_MAIN, str(parent), str(secret_fd), *args]
 
 
-def _start_server(python, args, host, port, log_path, timeout_s, env) -> SGLangServer:
+def _start_server(python, args, secret, host, port, log_path, timeout_s, env) -> SGLangServer:
     """Start one server process and wait until it is healthy (stopping it on failure)."""
-    cmd = _command(python, [*args, "--port", str(port)])
+    args = [*args, "--port", str(port)]
+    if _DIST_INIT_ENV in env and env[_DIST_INIT_ENV].endswith("/dist-store"):
+        env = {**env, _DIST_INIT_ENV: f"{env[_DIST_INIT_ENV]}-{port}"}  # a fresh one per attempt
     logger.info(
-        "launching SGLang: %s (log %s)", " ".join(c for c in cmd if c != _PDEATHSIG_SHIM), log_path
+        "launching SGLang: %s -m sglang.launch_server %s%s (log %s)",
+        python,
+        " ".join(args),
+        f" + {' '.join(secret[::2])} through a pipe" if secret else "",
+        log_path,
     )
     offset = log_path.stat().st_size if log_path.exists() else 0
-    with open(log_path, "ab") as log:
-        process = subprocess.Popen(
-            cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-        )
-    reaper.guard_process_group(process.pid)
+    read_fd = -1
+    if secret:  # a few bytes: the pipe holds them until the server reads them
+        read_fd, write_fd = os.pipe()
+        with os.fdopen(write_fd, "wb") as pipe:
+            pipe.write(json.dumps(secret).encode())
+    try:
+        with open(log_path, "ab") as log:
+            process = subprocess.Popen(
+                _command(python, args, read_fd),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+                pass_fds=(read_fd,) if read_fd >= 0 else (),
+            )
+    finally:
+        if read_fd >= 0:
+            os.close(read_fd)
+    reaper.guard_process_group(process.pid, SHM_PREFIXES)
     server = SGLangServer(
         url=f"http://{host}:{port}", process=process, log_path=log_path, port=port
     )
@@ -312,6 +499,9 @@ def _start_server(python, args, host, port, log_path, timeout_s, env) -> SGLangS
         if taken and isinstance(err, SGLangLaunchError):
             raise _PortTaken(f"port {port} was taken before the server bound it") from err
         raise
+    server.shm_files = reaper.mapped_shm_files(process.pid, SHM_PREFIXES)
+    for path in server.shm_files:  # also removed if the server dies first and then this process
+        reaper.guard_dir(path)
     logger.info("SGLang server healthy at %s (pid %d)", server.url, process.pid)
     return server
 

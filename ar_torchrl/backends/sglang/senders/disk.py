@@ -9,6 +9,7 @@ server loads the directory (in parallel). The servers must see the same filesyst
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import socket
@@ -33,6 +34,8 @@ from ar_torchrl.weight_sync.errors import WeightSyncError
 
 __all__ = ["DiskWeightSender", "remove_if_orphaned"]
 
+logger = logging.getLogger(__name__)
+
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 INDEX_FILE = "model.safetensors.index.json"
 OWNER_FILE = ".ar_torchrl-owner"
@@ -48,10 +51,15 @@ class DiskWeightSender(SGLangSender):
         tmp_root: where temp dirs are made (must be readable by the servers).
         bucket_bytes: most bytes per shard file.
 
-    Temp dirs are named ``ar_torchrl-*``. The directory of the latest sync is kept while it is
-    served (the servers' ``model_path`` points at it); it is removed at this sender's next
-    successful sync, or when this process ends, whatever ends it (see :mod:`ar_torchrl.backends.sglang.reaper`),
-    unless a live server still serves it.
+    Temp dirs are named ``ar_torchrl-*``. A weights directory is never removed while a server may
+    serve it (report it as its ``model_path``): the latest sync's is kept; a sync that failed on
+    some servers keeps its directory (the others may have loaded it) and the ones before it (the
+    failed servers still serve those). They are removed once every server has moved on (at this
+    sender's next successful sync, or at :meth:`close` when every server answers and none serves
+    them), or when this process ends, whatever ends it (see
+    :mod:`ar_torchrl.backends.sglang.reaper`), unless a live server still serves them; a directory
+    left to a server is removed by the next client or launcher that sees it unserved
+    (:func:`remove_if_orphaned`).
 
     Example:
         >>> DiskWeightSender(client=None, config_dir="/tmp").name
@@ -71,10 +79,15 @@ class DiskWeightSender(SGLangSender):
         super().__init__(client)
         self.config_dir = Path(config_dir) if config_dir else None
         self.tmp_root, self.bucket_bytes = tmp_root, bucket_bytes
-        self._last_dir: Path | None = None
+        self._dirs: list[Path] = []  # weights dirs written here that a server may serve
         self._snapshot: Path | None = None
         self._source: Path | None = None
         self._source_shapes: dict[str, tuple[int, ...]] = {}
+
+    @property
+    def _last_dir(self) -> Path | None:
+        """The latest sync's directory (``None`` before the first)."""
+        return self._dirs[-1] if self._dirs else None
 
     def _mkdtemp(self, kind: str, served: bool) -> Path:
         path = Path(tempfile.mkdtemp(prefix=f"ar_torchrl-{kind}-", dir=self.tmp_root))
@@ -89,12 +102,17 @@ class DiskWeightSender(SGLangSender):
         its next sync: copying the small non-weight files once makes this sender independent of it.
         """
         if self._snapshot is None:
-            source = self.config_dir or Path(
-                self.client.get(self.client.urls[0], "/model_info")["model_path"]
-            )
-            if not source.is_dir():
+            if self.config_dir is not None:
+                candidates = [self.config_dir]
+            else:  # any server's: after a partly failed sync they may differ
+                candidates = list(
+                    dict.fromkeys(on_each_server(self.client.urls, self._served_path, "model_info"))
+                )
+            source = next((c for c in candidates if c.is_dir()), None)
+            if source is None:
+                shown = candidates[0] if len(candidates) == 1 else candidates
                 raise WeightSyncError(
-                    f"SGLang disk weight sync: the config source {source} does not exist (the "
+                    f"SGLang disk weight sync: the config source {shown} does not exist (the "
                     "server's model_path may be another client's removed temp dir); pass "
                     "weight_sync_options={'config_dir': <the model's HF directory>}"
                 )
@@ -125,21 +143,32 @@ class DiskWeightSender(SGLangSender):
         out = self._mkdtemp("weights", served=True)
         try:
             self._write(named_tensors, out)
-            body = {"model_path": str(out), "weight_version": version, "flush_cache": True}
-            on_each_server(
-                self.client.urls, lambda u: self._load(u, body), "update_weights_from_disk"
-            )
-        except BaseException:
-            shutil.rmtree(out, ignore_errors=True)
-            reaper.release_dir(out)
+        except BaseException:  # no server has seen it
+            _remove(out)
             raise
-        # The servers' model_path now points at `out`: keep it until the next sync replaces it.
-        if self._last_dir is not None:
-            shutil.rmtree(self._last_dir, ignore_errors=True)
-            reaper.release_dir(self._last_dir)
-        self._last_dir = out
+        self._dirs.append(out)
+        body = {"model_path": str(out), "weight_version": version, "flush_cache": True}
+        # A failure below may leave some servers on `out` and others on an older dir: all are
+        # kept (see the class docstring).
+        on_each_server(self.client.urls, lambda u: self._load(u, body), "update_weights_from_disk")
+        for old in self._dirs[:-1]:  # every server serves `out` now
+            _remove(old)
+        self._dirs = [out]
         for path in set(served) - {out}:
             remove_if_orphaned(path)
+
+    def close(self) -> None:
+        """Remove the weights dirs of this sender that no server serves (when all answer)."""
+        if not self._dirs:
+            return
+        try:
+            served = set(on_each_server(self.client.urls, self._served_path, "model_info"))
+        except Exception as exc:  # noqa: BLE001 - a server that does not answer may serve any
+            logger.debug("DiskWeightSender.close: keeping %s (%s)", self._dirs, exc)
+            return
+        for path in [d for d in self._dirs if d not in served]:
+            _remove(path)
+            self._dirs.remove(path)
 
     def _served_path(self, url: str) -> Path:
         return Path(self.client.get(url, "/model_info")["model_path"])
@@ -147,6 +176,11 @@ class DiskWeightSender(SGLangSender):
     def _load(self, url: str, body: dict) -> None:
         post_checked(self.client, url, "/update_weights_from_disk", body)
         self._applied()
+
+
+def _remove(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    reaper.release_dir(path)
 
 
 def _config_files(directory: Path) -> list[Path]:

@@ -5,6 +5,17 @@ Inside one weight-update session on every server (``/begin_weight_update`` ...
 flattened to one ``uint8`` buffer with SGLang's ``flattened_bucket`` metadata, pickled with torch's
 multiprocessing reductions (the tensors travel through shared memory, so the servers must run on
 this machine) and posted to every server in parallel. The last bucket carries ``weight_version``.
+
+The ``file_system`` strategy makes torch start a ``torch_shm_manager`` daemon for this process (in
+its own session, ~100 MB resident). Every server that opened one of our segments keeps a
+connection to it for as long as it lives (torch caches the connection per manager), and the
+manager only exits once no client is connected: so it would outlive this process for as long as
+the servers do. It cannot be stopped while this process runs (torch keeps using that manager for
+every later shared tensor of the process), so the sender registers it with
+:mod:`~ar_torchrl.backends.sglang.reaper`, which stops it when this process ends, however it ends
+(after this process's launched servers are stopped it exits by itself). A server that still maps
+one of our segments at that moment (this process died in the middle of a sync) would fail when it
+frees it; such a server is mid-update anyway.
 """
 
 from __future__ import annotations
@@ -12,12 +23,15 @@ from __future__ import annotations
 import base64
 import functools
 import io
+import os
 from collections.abc import Iterable
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
+from ar_torchrl.backends.sglang import reaper
 from ar_torchrl.backends.sglang.senders.base import (
     SGLangClient,
     SGLangSender,
@@ -32,7 +46,9 @@ from ar_torchrl.weight_sync.base import (
     with_last,
 )
 
-__all__ = ["TensorWeightSender", "flatten_bucket", "serialize_for_sglang"]
+__all__ = ["TensorWeightSender", "flatten_bucket", "serialize_for_sglang", "shm_managers"]
+
+_guarded_managers: set[int] = set()
 
 
 def flatten_bucket(
@@ -107,6 +123,61 @@ def serialize_for_sglang(obj: Any) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
+def shm_managers(parent: int | None = None) -> list[tuple[int, str | None]]:
+    """The ``torch_shm_manager`` children of ``parent`` (default: this process) and the directory
+    of each one's socket (``None`` if not found); Linux only (``[]`` elsewhere).
+
+    Example:
+        >>> shm_managers(parent=2**22 + 1)
+        []
+    """
+    parent = os.getpid() if parent is None else parent
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return []
+    found = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            comm = (entry / "comm").read_text().strip()
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if comm == "torch_shm_manag" and ppid == parent:  # comm is cut at 15 characters
+            found.append((int(entry.name), _socket_dir(entry)))
+    return found
+
+
+def _socket_dir(entry: Path) -> str | None:
+    """The ``torch-shm-dir-*`` directory of a manager's listening socket (``/proc/net/unix``)."""
+    inodes = set()
+    try:
+        for fd in (entry / "fd").iterdir():
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+        lines = Path("/proc/net/unix").read_text().splitlines()[1:]
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split()
+        if len(fields) >= 8 and fields[6] in inodes:
+            path = Path(fields[7])
+            if path.name == "manager.sock" and path.parent.name.startswith("torch-shm-dir-"):
+                return str(path.parent)
+    return None
+
+
+def _guard_shm_manager() -> None:
+    """Hand this process's ``torch_shm_manager`` to the reaper (once; see the module docstring)."""
+    if _guarded_managers:
+        return
+    for pid, socket_dir in shm_managers():
+        reaper.guard_shm_manager(pid, socket_dir)
+        _guarded_managers.add(pid)
+
+
 class TensorWeightSender(SGLangSender):
     """Bucketed ``/update_weights_from_tensor`` (``flattened_bucket``) inside a weight-update session.
 
@@ -152,6 +223,7 @@ class TensorWeightSender(SGLangSender):
                     ]
                     for url, copy in zip(self.client.urls, copies)
                 }
+                _guard_shm_manager()  # torch has started it for the first shared segment
                 body = {"load_format": "flattened_bucket", "flush_cache": last}
                 if last:
                     body["weight_version"] = version
