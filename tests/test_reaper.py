@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # A stand-in owner: starts a process group (a shell with a child), guards it and two dirs, then waits.
 OWNER = """
-import json, subprocess, sys, tempfile
+import json, signal, subprocess, sys, tempfile
+signal.signal(signal.SIGHUP, signal.SIG_DFL)  # a suite started under nohup: SIGHUP is ignored
 from ar_torchrl.backends.sglang import reaper
 tree = subprocess.Popen(["sh", "-c", "sleep 300 & sleep 300; wait"], start_new_session=True)
 dirs = [tempfile.mkdtemp(prefix="ar_torchrl-test-"), tempfile.mkdtemp(prefix="ar_torchrl-test-")]
@@ -118,7 +119,8 @@ print("mapped", flush=True)
 time.sleep(300)
 """
 SHM_OWNER = """
-import json, subprocess, sys, tempfile
+import json, signal, subprocess, sys, tempfile
+signal.signal(signal.SIGHUP, signal.SIG_DFL)  # a suite started under nohup: SIGHUP is ignored
 from ar_torchrl.backends.sglang import reaper
 name = "/dev/shm/ar_torchrl-test-" + tempfile.mktemp(dir="")
 tree = subprocess.Popen([sys.executable, "-c", sys.argv[1], name + ".shm"],

@@ -13,6 +13,7 @@ import math
 import os
 import shlex
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -169,6 +170,9 @@ def test_grpo_end_to_end(tmp_path, cache_dir):
         assert 0 <= h["rollout/groups_zero_spread"] <= h["rollout/groups_generated"]
         assert "rollout/zero_spread_groups" not in h and "rollout/groups" not in h  # one name each
     assert "eval/reward_mean" in history[1] and "eval/reward_mean" in history[3]
+    # the run's logs are private (issue 16: dapo_ppo.log was 0644)
+    assert stat.S_IMODE(tmp_path.stat().st_mode) == 0o700
+    assert stat.S_IMODE((tmp_path / "dapo_ppo.log").stat().st_mode) == 0o600
 
 
 @pytest.mark.slow
@@ -470,7 +474,7 @@ def test_sglang_backend_end_to_end(tmp_path, cache_dir):
         assert math.isfinite(h["train/rollout_log_prob_abs_diff"])
         assert math.isfinite(h["train/loss_objective"]) and h["time/sync"] > 0
     assert -1.0 <= history[-1]["eval/reward_mean"] <= 1.0
-    assert (tmp_path / "sglang_server.log").exists()
+    assert stat.S_IMODE((tmp_path / "sglang_server.log").stat().st_mode) == 0o600
     assert not (
         tmp_path / "sglang_model"
     ).exists()  # the server's start weights are not left behind

@@ -37,6 +37,7 @@ __all__ = [
     "StopOnSignal",
     "find_checkpoint",
     "launcher_command",
+    "make_private",
     "newest_matching_checkpoint",
     "prepare_run_dir",
     "remove_empty_run_dir",
@@ -224,6 +225,15 @@ def prepare_run_dir(run_dir: Path, checkpoint: Path | None) -> None:
     remove_partial_checkpoints(run_dir / "checkpoints")
     truncate_jsonl(run_dir / "metrics.jsonl", step)
     truncate_csv_logs(run_dir / "logs", step)
+
+
+def make_private(run_dir: Path) -> None:
+    """Make the run directory readable by its owner only (mode 0700, its ``*.log`` files 0600): the
+    logs and the saved configuration may name servers, paths and options that are nobody else's
+    business, and SGLang's own log holds its server arguments."""
+    run_dir.chmod(0o700)
+    for log in run_dir.glob("*.log"):
+        log.chmod(0o600)
 
 
 def remove_empty_run_dir(run_dir: Path, *, keep: Iterable[str] = ()) -> bool:

@@ -472,7 +472,8 @@ def _start_server(python, args, secret, host, port, log_path, timeout_s, env) ->
         with os.fdopen(write_fd, "wb") as pipe:
             pipe.write(json.dumps(secret).encode())
     try:
-        with open(log_path, "ab") as log:
+        # private to this user: SGLang logs its server arguments (the key is redacted, others not)
+        with open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as log:
             process = subprocess.Popen(
                 _command(python, args, read_fd),
                 stdout=log,

@@ -123,6 +123,7 @@ def run(raw: DictConfig, launch: runs.Launch) -> Result:
         except (TypeError, ValueError, FileNotFoundError) as err:
             return Result(1, [f"{PROG}: {err}"] if main else [])
         if main:
+            runs.make_private(run_dir)
             runs.prepare_run_dir(run_dir, checkpoint)
         ended, stop = None, runs.StopOnSignal()
         try:
