@@ -167,6 +167,15 @@ RANGE_ERRORS = [
         r"advantage_mode=gae needs the value head: set algo.critic_coeff > 0",
     ),
     (["algo.gae.lmbda=1.5"], r"algo.gae.lmbda must be >= 0 and <= 1, got 1.5"),
+    # issue 16: each ended in a raw numpy / torch / torchrl traceback after the stack was loaded
+    (["seed=4294967296"], r"config: seed must be <= 4294967295, got 4294967296"),
+    (["num_threads=1000000000000"], r"config: num_threads must be <= 1024"),
+    (["rollout.max_new_tokens=1000000000000"], r"rollout.max_new_tokens must be <= 1048576"),
+    (["rollout.prompts_per_iter=1000000000000"], r"rows per batch, more than 1048576"),
+    (["data.num_rows=1000000000000"], r"data.num_rows must be >= 1 and <= 1000000"),
+    (["runs_dir=''"], r"config: runs_dir must name a directory, got ''"),
+    (["backend=sglang", "backend.url=[]"], r"backend.url must be null, a URL or a non-empty list"),
+    (["backend=sglang", "backend.url=abc"], r"backend.url='abc' is not a server URL"),
     (  # one dynamic-sampling key: rollout.dynamic_sampling (the GRPO-only spelling is gone)
         ["algo=grpo", "+algo.grpo.drop_zero_spread=true"],
         r"no schema has the key\(s\) algo.grpo.drop_zero_spread",

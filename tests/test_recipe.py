@@ -11,6 +11,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import shlex
 import signal
 import stat
@@ -402,6 +403,68 @@ def test_malformed_dataset_rows_fail_or_are_skipped_and_counted(tmp_path):
         C.validate_config(load([*data, "data.skip_invalid=true"]))
     )
     assert len(train) + len(held_out) == 19  # the bad row is skipped and counted, nothing else lost
+
+
+def test_an_over_long_prompt_is_named_by_its_line_at_load_or_skipped_and_counted(tmp_path, caplog):
+    """Issue 16: a row longer than the context passed loading (also with skip_invalid) and ended
+    the run whenever the sampler drew it, naming its index in the generate call."""
+    from ar_torchrl.models import build_char_tokenizer
+
+    rows = [make_row(f"What is {i} + 1?", str(i + 1), index=i) for i in range(20)]
+    rows[6] = make_row("What is " + "1 + " * 200 + "1?", "201", index=6)  # ~900 characters
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = ["data=dapo_math", f"data.path={path}", "data.holdout=4", "train.eval_prompts=4"]
+    tok = build_char_tokenizer()
+    cfg = C.validate_config(load(data))
+    with pytest.raises(ValueError, match=r"long.jsonl line 7 has \d+ tokens, more than the 500 "):
+        recipe.fit_prompts(cfg, recipe.build_datasets(cfg), tok, context=512)
+    cfg = C.validate_config(load([*data, "data.skip_invalid=true"]))
+    train, held_out = recipe.fit_prompts(cfg, recipe.build_datasets(cfg), tok, context=512)
+    assert len(train) + len(held_out) == 19  # the long row skipped, nothing else lost
+    assert "skipped 1 prompt(s) longer than the 500 tokens" in caplog.text
+
+
+def test_characters_the_tokenizer_drops_are_named(caplog):
+    """Issue 16: "Compute √2 × π" became "Compute 2  " with no warning."""
+    from ar_torchrl.data import MathDataset, check_prompts
+    from ar_torchrl.models import build_char_tokenizer
+
+    ds = MathDataset(
+        [make_row("Compute √2 × π", "4.44", index=0), make_row("1 + 1?", "2", index=1)]
+    )
+    found = check_prompts(ds, build_char_tokenizer(), max_prompt_tokens=500)
+    assert found.kept == [0, 1] and set(found.lost_characters[0]) == set("×√π")
+    assert set(found.lost_characters) == {0}
+    assert "drops characters of 1 prompt(s)" in caplog.text and "dataset row 0" in caplog.text
+
+
+@pytest.mark.parametrize("value", [None, [1], 1j, "1", True])
+def test_a_reward_of_the_wrong_type_names_the_function_and_the_row(value):
+    """Issue 16: None / [1] / 1j gave a bare TypeError, "1" and True silently became 1.0."""
+    from ar_torchrl.backends import SamplingParams, TransformersBackend
+    from ar_torchrl.data import arithmetic_dataset
+    from ar_torchrl.envs import LLMEnv
+    from ar_torchrl.models import build_char_tokenizer, build_tiny_qwen3
+
+    def my_reward(text, truth):
+        return value
+
+    tok = build_char_tokenizer()
+    env = LLMEnv(
+        arithmetic_dataset(4),
+        tok,
+        TransformersBackend(build_tiny_qwen3(len(tok))),
+        reward_fn=my_reward,
+        num_samples=1,
+        prompts_per_batch=1,
+        sampling=SamplingParams(max_new_tokens=2),
+    )
+    with pytest.raises(
+        TypeError,
+        match=rf"reward function .*my_reward returned {re.escape(repr(value))}.* batch row 0",
+    ):
+        env.rollout()
 
 
 def test_tokenizer_without_chat_template(tmp_path):

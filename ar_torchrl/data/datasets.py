@@ -38,6 +38,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+#: Most rows a generated task makes (they are built in memory, about 1 KB each: 1 GB).
+MAX_GENERATED_ROWS = 1_000_000
+
 #: DAPO-Math-17k's prompt, verbatim (``{problem}`` is substituted).
 DAPO_TEMPLATE = (
     "Solve the following math problem step by step. The last line of your response should be of the "
@@ -372,7 +375,15 @@ class ArithmeticDataConfig:
     seed: int = 0  # generation / split seed
 
     def check(self, prefix: str) -> None:
-        check_number(prefix, "num_rows", self.num_rows, ge=1, integer=True)
+        check_number(
+            prefix,
+            "num_rows",
+            self.num_rows,
+            ge=1,
+            le=MAX_GENERATED_ROWS,
+            integer=True,
+            hint="the rows are generated in memory, about 1 KB each",
+        )
         check_number(prefix, "max_operand", self.max_operand, ge=0, integer=True)
         check_choice(prefix, "template", self.template, ("short", "dapo"))
         check_number(prefix, "holdout", self.holdout, ge=1, integer=True)

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ar_torchrl.data.datasets import MathDataset
+from ar_torchrl.data.datasets import MAX_GENERATED_ROWS, MathDataset
 from ar_torchrl.data.registry import register_task
 from ar_torchrl.utils.checks import check_number
 
@@ -177,7 +177,15 @@ class FewshotArithmeticDataConfig:
     seed: int = 0  # problem split / sampling seed
 
     def check(self, prefix: str) -> None:
-        check_number(prefix, "num_rows", self.num_rows, ge=1, integer=True)
+        check_number(
+            prefix,
+            "num_rows",
+            self.num_rows,
+            ge=1,
+            le=MAX_GENERATED_ROWS,
+            integer=True,
+            hint="the rows are generated in memory, about 1 KB each",
+        )
         key = prefix.rsplit(" ", 1)[-1]
         if not self.ops or any(op not in ("+", "-", "*") for op in self.ops):
             raise ValueError(f"{prefix}ops must be a non-empty list of +, -, *; got {self.ops}")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -219,7 +220,18 @@ class LLMEnv(EnvBase):
                 ``row``, the prompt ``index`` and the value).
         """
         text = self.tokenizer.decode(response_ids, skip_special_tokens=True)
-        reward = float(self.reward_fn(text, self.dataset[index]["reward_model"]["ground_truth"]))
+        value = self.reward_fn(text, self.dataset[index]["reward_model"]["ground_truth"])
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            name = getattr(self.reward_fn, "name", None) or getattr(
+                self.reward_fn, "__qualname__", type(self.reward_fn).__name__
+            )
+            raise TypeError(
+                f"LLMEnv: the reward function {name} returned {value!r} "
+                f"({type(value).__name__}) for batch row {row} (prompt index {index}, response "
+                f"{text[:80]!r}); a reward must be a real number (int or float; not a bool, a "
+                "string, a list or None)"
+            )
+        reward = float(value)
         if self.overlong_buffer_len is not None:
             reward += overlong_penalty(
                 len(response_ids),

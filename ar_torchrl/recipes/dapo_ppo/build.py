@@ -70,9 +70,9 @@ def fit_prompts(
 
 def context_length(model: torch.nn.Module, backend: Any) -> int:
     """The tokens a sequence may have: the model's ``max_position_embeddings`` and the rollout
-    engine's own limit (``backend.max_context_tokens``, e.g. a server's ``--context-length``)."""
+    engine's own limit (``backend.context_length``, e.g. a server's ``--context-length``)."""
     limits = [getattr(model.config, "max_position_embeddings", None)]
-    limits.append(getattr(backend, "max_context_tokens", None))
+    limits.append(backend.context_length)
     known = [int(x) for x in limits if x]
     if not known:
         raise ValueError(

@@ -56,6 +56,15 @@ __all__ = [
 GROUPS = {"model": MODELS, "backend": BACKENDS, "data": TASKS, "reward": REWARDS}
 
 
+#: Bounds that catch typos (1e12) before they reach numpy/torch: no model has a longer context than
+#: MAX_TOKENS, no batch of rollouts has more rows than MAX_BATCH_ROWS, and a machine with more than
+#: MAX_THREADS cores for one trainer process does not exist yet.
+MAX_TOKENS = 1 << 20
+MAX_BATCH_ROWS = 1 << 20
+MAX_THREADS = 1024
+_TOO_LONG = "longer than any model's context"
+
+
 def _count(prefix: str, key: str, value: Any, *, ge: int = 1, allow_none: bool = False) -> Any:
     return check_number(prefix, key, value, ge=ge, integer=True, allow_none=allow_none)
 
@@ -168,6 +177,14 @@ class RolloutConfig:
     def check(self, prefix: str) -> None:
         for key in ("prompts_per_iter", "samples_per_prompt", "max_new_tokens", "token_budget"):
             _count(prefix, key, getattr(self, key))
+        check_number(prefix, "max_new_tokens", self.max_new_tokens, le=MAX_TOKENS, hint=_TOO_LONG)
+        rows = self.prompts_per_iter * self.samples_per_prompt
+        if rows > MAX_BATCH_ROWS:
+            raise ValueError(
+                f"{prefix}prompts_per_iter x {prefix.rsplit(' ', 1)[-1]}samples_per_prompt = "
+                f"{self.prompts_per_iter} x {self.samples_per_prompt} = {rows} rows per batch, more "
+                f"than {MAX_BATCH_ROWS}: lower them (every row is generated and trained each step)"
+            )
         _count(prefix, "max_sampling_rounds", self.max_sampling_rounds)
         check_number(prefix, "temperature", self.temperature, ge=0)
         check_number(prefix, "top_p", self.top_p, gt=0, le=1)
@@ -256,6 +273,7 @@ class Config:
         _count("config", "seed", self.seed, ge=0)
         check_number("config", "seed", self.seed, le=2**32 - 1, integer=True)
         _count("config", "num_threads", self.num_threads)
+        check_number("config", "num_threads", self.num_threads, le=MAX_THREADS)
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"config: device={self.device!r} must be cpu, cuda or cuda:<index>")
         if not str(self.runs_dir).strip():
