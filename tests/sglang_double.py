@@ -20,7 +20,9 @@ timeouts), a dropped connection (no answer at all), an answer dripped byte by by
 the completions. A handler override may return raw bytes (malformed answers are the one place the
 double leaves the protocol on purpose: the client must turn each into a clear error). With
 ``api_key`` set, every path but ``/health*`` needs ``Authorization: Bearer <api_key>`` and answers
-401 ``{"error": "Unauthorized"}`` otherwise, as SGLang's middleware does.
+401 ``{"error": "Unauthorized"}`` otherwise, as SGLang's middleware does. :meth:`SGLangDouble.sigstop`
+freezes the whole double like a SIGSTOPped server (connections are accepted, nothing is answered,
+``/health*`` included) until :meth:`SGLangDouble.sigcont`; the requests it held then go on.
 """
 
 from __future__ import annotations
@@ -92,6 +94,17 @@ class SGLangDouble:
     handlers: dict = field(default_factory=dict)  # path -> fn(body) -> (status, json) overrides
     url: str = ""
     lock: threading.Lock = field(default_factory=threading.Lock)
+    running: threading.Event = field(default_factory=threading.Event)  # cleared: "SIGSTOPped"
+
+    def __post_init__(self) -> None:
+        self.running.set()
+
+    def sigstop(self) -> None:
+        """Answer nothing (every request waits) until :meth:`sigcont`."""
+        self.running.clear()
+
+    def sigcont(self) -> None:
+        self.running.set()
 
     def inject(self, kind: str, **kwargs: Any) -> None:
         self.faults.append(Fault(kind, **kwargs))
@@ -167,6 +180,7 @@ def _make_handler(double: SGLangDouble) -> type[BaseHTTPRequestHandler]:
             return False
 
         def do_GET(self) -> None:
+            double.running.wait()
             with double.lock:
                 double.requests.append((self.path, None))
             if not self._authorized():
@@ -193,6 +207,7 @@ def _make_handler(double: SGLangDouble) -> type[BaseHTTPRequestHandler]:
                 self._send(404, {"detail": "Not Found"})
 
         def do_POST(self) -> None:
+            double.running.wait()
             body = json.loads(
                 self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"null"
             )

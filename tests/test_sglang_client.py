@@ -17,6 +17,7 @@ from sglang_helpers import (
     PROMPTS,
     SentNames,
     assert_server_matches,
+    require_schema,
     trainer_log_probs,
     trainer_with_value_head,
 )
@@ -93,6 +94,7 @@ def test_finish_reason_stop_keeps_stop_token_and_length(sglang_double):
 
 
 def test_requests_are_spread_over_servers():
+    require_schema()
     (d1, stop1), (d2, stop2) = serve_double(), serve_double()
     try:
         with _backend([d1.url, d2.url], max_concurrency=1) as backend:

@@ -4,17 +4,30 @@ The client speaks HTTP only (``requests``); nothing from ``sglang`` (which pins 
 imported. Requests are spread round-robin over the servers; every weight sync reaches every server
 (in parallel) and changes :attr:`weight_version` only when all of them succeeded; every completion
 is checked against the version the server reports, so a batch never mixes two versions.
+
+**Stalled servers.** While ``/generate`` requests are in flight, each server's silence is tracked:
+the time since its last sign of life (an answer, or a passed ``GET /health_generate`` probe, which
+SGLang answers only while its scheduler makes progress), counted from the oldest request it holds.
+A server silent for ``stall_grace_s / 2`` is named in a warning; one silent for ``stall_grace_s``
+is marked stalled: its requests are cancelled there (their sockets are shut down, so SGLang drops
+them when it wakes up; an answer that still arrives is discarded, never counted) and sent again to
+the other servers, and it gets no new request until a probe passes again. With no other server
+answering, the client keeps waiting (up to ``timeout_s``) and says so every ``stall_grace_s``.
+Weight syncs still go to every server, stalled or not: a stalled server fails the sync
+(``sync_timeout_s``) and the version stays unchanged.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import requests
@@ -28,13 +41,19 @@ from ar_torchrl.backends.sglang.errors import (
     SGLangResponseError,
     SGLangUnavailableError,
 )
-from ar_torchrl.backends.sglang.http import DEFAULT_MAX_RESPONSE_BYTES, HttpClient, RetryPolicy
+from ar_torchrl.backends.sglang.http import (
+    DEFAULT_MAX_RESPONSE_BYTES,
+    Flight,
+    HttpClient,
+    RetryPolicy,
+)
 from ar_torchrl.backends.sglang.launcher import API_KEY_ENV
 from ar_torchrl.backends.sglang.protocol import (
     check_sampling_keys,
     generate_body,
     parse_generate_answer,
 )
+from ar_torchrl.utils.checks import check_number
 from ar_torchrl.weight_sync.base import WeightSender
 from ar_torchrl.weight_sync.registry import make_sender
 
@@ -51,6 +70,30 @@ _DTYPES = {
 }
 
 
+@dataclass
+class _Server:
+    """What the stall detection knows of one server (guarded by ``SGLangBackend._watch_lock``)."""
+
+    url: str
+    alive_at: float = -math.inf  # last sign of life: an answer, or a passed probe (monotonic)
+    stalled: bool = False  # silent past the grace period: no new request until it answers again
+    probe: Flight | None = None  # the probe in flight
+    probe_at: float = -math.inf  # when the last probe was sent
+    warned_for: float | None = None  # start of the silence already warned about
+    waiting_said_at: float = -math.inf  # last "nowhere to move its requests" warning
+
+
+@dataclass
+class _Job:
+    """One ``/generate`` request; ``attempt`` counts its sends (a move sends it again)."""
+
+    body: dict
+    attempt: int = 0
+    flight: Flight | None = None
+    answer: Any = None
+    done: bool = False
+
+
 class SGLangBackend(GenerationBackend):
     """Rollouts from one or more SGLang servers over HTTP.
 
@@ -61,7 +104,9 @@ class SGLangBackend(GenerationBackend):
     above ``max_response_bytes`` are refused. Answers are checked field by field
     (:mod:`~ar_torchrl.backends.sglang.protocol`); aborted completions are counted in
     ``stats["aborted"]`` and raise :class:`SGLangAbortError` (``on_abort="raise"``) or are returned
-    with ``finish_reason="abort"`` (``on_abort="keep"``).
+    with ``finish_reason="abort"`` (``on_abort="keep"``). A server that stays silent for
+    ``stall_grace_s`` has its requests moved to the other servers (see the module docstring;
+    ``stats["moved"]`` counts them, ``stats["discarded"]`` the late answers that were dropped).
 
     Args:
         urls: server base URL(s), e.g. ``"http://127.0.0.1:30000"``, a list of them, or one
@@ -69,6 +114,12 @@ class SGLangBackend(GenerationBackend):
         api_key: the servers' ``--api-key`` (default ``$AR_TORCHRL_SGLANG_API_KEY``, if set).
         max_concurrency: in-flight ``/generate`` requests.
         timeout_s: deadline of one whole ``/generate`` answer (seconds).
+        stall_grace_s: how long a server holding requests may stay silent (no answer, no passed
+            probe) before its requests move to the other servers (``None``: never; then only
+            ``timeout_s`` ends a wait). Keep it well above the probe's latency (SGLang answers
+            ``/health_generate`` after 1 s at the earliest).
+        probe_path: the liveness probe, ``GET`` while requests wait (``"/health_generate"``:
+            the scheduler made progress; ``"/health"``: only the HTTP process answers).
         connect_timeout_s: TCP connect timeout.
         max_retries, backoff_s, backoff_max_s: retry policy for connection errors and 5xx.
         max_response_bytes: largest answer accepted.
@@ -100,6 +151,8 @@ class SGLangBackend(GenerationBackend):
         api_key: str | None = None,
         max_concurrency: int = 8,
         timeout_s: float = 600.0,
+        stall_grace_s: float | None = 60.0,
+        probe_path: str = "/health_generate",
         connect_timeout_s: float = 5.0,
         max_retries: int = 3,
         backoff_s: float = 0.5,
@@ -118,11 +171,34 @@ class SGLangBackend(GenerationBackend):
             raise ValueError(f"SGLangBackend: max_concurrency must be >= 1, got {max_concurrency}")
         if on_abort not in ("raise", "keep"):
             raise ValueError(f"SGLangBackend: on_abort must be 'raise' or 'keep', got {on_abort!r}")
+        check_number("SGLangBackend", "timeout_s", timeout_s, gt=0)
+        check_number("SGLangBackend", "sync_timeout_s", sync_timeout_s, gt=0)
+        check_number(
+            "SGLangBackend",
+            "stall_grace_s",
+            stall_grace_s,
+            gt=0,
+            allow_none=True,
+            hint="None disables the stall detection",
+        )
+        if not probe_path.startswith("/"):
+            raise ValueError(f"SGLangBackend: probe_path must start with '/', got {probe_path!r}")
         self.extra_sampling_params = check_sampling_keys(extra_sampling_params or {})
         self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
         self.timeout_s, self.sync_timeout_s, self.vocab_size = timeout_s, sync_timeout_s, vocab_size
         self.on_abort, self.show_progress = on_abort, show_progress
-        self.stats = {"requests": 0, "aborted": 0, "completions": 0, "tokens": 0}
+        self.stall_grace_s, self.probe_path = stall_grace_s, probe_path
+        # probes every grace/5 (at most every 5 s) while a server is silent; looks 2x as often
+        self._probe_every = None if stall_grace_s is None else min(5.0, stall_grace_s / 5)
+        self._tick = None if stall_grace_s is None else min(0.25, self._probe_every / 2)
+        self.stats = {
+            "requests": 0,
+            "aborted": 0,
+            "completions": 0,
+            "tokens": 0,
+            "moved": 0,
+            "discarded": 0,
+        }
         self._stats_lock = threading.Lock()
         self._http = HttpClient(
             api_key=self.api_key,
@@ -132,6 +208,11 @@ class SGLangBackend(GenerationBackend):
             pool_size=max(10, max_concurrency),
         )
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="sglang")
+        self._probes = ThreadPoolExecutor(
+            max_workers=len(self.urls), thread_name_prefix="sglang-probe"
+        )
+        self._servers = {url: _Server(url) for url in self.urls}
+        self._watch_lock = threading.Lock()
         self._rr = itertools.count()
         self._server_info: list[dict] | None = None
         self._synced = False
@@ -158,8 +239,10 @@ class SGLangBackend(GenerationBackend):
             "POST", [url], path, body, timeout_s=timeout_s or self.sync_timeout_s, retry=retry
         )
 
-    def get(self, url: str, path: str, *, timeout_s: float = 30.0) -> Any:
-        """GET ``url + path`` with the retry policy; return the JSON answer."""
+    def get(self, url: str, path: str, *, timeout_s: float | None = None) -> Any:
+        """GET ``url + path`` with the retry policy; return the JSON answer (default deadline: 30 s,
+        or ``sync_timeout_s`` if shorter)."""
+        timeout_s = timeout_s or min(30.0, self.sync_timeout_s)
         return self._http.request("GET", [url], path, timeout_s=timeout_s)
 
     def _urls_from_next(self) -> list[str]:
@@ -230,32 +313,169 @@ class SGLangBackend(GenerationBackend):
     def _generate(
         self, prompts: list[list[int]], n: int, sampling: SamplingParams
     ) -> list[Completion]:
-        bodies = [
-            generate_body(p, n, sampling, i, self.extra_sampling_params)
+        jobs = [
+            _Job(generate_body(p, n, sampling, i, self.extra_sampling_params))
             for i, p in enumerate(prompts)
         ]
-        futures = [self._pool.submit(self._generate_one, body) for body in bodies]
+        self._run(jobs)
         completions: list[Completion] = []
+        for i, job in enumerate(jobs):
+            completions += parse_generate_answer(job.answer, n, i, vocab_size=self.vocab_size)
+        self._check_server_versions(completions)
+        return self._count_aborts(completions)
+
+    def _run(self, jobs: list[_Job]) -> None:
+        """Send every job, watch the servers while they wait, move the jobs of a stalled one; each
+        job keeps the answer of its *last* send only."""
+        futures: dict[Future, tuple[_Job, int]] = {}
+
+        def send(job: _Job) -> None:
+            job.attempt += 1
+            job.flight = Flight()
+            future = self._pool.submit(self._send, job.body, job.flight, job.attempt == 1)
+            futures[future] = (job, job.attempt)
+
+        for job in jobs:
+            send(job)
+        left = len(jobs)
         bar = tqdm(
-            total=len(futures),
+            total=len(jobs),
             desc="sglang generate",
             leave=False,
             disable=None if self.show_progress is None else not self.show_progress,
         )
-        with bar:
-            for i, future in enumerate(futures):
-                completions += parse_generate_answer(
-                    future.result(), n, i, vocab_size=self.vocab_size
-                )
-                bar.update(1)
-        self._check_server_versions(completions)
-        return self._count_aborts(completions)
+        try:
+            with bar:
+                while left:
+                    done, _ = wait(list(futures), timeout=self._tick, return_when=FIRST_COMPLETED)
+                    for future in done:
+                        job, attempt = futures.pop(future)
+                        if attempt != job.attempt:  # sent again elsewhere: this answer is not used
+                            if future.exception() is None:
+                                self._count(discarded=1)
+                                logger.info(
+                                    "SGLang: a late answer of a moved request was discarded"
+                                )
+                            continue
+                        job.answer, job.done = future.result(), True
+                        left -= 1
+                        bar.update(1)
+                    if left and self.stall_grace_s is not None:
+                        self._watch([job for job in jobs if not job.done], send)
+        finally:  # an error (or an interrupt): nothing of this call stays in flight
+            for job in jobs:
+                if not job.done and job.flight is not None:
+                    job.flight.cancel()
 
-    def _generate_one(self, body: dict) -> Any:
-        self._count(requests=1)
-        return self._http.request(
-            "POST", self._urls_from_next(), "/generate", body, timeout_s=self.timeout_s
+    def _send(self, body: dict, flight: Flight, first: bool) -> Any:
+        if first:  # a moved request is counted once
+            self._count(requests=1)
+        answer = self._http.request(
+            "POST", self._route(), "/generate", body, timeout_s=self.timeout_s, flight=flight
         )
+        self._alive(flight.url)
+        return answer
+
+    def _route(self) -> list[str]:
+        """The servers in round-robin order, stalled ones left out (unless all are stalled)."""
+        order = self._urls_from_next()
+        with self._watch_lock:
+            answering = [url for url in order if not self._servers[url].stalled]
+        return answering or order
+
+    def _alive(self, url: str | None) -> None:
+        with self._watch_lock:
+            server = self._servers.get(url)
+            if server is None:
+                return
+            server.alive_at = time.monotonic()
+            if server.stalled:
+                server.stalled = False
+                logger.warning("SGLang server %s answers again: it takes requests again", url)
+
+    def _watch(self, pending: list[_Job], send: Callable[[_Job], None]) -> None:
+        """Probe silent servers, warn about them, and move the jobs of a stalled one."""
+        grace, now = self.stall_grace_s, time.monotonic()
+        held: dict[str, list[_Job]] = {}
+        for job in pending:
+            flight = job.flight
+            if flight is not None and flight.url is not None and not flight.cancelled:
+                held.setdefault(flight.url, []).append(job)
+        with self._watch_lock:
+            for server in self._servers.values():
+                jobs = held.get(server.url, [])
+                if not jobs and not server.stalled:
+                    continue
+                oldest = min((job.flight.since for job in jobs), default=-math.inf)
+                since = max(server.alive_at, oldest)
+                silent = now - since
+                if (
+                    silent >= self._probe_every
+                    and server.probe is None
+                    and now - server.probe_at >= self._probe_every
+                ):
+                    server.probe, server.probe_at = Flight(), now
+                    self._probes.submit(self._probe, server, server.probe)
+                if not jobs:
+                    continue
+                if silent >= grace / 2 and server.warned_for != since:
+                    server.warned_for = since
+                    logger.warning(
+                        "SGLang server %s has been silent for %.1f s with %d request(s) in flight; "
+                        "they move to the other server(s) if it stays silent for stall_grace_s=%gs",
+                        server.url,
+                        silent,
+                        len(jobs),
+                        grace,
+                    )
+                if silent >= grace:
+                    self._move(server, jobs, silent, send, now)
+
+    def _move(
+        self,
+        server: _Server,
+        jobs: list[_Job],
+        silent: float,
+        send: Callable[[_Job], None],
+        now: float,
+    ) -> None:
+        server.stalled = True
+        others = [s.url for s in self._servers.values() if not s.stalled]
+        if not others:
+            if now - server.waiting_said_at >= self.stall_grace_s:
+                server.waiting_said_at = now
+                logger.warning(
+                    "SGLang server %s has been silent for %.1f s with %d request(s) in flight and "
+                    "no other server answers to move them to; waiting for it (timeout_s=%gs)",
+                    server.url,
+                    silent,
+                    len(jobs),
+                    self.timeout_s,
+                )
+            return
+        for job in jobs:
+            job.flight.cancel()
+            send(job)
+        self._count(moved=len(jobs))
+        logger.warning(
+            "SGLang server %s has been silent for %.1f s (stall_grace_s=%gs): moved its %d "
+            "request(s) to %s; it gets no new request until it answers %s again",
+            server.url,
+            silent,
+            self.stall_grace_s,
+            len(jobs),
+            others,
+            self.probe_path,
+        )
+
+    def _probe(self, server: _Server, flight: Flight) -> None:
+        ok = self._http.probe(
+            server.url, self.probe_path, timeout_s=self.stall_grace_s, flight=flight
+        )
+        with self._watch_lock:
+            server.probe = None
+        if ok:
+            self._alive(server.url)
 
     def _check_server_versions(self, completions: list[Completion]) -> None:
         """After a sync, every completion must come from that version (another client may have
@@ -294,9 +514,14 @@ class SGLangBackend(GenerationBackend):
         self._synced = True
 
     def close(self) -> None:
-        """Release the sender, the thread pool and the HTTP session. Idempotent."""
+        """Release the sender, the thread pools and the HTTP session. Idempotent."""
         super().close()
+        with self._watch_lock:
+            for server in self._servers.values():
+                if server.probe is not None:
+                    server.probe.cancel()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._probes.shutdown(wait=False, cancel_futures=True)
         self._http.close()
 
 

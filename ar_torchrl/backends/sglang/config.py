@@ -146,6 +146,11 @@ class SGLangBackendConfig:
     weight_sync: str = "disk"  # a registered sglang method (ar_torchrl.weight_sync.registry)
     weight_sync_options: dict[str, Any] = field(default_factory=dict)  # that method's options
     extra_args: list[str] = field(default_factory=list)  # extra sglang.launch_server flags
+    timeout_s: float = 600.0  # deadline of one whole /generate answer (seconds)
+    # how long a server holding requests may stay silent (no answer, no passed /health_generate
+    # probe) before its requests move to the other servers; None: never (only timeout_s ends a wait)
+    stall_grace_s: Optional[float] = 60.0
+    sync_timeout_s: float = 600.0  # deadline of each weight-sync request (seconds)
 
     @property
     def urls(self) -> list[str] | None:
@@ -164,6 +169,17 @@ class SGLangBackendConfig:
             for url in urls:
                 check_server_url(prefix, "url", url)
         check_choice(prefix, "device", self.device, ("cpu", "cuda"))
+        check_number(prefix, "timeout_s", self.timeout_s, gt=0)
+        check_number(prefix, "sync_timeout_s", self.sync_timeout_s, gt=0)
+        check_number(
+            prefix,
+            "stall_grace_s",
+            self.stall_grace_s,
+            ge=2,
+            allow_none=True,
+            hint="SGLang answers the /health_generate probe after 1 s at the earliest; null disables "
+            "the stall detection",
+        )
         sender_options(
             self.weight_sync,
             dict(self.weight_sync_options),
@@ -209,6 +225,9 @@ class SGLangBackendConfig:
             urls,
             weight_sync=self.weight_sync,
             weight_sync_options=dict(self.weight_sync_options),
+            timeout_s=self.timeout_s,
+            stall_grace_s=self.stall_grace_s,
+            sync_timeout_s=self.sync_timeout_s,
             vocab_size=context.model.config.vocab_size,
             show_progress=False,
         )

@@ -10,6 +10,11 @@
 - **Body limit**: an answer larger than ``max_response_bytes`` is refused
   (:class:`SGLangResponseError`), by its ``Content-Length`` or while it is read.
 - **API key**: every request carries ``Authorization: Bearer <api_key>`` (SGLang's ``--api-key``).
+- **Cancellation**: a request given a :class:`Flight` can be cancelled from another thread
+  (:meth:`Flight.cancel`): its socket is shut down, so the thread waiting on the answer wakes at
+  once with :class:`RequestCancelled` (not retried), and SGLang drops the request of a client that
+  went away. The flight also says which server the request is on and since when (the client's
+  stall detection reads it).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -27,13 +33,14 @@ import requests
 import urllib3
 
 from ar_torchrl.backends.sglang.errors import (
+    SGLangError,
     SGLangRequestError,
     SGLangResponseError,
     SGLangTimeoutError,
     SGLangUnavailableError,
 )
 
-__all__ = ["HttpClient", "RetryPolicy", "server_error_message"]
+__all__ = ["Flight", "HttpClient", "RequestCancelled", "RetryPolicy", "server_error_message"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +50,102 @@ _CHUNK = 1 << 16
 
 class _ConnectionFailed(Exception):
     """No (complete) answer: connection refused, reset or dropped mid-answer."""
+
+
+class RequestCancelled(SGLangError):
+    """The request's :class:`Flight` was cancelled (e.g. moved off a stalled server); not retried."""
+
+
+class Flight:
+    """One request in flight: the server it is on (``url``, ``None`` until sent) and since when
+    (``since``, ``time.monotonic()``); both are set again at each retry.
+
+    :meth:`cancel` may be called from any thread: the request's socket is shut down, so the
+    thread waiting on the answer wakes at once and the request raises :class:`RequestCancelled`.
+    A flight is used for one request.
+
+    Example:
+        >>> flight = Flight()
+        >>> flight.cancel()
+        >>> client = HttpClient()
+        >>> client.request("GET", ["http://127.0.0.1:9"], "/health", timeout_s=1, flight=flight)
+        Traceback (most recent call last):
+        ...
+        ar_torchrl.backends.sglang.http.RequestCancelled: SGLang GET http://127.0.0.1:9/health was cancelled
+    """
+
+    def __init__(self) -> None:
+        self.url: str | None = None
+        self.since = time.monotonic()
+        self.cancelled = False
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+
+    def _attempt(self, url: str) -> None:
+        with self._lock:
+            self.url, self.since = url, time.monotonic()
+
+    def _attach(self, sock: socket.socket | None) -> None:
+        with self._lock:
+            self._sock = sock
+            if self.cancelled:
+                _shutdown(sock)
+
+    def _detach(self) -> None:
+        with self._lock:
+            self._sock = None
+
+    def cancel(self) -> None:
+        """Abort the request (idempotent); its thread raises :class:`RequestCancelled`."""
+        with self._lock:
+            self.cancelled = True
+            _shutdown(self._sock)
+
+
+def _shutdown(sock: socket.socket | None) -> None:
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # already closed
+            pass
+
+
+_current = threading.local()  # the Flight of the request this thread is sending
+
+
+class _Attach:
+    """Hands the connection's socket to the current thread's :class:`Flight` before it blocks on
+    the answer (the only moment the socket is known before the headers are back)."""
+
+    def getresponse(self, *args: Any, **kwargs: Any) -> Any:
+        flight = getattr(_current, "flight", None)
+        if flight is not None:
+            flight._attach(self.sock)
+        return super().getresponse(*args, **kwargs)
+
+
+class _HTTPConnection(_Attach, urllib3.connection.HTTPConnection):
+    pass
+
+
+class _HTTPSConnection(_Attach, urllib3.connection.HTTPSConnection):
+    pass
+
+
+class _HTTPPool(urllib3.HTTPConnectionPool):
+    ConnectionCls = _HTTPConnection
+
+
+class _HTTPSPool(urllib3.HTTPSConnectionPool):
+    ConnectionCls = _HTTPSConnection
+
+
+class _Adapter(requests.adapters.HTTPAdapter):
+    """requests' adapter whose connections report their socket to a :class:`Flight`."""
+
+    def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
+        super().init_poolmanager(*args, **kwargs)
+        self.poolmanager.pool_classes_by_scheme = {"http": _HTTPPool, "https": _HTTPSPool}
 
 
 def server_error_message(data: bytes) -> str:
@@ -119,7 +222,7 @@ class HttpClient:
         pool_size: int = 10,
     ) -> None:
         self.session = requests.Session()
-        adapter = requests.adapters.HTTPAdapter(pool_connections=pool_size, pool_maxsize=pool_size)
+        adapter = _Adapter(pool_connections=pool_size, pool_maxsize=pool_size)
         self.session.mount("http://", adapter)
         self.session.mount("https://", adapter)
         if api_key:
@@ -138,11 +241,17 @@ class HttpClient:
         *,
         timeout_s: float,
         retry: bool = True,
+        flight: Flight | None = None,
     ) -> Any:
         """Send ``body`` to ``urls[0] + path``; retries go to the next URL in ``urls`` (failover).
 
+        ``flight``, if given, follows the request (its server, since when) and can cancel it.
+
         Returns:
             The decoded JSON answer (``None`` for an empty 2xx body).
+
+        Raises:
+            RequestCancelled: ``flight`` was cancelled.
         """
         attempts = self.retry.max_retries + 1 if retry else 1
         failures: list[str] = []
@@ -153,7 +262,7 @@ class HttpClient:
                 time.sleep(self.retry.delay(attempt - 1))
             url = urls[attempt % len(urls)]
             try:
-                status, data = self._exchange(method, url + path, body, timeout_s)
+                status, data = self._exchange(method, url, path, body, timeout_s, flight)
             except _ConnectionFailed as exc:
                 failures.append(f"connection error: {exc}")
             else:
@@ -165,7 +274,47 @@ class HttpClient:
             )
         raise _unavailable(urls, path, failures)
 
-    def _exchange(self, method: str, url: str, body: Any, timeout_s: float) -> tuple[int, bytes]:
+    def probe(self, url: str, path: str, *, timeout_s: float, flight: Flight | None = None) -> bool:
+        """``True`` when ``GET url + path`` answers 2xx within ``timeout_s`` (one attempt, no log).
+
+        Example:
+            >>> HttpClient(connect_timeout_s=0.5).probe("http://127.0.0.1:9", "/health", timeout_s=1)
+            False
+        """
+        try:
+            status, _ = self._exchange("GET", url, path, None, timeout_s, flight)
+        except (SGLangError, _ConnectionFailed):
+            return False
+        return 200 <= status < 300
+
+    def _exchange(
+        self,
+        method: str,
+        url: str,
+        path: str,
+        body: Any,
+        timeout_s: float,
+        flight: Flight | None,
+    ) -> tuple[int, bytes]:
+        if flight is None:
+            return self._send(method, url + path, body, timeout_s)
+        if flight.cancelled:
+            raise RequestCancelled(f"SGLang {method} {url}{path} was cancelled")
+        flight._attempt(url)
+        _current.flight = flight
+        try:
+            return self._send(method, url + path, body, timeout_s, flight)
+        except (SGLangError, _ConnectionFailed):
+            if flight.cancelled:  # the shut-down socket, not the server
+                raise RequestCancelled(f"SGLang {method} {url}{path} was cancelled") from None
+            raise
+        finally:
+            _current.flight = None
+            flight._detach()
+
+    def _send(
+        self, method: str, url: str, body: Any, timeout_s: float, flight: Flight | None = None
+    ) -> tuple[int, bytes]:
         deadline = time.monotonic() + timeout_s
         try:
             response = self.session.request(
@@ -176,7 +325,11 @@ class HttpClient:
         except requests.exceptions.ConnectionError as exc:
             raise _ConnectionFailed(_short(exc)) from None
         with response:
-            return response.status_code, self._read(response, deadline, url, timeout_s)
+            try:
+                return response.status_code, self._read(response, deadline, url, timeout_s)
+            finally:  # before the connection goes back to the pool (and to another request)
+                if flight is not None:
+                    flight._detach()
 
     def _read(
         self, response: requests.Response, deadline: float, url: str, timeout_s: float
@@ -238,7 +391,8 @@ def _decode(status: int, data: bytes, where: str) -> Any:
 def _timeout(url: str, timeout_s: float) -> SGLangTimeoutError:
     return SGLangTimeoutError(
         f"SGLang {url}: no complete answer within timeout_s={timeout_s}s; raise the backend's "
-        "`timeout_s` for long generations, or check the server log"
+        "`timeout_s` (the recipe's backend.timeout_s; backend.sync_timeout_s for weight syncs) "
+        "for long generations, or check the server log"
     )
 
 
