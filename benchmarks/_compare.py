@@ -88,7 +88,7 @@ def ppo_step(
     td = gae(td)
     out = ppo_update(loss_fn, optimizer, td, plan, epochs=1, num_minibatches=1, grad_clip=1.0)
     model = actor_critic.model
-    backend.sync_weights(named_policy_tensors(model), version=backend.weight_version + 1)
+    backend.sync_weights(named_policy_tensors(model), version=backend.policy_version + 1)
     row = {
         "loss": out["train/loss_objective"] + out["train/loss_critic"],
         "mean_ratio": out["train/mean_ratio"],

@@ -108,7 +108,7 @@ def main(iterations: int, epochs: int = 2, minibatch_rows: int = 32, seed: int =
                 optim.step()
                 optim.zero_grad()
 
-        backend.sync_weights(named_policy_tensors(model), version=backend.weight_version + 1)
+        backend.sync_weights(named_policy_tensors(model), version=backend.policy_version + 1)
         reward = data["next", "reward"].sum(dim=(-2, -1)).mean().item()
         print(
             f"iter {i:3d}  reward {reward:+.3f}  loss {loss.item():+.4f}  "

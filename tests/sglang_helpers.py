@@ -84,7 +84,7 @@ def assert_server_matches(backend, model, version: int, prompts=PROMPTS) -> None
         SamplingParams(max_new_tokens=8, temperature=0.8),
     ):
         out = backend.generate(prompts, n=2, sampling=sampling)
-        assert {c.weight_version for c in out} == {version}
+        assert {c.policy_version for c in out} == {version}
         assert {c.meta["server_weight_version"] for c in out} == {str(version)}
         for c in out:
             ref = trainer_log_probs(

@@ -29,7 +29,7 @@ def test_layout_left_pad_prompt_right_pad_response():
         completions,
         [1.0, -1.0, 0.5, -0.5],
         pad_token_id=PAD,
-        group_ids=[7, 9],
+        prompt_id=[7, 9],
         policy_version=3,
     )
     assert td.batch_size == torch.Size([4, 6])
@@ -81,7 +81,7 @@ def test_layout_left_pad_prompt_right_pad_response():
     assert (td["policy_version"] == 3).all() and td["policy_version"].dtype == torch.int64
 
 
-def test_default_group_ids_are_prompt_indices():
+def test_default_prompt_ids_are_prompt_indices():
     prompts, completions = make_batch()
     td = completions_to_trajectory(prompts, completions, [0.0] * 4, pad_token_id=PAD)
     assert td["prompt_id"][:, -1].tolist() == [0, 0, 1, 1]
@@ -102,5 +102,5 @@ def test_errors_name_the_problem():
         completions_to_trajectory(
             prompts, [Completion(5, [1], [0.0], "stop")], [0.0], pad_token_id=PAD
         )
-    with pytest.raises(ValueError, match="1 group_ids for 2 prompts"):
-        completions_to_trajectory(prompts, completions, [0.0] * 4, pad_token_id=PAD, group_ids=[1])
+    with pytest.raises(ValueError, match="1 prompt_id for 2 prompts"):
+        completions_to_trajectory(prompts, completions, [0.0] * 4, pad_token_id=PAD, prompt_id=[1])

@@ -86,7 +86,7 @@ def test_sync_mode_versions(tok):
     assert len(collector) == 3
     versions, lags = run(collector)
     assert versions == [0, 1, 2] and lags == [0, 0, 0]
-    assert collector.policy_version == backend.weight_version == 3
+    assert collector.policy_version == backend.policy_version == 3
     assert backend.threads == ["MainThread"] * 3
 
 
@@ -122,12 +122,12 @@ def test_failed_sync_keeps_the_version_and_says_so(tok, caplog):
         caplog.at_level(logging.ERROR),
         pytest.raises(
             WeightSyncError,
-            match=r"weight sync to version 1 failed \(boom\); the engine keeps weight_version 0",
+            match=r"weight sync to version 1 failed \(boom\); the engine keeps policy_version 0",
         ),
     ):
         collector.update_policy_weights_()
-    assert "keeps weight_version 0" in caplog.text
-    assert collector.policy_version == backend.weight_version == 0
+    assert "keeps policy_version 0" in caplog.text
+    assert collector.policy_version == backend.policy_version == 0
     assert batch_policy_version(next(it)) == 0  # rollouts continue with the previous weights
     collector.shutdown()
 
@@ -139,7 +139,7 @@ def test_rejected_weights_keep_the_version(tok):
         WeightSyncError, match=r"shape of 'model.embed_tokens.weight' is \(99, 32\)"
     ):
         collector.update_policy_weights_(wrong)
-    assert collector.policy_version == backend.weight_version == 0
+    assert collector.policy_version == backend.policy_version == 0
 
 
 def test_weights_as_a_stream_are_converted_and_versioned(tok):
@@ -154,17 +154,17 @@ def test_weights_as_a_stream_are_converted_and_versioned(tok):
     seen = []
     stream = ((seen.append(n) or n, t) for n, t in named_policy_tensors(new))
     collector.update_policy_weights_(stream)
-    assert collector.policy_version == backend.weight_version == 1 and len(seen) > 1
+    assert collector.policy_version == backend.policy_version == 1 and len(seen) > 1
     assert torch.equal(backend.model.lm_head.weight, new.lm_head.weight.to(torch.bfloat16))
     collector.resync_policy_weights_(dict(named_policy_tensors(new)))
-    assert backend.weight_version == 1
+    assert backend.policy_version == 1
     with pytest.raises(TypeError, match="pass the trainer's nn.Module, .* got int"):
         collector.update_policy_weights_(3)
     with distributed("cpu", process_group=True) as ctx:
         sharded = shard_actor_critic(LMActorCritic(attach_value_head(new)), ctx)
         with pytest.raises(TypeError, match="FSDP-sharded; push it from every rank"):
             collector.update_policy_weights_(sharded.model)
-    assert backend.weight_version == 1
+    assert backend.policy_version == 1
 
 
 def test_value_head_never_reaches_the_backend_and_weights_are_copied(tok):
@@ -310,7 +310,7 @@ def test_resume_pushes_the_restored_weights_under_the_restored_version(tok):
     fresh, _, backend = make(tok, mode="sync", total_batches=1)
     fresh.load_state_dict(state)
     fresh.resync_policy_weights_()  # what the recipe calls after loading a checkpoint
-    assert backend.weight_version == fresh.policy_version == 2 and len(backend.synced) == 1
+    assert backend.policy_version == fresh.policy_version == 2 and len(backend.synced) == 1
     (batch,) = list(fresh)
     assert batch_policy_version(batch) == 2 and len(backend.synced) == 1  # pushed once
 

@@ -19,7 +19,7 @@ def _seq(prompts, responses, rewards, prompt_ids, version=2):
         tokens[b, width - len(p) :], mask[b, width - len(p) :] = torch.tensor(p), True
     cs = [Completion(b, r, [-0.5] * len(r), "stop") for b, r in enumerate(responses)]
     for c in cs:
-        c.weight_version = version
+        c.policy_version = version
     acts = completions_to_actions(
         cs, max_new_tokens=max_new, pad_token_id=0, vocab=99, prompt_ids=prompt_ids
     )
@@ -44,13 +44,17 @@ def test_any_subset_of_rows_becomes_a_trajectory_with_its_own_width():
     assert td["next", "reward"].sum((1, 2)).tolist() == [-1.0, 1.0]
 
 
-def test_actions_refuse_mixed_versions_and_out_of_vocabulary_ids():
+def test_mixed_versions_are_refused_once_where_the_batch_is_built_and_bad_ids_per_row():
     a, b = Completion(0, [5], [-0.1], "stop"), Completion(0, [6], [-0.1], "stop")
-    b.weight_version = 1
-    with pytest.raises(RuntimeError, match=r"one batch mixes weight versions \[0, 1\]"):
-        completions_to_actions(
-            [a, b], max_new_tokens=2, pad_token_id=0, vocab=99, prompt_ids=[0, 0]
-        )
+    b.policy_version = 1
+    actions = completions_to_actions(
+        [a, b], max_new_tokens=2, pad_token_id=0, vocab=99, prompt_ids=[0, 0]
+    )
+    assert actions["policy_version"].tolist() == [0, 1]  # each row carries its own version
+    seq = _seq([[5], [5]], [[5], [6]], [1.0, -1.0], [0, 0])
+    seq["policy_version"] = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match=r"one batch mixes policy versions \[0, 1\]"):
+        sequences_to_trajectory(seq, pad_token_id=0)
     with pytest.raises(ValueError, match=r"batch row 0 \(prompt index 7\) has token ids \[99\]"):
         completions_to_actions(
             [Completion(0, [99], [-0.1], "stop")],

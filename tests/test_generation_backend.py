@@ -62,14 +62,14 @@ class Echo(GenerationBackend):
 def test_version_starts_at_zero_changes_only_after_a_successful_sync():
     sender = Sender()
     engine = Echo(sender)
-    assert engine.weight_version == 0
-    assert {c.weight_version for c in engine.generate([[1], [2]], 2, SamplingParams())} == {0}
+    assert engine.policy_version == 0
+    assert {c.policy_version for c in engine.generate([[1], [2]], 2, SamplingParams())} == {0}
     engine.sync_weights(TENSORS, version=4)
-    assert engine.weight_version == 4 and sender.versions == [4]
+    assert engine.policy_version == 4 and sender.versions == [4]
     out = engine.generate([[1], [2]], 2, SamplingParams())
-    assert [c.prompt_index for c in out] == [0, 0, 1, 1] and {c.weight_version for c in out} == {4}
+    assert [c.prompt_index for c in out] == [0, 0, 1, 1] and {c.policy_version for c in out} == {4}
     with pytest.raises(AttributeError):
-        engine.weight_version = 5  # read-only: nothing outside the backend writes it
+        engine.policy_version = 5  # read-only: nothing outside the backend writes it
     engine.close()
     assert sender.closed == 1
 
@@ -78,11 +78,11 @@ def test_failed_sync_keeps_the_version_and_generation_continues():
     engine = Echo(Sender(error=WeightSyncError("refused before sending", partial=False)))
     with pytest.raises(
         WeightSyncError,
-        match=r"Echo: weight sync to version 1 failed \(refused before sending\); the engine keeps weight_version 0$",
+        match=r"Echo: weight sync to version 1 failed \(refused before sending\); the engine keeps policy_version 0$",
     ) as info:
         engine.sync_weights(TENSORS, version=1)
-    assert not info.value.partial and engine.weight_version == 0
-    assert engine.generate([[1]], 1, SamplingParams())[0].weight_version == 0
+    assert not info.value.partial and engine.policy_version == 0
+    assert engine.generate([[1]], 1, SamplingParams())[0].policy_version == 0
 
 
 @pytest.mark.parametrize(
@@ -93,7 +93,7 @@ def test_partial_sync_blocks_generation_until_a_sync_succeeds(error):
     engine = Echo(sender)
     with pytest.raises(WeightSyncError, match="may hold a partial update: sync again") as info:
         engine.sync_weights(TENSORS, version=1)
-    assert info.value.partial and engine.weight_version == 0
+    assert info.value.partial and engine.policy_version == 0
     with pytest.raises(
         WeightSyncError,
         match=r"last weight sync failed part-way \((half sent|RuntimeError: boom)\)",
@@ -101,7 +101,7 @@ def test_partial_sync_blocks_generation_until_a_sync_succeeds(error):
         engine.generate([[1]], 1, SamplingParams())
     sender.error = None
     engine.sync_weights(TENSORS, version=1)
-    assert engine.generate([[1]], 1, SamplingParams())[0].weight_version == 1
+    assert engine.generate([[1]], 1, SamplingParams())[0].policy_version == 1
 
 
 def test_no_sender_cannot_sync():
@@ -123,7 +123,7 @@ def test_generation_waits_for_an_in_flight_sync():
     assert generating.is_alive() and engine.events == []  # blocked by the sync
     gate.set()
     syncing.join(10), generating.join(10)
-    assert result["out"][0].weight_version == 7  # never a batch from the old weights mid-sync
+    assert result["out"][0].policy_version == 7  # never a batch from the old weights mid-sync
 
 
 def test_context_length_is_enforced_naming_the_prompt():
@@ -159,7 +159,7 @@ def test_trainside_sync_through_the_base_class():
         TransformersBackend(build_tiny_qwen3(99, seed=0)),
     )
     engine.sync_weights(named_policy_tensors(trainer), version=2)
-    assert engine.weight_version == 2
+    assert engine.policy_version == 2
     assert torch.equal(engine.model.lm_head.weight, trainer.lm_head.weight)
 
 

@@ -61,7 +61,7 @@ def test_completions_prompt_major_with_logprobs_finish_and_version(sglang_double
             prompts[k // 2], {"max_new_tokens": 6, "temperature": 1.0}, k % 2
         )
         assert c.token_ids == ids and c.log_probs == lps and c.finish_reason == finish["type"]
-        assert c.weight_version == 0 and c.meta["server_weight_version"] == "default"
+        assert c.policy_version == 0 and c.meta["server_weight_version"] == "default"
     assert (
         stats["completions"] == 6
         and stats["tokens"] == sum(map(len, out))
@@ -151,7 +151,7 @@ def test_a_server_reporting_another_version_is_an_error(sglang_double):
     _accept_tensors(sglang_double)
     with _backend(sglang_double.url, weight_sync="tensor") as backend:
         backend.sync_weights(named_policy_tensors(build_tiny_qwen3(99)), version=4)
-        assert backend.generate([[1, 2]], 1, GREEDY)[0].weight_version == 4
+        assert backend.generate([[1, 2]], 1, GREEDY)[0].policy_version == 4
         sglang_double.weight_version = "3"  # another client synced the server
         with pytest.raises(
             SGLangResponseError,
@@ -171,7 +171,7 @@ def test_one_failing_server_fails_the_sync_for_all(sglang_double):
                 WeightSyncError, match=rf"failed on 1 of 2 server\(s\): {other.url}: .*disk full"
             ) as info:
                 backend.sync_weights(named_policy_tensors(model), version=1)
-            assert info.value.partial and backend.weight_version == 0
+            assert info.value.partial and backend.policy_version == 0
             assert sglang_double.weight_version == "1" and other.weight_version == "default"
             with pytest.raises(WeightSyncError, match="failed part-way"):  # never a mixed batch
                 backend.generate([[1, 2]] * 2, 1, GREEDY)
@@ -221,7 +221,7 @@ def test_real_greedy_and_sampled_log_probs_match_the_trainer(real_backend, tiny_
     out = real_backend.generate(
         prompts, n=2, sampling=SamplingParams(max_new_tokens=12, temperature=0.0)
     )
-    assert len(out) == 6 and {c.weight_version for c in out} == {100}
+    assert len(out) == 6 and {c.policy_version for c in out} == {100}
     for c in out:
         ref = trainer_log_probs(tiny_trainer, prompts[c.prompt_index], c.token_ids)
         torch.testing.assert_close(torch.tensor(c.log_probs), ref, atol=1e-4, rtol=0)

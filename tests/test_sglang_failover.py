@@ -175,12 +175,12 @@ def test_a_stalled_server_fails_the_sync_and_the_version_stays(two_doubles):
         with pytest.raises(WeightSyncError, match=rf"failed on 1 of 2 server\(s\): {b.url}: "):
             backend.sync_weights(named_policy_tensors(model), version=1)
         assert time.monotonic() - start < 4.0  # sync_timeout_s, not 30 s per request
-        assert backend.weight_version == 0 and a.weight_version == b.weight_version == "default"
+        assert backend.policy_version == 0 and a.weight_version == b.weight_version == "default"
         b.sigcont()
         backend.sync_weights(named_policy_tensors(model), version=1)  # it reaches both again
         out = backend.generate([[1, 2]] * 4, n=1, sampling=GREEDY)
     assert a.weight_version == b.weight_version == "1"
-    assert {(c.weight_version, c.meta["server_weight_version"]) for c in out} == {(1, "1")}
+    assert {(c.policy_version, c.meta["server_weight_version"]) for c in out} == {(1, "1")}
 
 
 def test_the_timeouts_are_keys_of_the_backend_config(sglang_double, tmp_path):
@@ -266,7 +266,7 @@ def test_a_sigstopped_real_server_costs_the_grace_period(sglang_server, second_s
     with _backend([second.url], stall_grace_s=None) as resumed:
         resumed.wait_until_healthy(timeout_s=60)  # the fixture stops it cleanly later
     assert len(out) == 8 and all(c.token_ids == reference for c in out)
-    assert {(c.weight_version, c.meta["server_weight_version"]) for c in out} == {(500, "500")}
+    assert {(c.policy_version, c.meta["server_weight_version"]) for c in out} == {(500, "500")}
     assert stats["moved"] >= 1 and stats["requests"] == 9 and stats["completions"] == 9
     warnings = _messages(caplog)
     silent = [(t, m) for t, m in warnings if f"server {second.url} has been silent for" in m]

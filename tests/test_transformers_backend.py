@@ -256,7 +256,7 @@ def test_copy_mode_sync_loads_new_weights_and_drops_value_head():
     after = backend.generate(PROMPTS, 1, greedy)
     assert [c.token_ids for c in after] == [c.token_ids for c in expected]
     assert lp(after) == lp(expected)
-    assert backend.weight_version == 3 and after[0].weight_version == 3
+    assert backend.policy_version == 3 and after[0].policy_version == 3
 
 
 def test_rejected_syncs_keep_the_version():
@@ -268,16 +268,16 @@ def test_rejected_syncs_keep_the_version():
     # refused at the first tensor: nothing copied, generation goes on with the old weights
     with pytest.raises(WeightSyncError, match=rf"shape of '{first}' is \(3,\)") as info:
         backend.sync_weights([(first, torch.zeros(3)), *other[1:]], 4)
-    assert not info.value.partial and backend.weight_version == 0
+    assert not info.value.partial and backend.policy_version == 0
     assert lp(backend.generate(PROMPTS, 1, greedy)) == before
     # refused after some tensors were copied: partial, generation refused until a good sync
     with pytest.raises(WeightSyncError, match=r"missing \['lm_head.weight'\]") as info:
         backend.sync_weights([(n, t) for n, t in other if n != "lm_head.weight"], 4)
-    assert info.value.partial and backend.weight_version == 0
+    assert info.value.partial and backend.policy_version == 0
     with pytest.raises(WeightSyncError, match="failed part-way"):
         backend.generate(PROMPTS, 1, greedy)
     backend.sync_weights(other, 5)
-    assert backend.weight_version == 5 and lp(backend.generate(PROMPTS, 1, greedy)) != before
+    assert backend.policy_version == 5 and lp(backend.generate(PROMPTS, 1, greedy)) != before
 
 
 def test_copy_mode_consumes_the_tensors_one_at_a_time():
@@ -304,7 +304,7 @@ def test_share_mode_samples_from_the_trainer_module(model):
     backend = TransformersBackend(model, mode="share")
     assert backend.model is model
     backend.sync_weights(named_policy_tensors(model), version=1)
-    assert backend.weight_version == 1
+    assert backend.policy_version == 1
 
 
 def test_bad_arguments(model):

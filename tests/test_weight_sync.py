@@ -121,7 +121,7 @@ def test_a_new_method_is_one_registry_entry(monkeypatch):
         "http://127.0.0.1:9", weight_sync="record", weight_sync_options={"tag": "x"}
     )
     backend.sync_weights([("a", torch.ones(1)), ("value_head.bias", torch.ones(1))], version=2)
-    assert backend.sender.sent == [("a", 2)] and backend.weight_version == 2
+    assert backend.sender.sent == [("a", 2)] and backend.policy_version == 2
     backend.close()
 
 

@@ -91,7 +91,7 @@ def test_a_missing_config_source_is_named(sglang_double, tmp_path):
             WeightSyncError, match=r"config source double does not exist .*config_dir"
         ) as info:
             backend.sync_weights(named_policy_tensors(build_tiny_qwen3(99)), version=1)
-        assert not info.value.partial and backend.weight_version == 0
+        assert not info.value.partial and backend.policy_version == 0
 
 
 def test_an_orphaned_weights_dir_is_removed_only_when_its_writer_is_gone(tmp_path):

@@ -95,7 +95,7 @@ def test_version_mismatch_rejection_and_session_errors(sglang_double):
             WeightSyncError, match=r"report weight_version \['default'\].*expected '4'"
         ) as info:
             backend.sync_weights(named_policy_tensors(model), version=4)
-        assert info.value.partial and backend.weight_version == 0
+        assert info.value.partial and backend.policy_version == 0
     sglang_double.handlers["/update_weights_from_tensor"] = lambda body: (
         400,
         {"success": False, "message": "Failed to update weights: size mismatch for lm_head.weight"},

@@ -5,7 +5,7 @@ A backend turns prompt token ids into sampled completions with the log-probs of 
 ``T = 1``), accepts new policy weights through the :class:`~ar_torchrl.weight_sync.WeightSender` it
 holds, and releases its resources on ``close()``.
 
-The backend is the **one owner of the weight version**: ``weight_version`` starts at 0, changes only
+The backend is the **one owner of the weight version**: ``policy_version`` starts at 0, changes only
 after a successful :meth:`GenerationBackend.sync_weights`, and is stamped on every
 :class:`Completion`. Generation and sync hold the same lock, so a batch never mixes two versions;
 after a sync that failed part-way (``WeightSyncError.partial``) the backend refuses to generate
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import threading
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -100,7 +101,7 @@ class Completion:
         log_probs: ``log softmax(logits / T)[token_ids[i]]`` given the prompt and
             ``token_ids[:i]``, one per token (the first generated token included).
         finish_reason: ``"stop"`` (EOS/stop token), ``"length"`` (hit ``max_new_tokens``), ``"abort"``.
-        weight_version: the backend's ``weight_version`` that produced it (stamped by the backend).
+        policy_version: the backend's ``policy_version`` that produced it (stamped by the backend).
         meta: engine-specific details (e.g. SGLang's own ``finish_reason`` and request id).
 
     Example:
@@ -113,7 +114,7 @@ class Completion:
     token_ids: list[int]
     log_probs: list[float]
     finish_reason: FinishReason
-    weight_version: int = 0
+    policy_version: int = 0
     meta: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -155,7 +156,7 @@ class GenerationBackend(abc.ABC):
     """Interface of a rollout engine (trainside transformers, SGLang, ...).
 
     Subclasses implement :meth:`_generate`; :meth:`generate` checks the prompts (and the context
-    length, :attr:`context_length`), runs it under the engine lock and stamps ``weight_version``.
+    length, :attr:`context_length`), runs it under the engine lock and stamps ``policy_version``.
     ``generate`` returns a flat, prompt-major list: for ``P`` prompts and ``n`` samples, item
     ``i * n + j`` is sample ``j`` of prompt ``i``. :meth:`sync_weights` is implemented here, once:
     the sender ships the tensors, then (and only then) the version changes.
@@ -172,20 +173,32 @@ class GenerationBackend(abc.ABC):
         ...     def close(self): pass
         >>> engine = Echo(Accept())
         >>> engine.sync_weights([("w", torch.ones(1))], version=3)
-        >>> [(c.token_ids, c.weight_version) for c in engine.generate([[1, 2]], 2, SamplingParams())]
+        >>> [(c.token_ids, c.policy_version) for c in engine.generate([[1, 2]], 2, SamplingParams())]
         [([2], 3), ([2], 3)]
     """
 
     def __init__(self, sender: WeightSender | None = None) -> None:
         self._sender = sender
-        self._weight_version = 0
+        self._policy_version = 0
         self._broken_sync: str | None = None  # why the engine may hold a partial update
         self._engine_lock = threading.Lock()
 
     @property
+    def policy_version(self) -> int:
+        """Version of the weights the engine serves (0: the weights it started with); the
+        ``"policy_version"`` of the trajectories it generates (TorchRL's name for it)."""
+        return self._policy_version
+
+    @property
     def weight_version(self) -> int:
-        """Version of the weights the engine serves (0: the weights it started with)."""
-        return self._weight_version
+        """The old name of :attr:`policy_version` (kept for one release)."""
+        warnings.warn(
+            "GenerationBackend.weight_version is now policy_version (one name per id); the old "
+            "name goes in ar_torchrl 0.2",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self._policy_version
 
     @property
     def sender(self) -> WeightSender | None:
@@ -222,12 +235,12 @@ class GenerationBackend(abc.ABC):
                     "may hold mixed weights: sync again before generating",
                     partial=True,
                 )
-            version = self._weight_version
+            version = self._policy_version
             out = self._generate(prompts, n, sampling)
         if len(out) != len(prompts) * n:
             raise RuntimeError(f"{name}: returned {len(out)} completions for {len(prompts)} x {n}")
         for c in out:
-            c.weight_version = version
+            c.policy_version = version
         return out
 
     @abc.abstractmethod
@@ -239,11 +252,11 @@ class GenerationBackend(abc.ABC):
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load new policy weights (HF names; ``value_head.*`` is dropped) as ``version``.
 
-        The tensors are consumed lazily by the sender. ``weight_version`` becomes ``version`` only
+        The tensors are consumed lazily by the sender. ``policy_version`` becomes ``version`` only
         after the sender succeeded.
 
         Raises:
-            WeightSyncError: the sender failed; ``weight_version`` is unchanged (and, when the
+            WeightSyncError: the sender failed; ``policy_version`` is unchanged (and, when the
                 failure was ``partial``, generation is refused until a sync succeeds).
         """
         name, version = type(self).__name__, int(version)
@@ -254,7 +267,7 @@ class GenerationBackend(abc.ABC):
                 self._sender.send(named_tensors, version)
             except Exception as err:
                 self._sync_failed(err, version, name)
-            self._weight_version, self._broken_sync = version, None
+            self._policy_version, self._broken_sync = version, None
 
     def _sync_failed(self, err: Exception, version: int, name: str) -> None:
         """Raise the one error of a failed sync (a sender's own error is not chained again)."""
@@ -266,7 +279,7 @@ class GenerationBackend(abc.ABC):
         tail = "; it may hold a partial update: sync again before generating" if partial else ""
         raise WeightSyncError(
             f"{name}: weight sync to version {version} failed ({reason}); the engine keeps "
-            f"weight_version {self._weight_version}{tail}",
+            f"policy_version {self._policy_version}{tail}",
             partial=partial,
         ) from (None if ours else err)
 

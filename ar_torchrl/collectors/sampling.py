@@ -27,7 +27,9 @@ logger = logging.getLogger(__name__)
 
 
 def batch_policy_version(batch: TensorDictBase) -> int:
-    """The single weight version of a token-trajectory batch.
+    """The weight version of a token-trajectory batch (read, not checked: the trajectory builder,
+    :func:`ar_torchrl.envs.layout.sequences_to_trajectory`, refused mixed versions when it built the
+    batch).
 
     Example:
         >>> import torch
@@ -35,22 +37,19 @@ def batch_policy_version(batch: TensorDictBase) -> int:
         >>> batch_policy_version(TensorDict({"policy_version": torch.full((2, 3), 4)}, [2, 3]))
         4
     """
-    versions = batch["policy_version"].unique()
-    if versions.numel() != 1:
-        raise ValueError(f"batch_policy_version: the batch mixes versions {versions.tolist()}")
-    return int(versions[0])
+    return int(batch["policy_version"].reshape(-1)[0])
 
 
 def _one_round(env: LLMEnv) -> tuple[TensorDictBase, TensorDictBase]:
-    """A sequence-level round (raw, and with non-finite rows dropped), rows tagged with their group."""
+    """A sequence-level round (raw, and with non-finite rows dropped); a row's group is its
+    ``prompt_id`` (the dataset index of its prompt, as GRPO groups the trajectory)."""
     raw = env.rollout(token_trajectory=False)[..., 0]
-    raw.set("group_index", torch.arange(raw.shape[0]) // env.num_samples)
     return raw, env.drop_non_finite(raw)
 
 
 def _spread_groups(seq: TensorDictBase) -> tuple[list[int], int]:
     """Groups (in order) whose rewards differ, and how many groups have zero spread."""
-    reward, group = seq["next", "reward"].reshape(-1), seq["group_index"]
+    reward, group = seq["next", "reward"].reshape(-1), seq["prompt_id"]
     if seq.shape[0] == 0:
         return [], 0
     _, flat = grpo_advantage(reward, group)
@@ -98,10 +97,10 @@ def gather_batch(
         raw, seq = _one_round(env)
         rewards.append(seq["next", "reward"].reshape(-1))
         spread, flat = _spread_groups(seq)
-        take = (spread if dynamic else list(dict.fromkeys(seq["group_index"].tolist())))[
+        take = (spread if dynamic else list(dict.fromkeys(seq["prompt_id"].tolist())))[
             : target - counts["groups_kept"]
         ]
-        kept.append(seq[torch.isin(seq["group_index"], torch.tensor(take, dtype=torch.long))])
+        kept.append(seq[torch.isin(seq["prompt_id"], torch.tensor(take, dtype=torch.long))])
         counts["groups_generated"] += target
         counts["groups_zero_spread"] += flat
         counts["groups_kept"] += len(take)

@@ -106,7 +106,7 @@ class WeightSyncCollector(BaseCollector):
     @property
     def policy_version(self) -> int:
         """The weight version the backend serves (the backend owns it)."""
-        return self.env.backend.weight_version
+        return self.env.backend.policy_version
 
     # ------------------------------------------------------------------ batches
     def _gather(self) -> tuple[TensorDictBase, dict]:

@@ -12,7 +12,7 @@ from ar_torchrl.backends.base import Completion
 __all__ = ["completions_to_trajectory"]
 
 
-def _check_inputs(prompt_ids, completions, rewards, group_ids) -> None:
+def _check_inputs(prompts, completions, rewards, prompt_id) -> None:
     if not completions:
         raise ValueError("completions_to_trajectory: got no completions")
     if len(rewards) != len(completions):
@@ -20,15 +20,15 @@ def _check_inputs(prompt_ids, completions, rewards, group_ids) -> None:
             f"completions_to_trajectory: {len(rewards)} rewards for {len(completions)} completions; "
             "pass one reward per completion (prompt-major order)"
         )
-    if group_ids is not None and len(group_ids) != len(prompt_ids):
+    if prompt_id is not None and len(prompt_id) != len(prompts):
         raise ValueError(
-            f"completions_to_trajectory: {len(group_ids)} group_ids for {len(prompt_ids)} prompts"
+            f"completions_to_trajectory: {len(prompt_id)} prompt_id for {len(prompts)} prompts"
         )
     for row, c in enumerate(completions):
-        if not 0 <= c.prompt_index < len(prompt_ids):
+        if not 0 <= c.prompt_index < len(prompts):
             raise ValueError(
                 f"completions_to_trajectory: completion {row} has prompt_index {c.prompt_index}, "
-                f"but there are {len(prompt_ids)} prompts"
+                f"but there are {len(prompts)} prompts"
             )
         if len(c) == 0:
             raise ValueError(
@@ -38,17 +38,17 @@ def _check_inputs(prompt_ids, completions, rewards, group_ids) -> None:
 
 
 def completions_to_trajectory(
-    prompt_ids: Sequence[Sequence[int]],
+    prompts: Sequence[Sequence[int]],
     completions: Sequence[Completion],
     rewards: Sequence[float] | torch.Tensor,
     *,
     pad_token_id: int,
-    group_ids: Sequence[int] | None = None,
+    prompt_id: Sequence[int] | None = None,
     policy_version: int = 0,
 ) -> TensorDict:
     """Build the token trajectory: left-padded prompt, right-padded response, one row per completion.
 
-    Row ``b`` holds ``prompt_ids[completions[b].prompt_index]`` right-aligned in the first ``P``
+    Row ``b`` holds ``prompts[completions[b].prompt_index]`` right-aligned in the first ``P``
     columns (``P`` = longest prompt) and the completion from column ``P`` on; ``L = P + R`` with
     ``R`` the longest completion. Written keys (all with batch size ``[B, L]``):
 
@@ -60,15 +60,15 @@ def completions_to_trajectory(
       it was a stop (``finish_reason == "stop"``); a completion cut by length or aborted is
       ``("next", "truncated")`` instead. Root ``"done"``/``"terminated"``/``"truncated"`` are False
       (TorchRL's convention: the done state of the *current* step);
-    - ``"prompt_id"`` int64 (``group_ids[prompt_index]``, default ``prompt_index``) and
+    - ``"prompt_id"`` int64 (``prompt_id[prompt_index]``, default ``prompt_index``) and
       ``"policy_version"`` int64, broadcast along ``L``.
 
     Args:
-        prompt_ids: ``P`` prompts' token ids.
+        prompts: ``P`` prompts' token ids.
         completions: completions (any order; prompt-major from a backend).
         rewards: one task reward per completion.
         pad_token_id: id written in padding (masks, not ids, say what is padding).
-        group_ids: GRPO group id of each prompt (e.g. a dataset index).
+        prompt_id: GRPO group id of each prompt (e.g. a dataset index).
         policy_version: weight version that produced the completions.
 
     Example:
@@ -81,9 +81,9 @@ def completions_to_trajectory(
         >>> td["next", "terminated"].squeeze(-1).any(-1).tolist()
         [True, False]
     """
-    _check_inputs(prompt_ids, completions, rewards, group_ids)
+    _check_inputs(prompts, completions, rewards, prompt_id)
     n_rows = len(completions)
-    width_p = max(len(prompt_ids[c.prompt_index]) for c in completions)
+    width_p = max(len(prompts[c.prompt_index]) for c in completions)
     width = width_p + max(len(c) for c in completions)
     tokens = torch.full((n_rows, width), pad_token_id, dtype=torch.long)
     attention = torch.zeros((n_rows, width), dtype=torch.bool)
@@ -91,7 +91,7 @@ def completions_to_trajectory(
     log_prob = torch.zeros((n_rows, width), dtype=torch.float32)
     last = torch.zeros(n_rows, dtype=torch.long)
     for row, c in enumerate(completions):
-        prompt = list(prompt_ids[c.prompt_index])
+        prompt = list(prompts[c.prompt_index])
         start, end = width_p - len(prompt), width_p + len(c)
         tokens[row, start:end] = torch.tensor(prompt + list(c.token_ids), dtype=torch.long)
         attention[row, start:end] = True
@@ -106,7 +106,7 @@ def completions_to_trajectory(
     stop = torch.tensor([c.finish_reason == "stop" for c in completions])
     terminated = done & stop.view(-1, 1, 1)
     groups = [
-        c.prompt_index if group_ids is None else group_ids[c.prompt_index] for c in completions
+        c.prompt_index if prompt_id is None else prompt_id[c.prompt_index] for c in completions
     ]
     false = torch.zeros((n_rows, width, 1), dtype=torch.bool)
     return TensorDict(

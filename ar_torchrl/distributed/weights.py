@@ -120,7 +120,7 @@ def push_weights(
         >>> from ar_torchrl.backends import TransformersBackend
         >>> trainer, engine = build_tiny_qwen3(99, seed=0), TransformersBackend(build_tiny_qwen3(99, seed=1))
         >>> push_weights(trainer, DistContext(), lambda s: engine.sync_weights(s, 3), dtype=torch.float32)
-        >>> engine.weight_version, torch.equal(engine.model.lm_head.weight, trainer.lm_head.weight)
+        >>> engine.policy_version, torch.equal(engine.model.lm_head.weight, trainer.lm_head.weight)
         (3, True)
     """
     stream = FullTensorStream(model, dtype=dtype, keep=ctx.is_main)

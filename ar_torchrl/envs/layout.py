@@ -70,7 +70,10 @@ def completions_to_actions(
 
     Raises:
         ValueError: a token id outside ``[0, vocab)`` (naming the row and its prompt index).
-        RuntimeError: a completion longer than ``max_new_tokens``, or mixed weight versions.
+        RuntimeError: a completion longer than ``max_new_tokens``.
+
+    Each row carries its completion's ``policy_version``; "one batch, one version" is checked once,
+    where the batch is built (:func:`sequences_to_trajectory`).
 
     Example:
         >>> acts = completions_to_actions([Completion(0, [5, 2], [-0.5, -0.1], "stop")],
@@ -78,9 +81,6 @@ def completions_to_actions(
         >>> acts["response_tokens"].tolist(), acts["response_length"].tolist()
         ([[5, 2, 0]], [2])
     """
-    versions = {c.weight_version for c in completions}
-    if len(versions) != 1:
-        raise RuntimeError(f"LLMEnv: one batch mixes weight versions {sorted(versions)}")
     n = len(completions)
     tokens = torch.full((n, max_new_tokens), pad_token_id, dtype=torch.long)
     log_probs = torch.zeros((n, max_new_tokens), dtype=torch.float32)
@@ -102,7 +102,7 @@ def completions_to_actions(
         "response_length": torch.tensor([len(c) for c in completions]),
         "response_log_prob": log_probs,
         "response_stopped": torch.tensor([c.finish_reason == "stop" for c in completions]),
-        "policy_version": torch.full((n,), versions.pop(), dtype=torch.long),
+        "policy_version": torch.tensor([c.policy_version for c in completions], dtype=torch.long),
     }
 
 
@@ -111,6 +111,8 @@ def sequences_to_trajectory(seq: TensorDictBase, pad_token_id: int) -> TensorDic
 
     Rows may come in any number and order (e.g. the groups kept over several sampling rounds);
     each row's prompt is read from its own ``prompt_tokens``/``prompt_mask``.
+
+    This is where "one batch, one weight version" is checked (the one check per batch).
 
     Raises:
         ValueError: the rows mix policy versions.
@@ -135,6 +137,6 @@ def sequences_to_trajectory(seq: TensorDictBase, pad_token_id: int) -> TensorDic
         completions,
         seq["next", "reward"].reshape(-1),
         pad_token_id=pad_token_id,
-        group_ids=seq["prompt_id"].tolist(),
+        prompt_id=seq["prompt_id"].tolist(),
         policy_version=int(versions[0]),
     )

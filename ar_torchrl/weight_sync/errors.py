@@ -8,7 +8,7 @@ __all__ = ["WeightSyncError"]
 class WeightSyncError(RuntimeError):
     """A weight sync failed or was rejected by the rollout engine; the message has its reason.
 
-    The engine's ``weight_version`` is unchanged after this error. ``partial`` says whether the
+    The engine's ``policy_version`` is unchanged after this error. ``partial`` says whether the
     engine may hold a partial update (some tensors, or some servers, already updated): a backend
     then refuses to generate until the next successful sync, so that no batch is sampled from
     mixed weights. ``partial=False`` means nothing was applied (e.g. a shape check refused the

@@ -2,7 +2,7 @@
 
 The client speaks HTTP only (``requests``); nothing from ``sglang`` (which pins its own torch) is
 imported. Requests are spread round-robin over the servers; every weight sync reaches every server
-(in parallel) and changes :attr:`weight_version` only when all of them succeeded; every completion
+(in parallel) and changes :attr:`policy_version` only when all of them succeeded; every completion
 is checked against the version the server reports, so a batch never mixes two versions.
 
 **Stalled servers.** While ``/generate`` requests are in flight, each server's silence is tracked:
@@ -481,11 +481,11 @@ class SGLangBackend(GenerationBackend):
         """After a sync, every completion must come from that version (another client may have
         synced the server, or a server missed a sync); before any sync, from one version."""
         reported = {c.meta["server_weight_version"] for c in completions}
-        expected = {str(self.weight_version)} if self._synced else reported
+        expected = {str(self.policy_version)} if self._synced else reported
         if len(reported) > 1 or reported != expected:
             raise SGLangResponseError(
                 f"SGLang /generate: meta_info.weight_version is {sorted(map(str, reported))} but this "
-                f"backend {'synced version ' + str(self.weight_version) if self._synced else 'never synced'}: "
+                f"backend {'synced version ' + str(self.policy_version) if self._synced else 'never synced'}: "
                 "another client changed a server's weights, or a server missed a sync; sync again"
             )
 
