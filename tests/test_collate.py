@@ -93,7 +93,7 @@ def test_errors_name_the_problem():
         completions_to_trajectory(prompts, completions, [0.0] * 3, pad_token_id=PAD)
     empty = [*completions[:3], Completion(1, [], [], "abort")]
     with pytest.raises(
-        ValueError, match=r"completion 3 \(prompt 1, finish 'abort'\) has no tokens"
+        ValueError, match=r"sample 3 \(prompt 1, finish 'abort'\) has no trained token"
     ):
         completions_to_trajectory(prompts, empty, [0.0] * 4, pad_token_id=PAD)
     with pytest.raises(

@@ -19,7 +19,7 @@ import threading
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
@@ -93,7 +93,8 @@ class SamplingParams:
 
 @dataclass
 class Completion:
-    """One sampled completion of one prompt.
+    """One sampled completion of one prompt: a trained segment of a sample
+    (:mod:`ar_torchrl.data.samples`), as the trajectory builder takes it.
 
     Attributes:
         prompt_index: index of the prompt in the ``generate`` call.
@@ -116,6 +117,10 @@ class Completion:
     finish_reason: FinishReason
     policy_version: int = 0
     meta: dict = field(default_factory=dict)
+
+    #: a completion is a trained segment of a sample (:class:`~ar_torchrl.data.samples.Segment`)
+    trained: ClassVar[bool] = True
+    turn: ClassVar[int | None] = None
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.log_probs):

@@ -17,9 +17,8 @@ import logging
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from ar_torchrl.envs.llm_env import LLMEnv
+from ar_torchrl.envs.llm_env import LLMEnv, samples_of
 from ar_torchrl.functional import grpo_advantage
-from ar_torchrl.rewards.registry import is_correct
 
 __all__ = ["batch_policy_version", "gather_batch"]
 
@@ -43,7 +42,7 @@ def batch_policy_version(batch: TensorDictBase) -> int:
 def _one_round(env: LLMEnv) -> tuple[TensorDictBase, TensorDictBase]:
     """A sequence-level round (raw, and with non-finite rows dropped); a row's group is its
     ``prompt_id`` (the dataset index of its prompt, as GRPO groups the trajectory)."""
-    raw = env.rollout(token_trajectory=False)[..., 0]
+    raw = env.rollout(1)[..., 0]  # a TransformedEnv's transforms (e.g. RewardScaling) apply
     return raw, env.drop_non_finite(raw)
 
 
@@ -58,14 +57,14 @@ def _spread_groups(seq: TensorDictBase) -> tuple[list[int], int]:
     return spread, len(groups) - len(spread)
 
 
-def _summary(env: LLMEnv, rewards: list[torch.Tensor], counts: dict[str, int]) -> dict[str, float]:
+def _summary(rewards: list[torch.Tensor], correct: list[bool], counts: dict[str, int]) -> dict:
     r = torch.cat(rewards) if rewards else torch.zeros(0)
     n = max(int(r.numel()), 1)
     return {
         **{k: float(v) for k, v in counts.items()},
         "samples": float(r.numel()),
         "reward_mean": float(r.sum()) / n,
-        "accuracy": float(is_correct(env.reward_fn, r).sum()) / n,  # what the reward calls correct
+        "accuracy": sum(correct) / n,  # what the reward called correct, sample by sample
     }
 
 
@@ -84,18 +83,19 @@ def gather_batch(
         when non-finite rewards were dropped; ``B = 0`` when no group was kept) and ``stats`` has
         ``groups_generated``, ``groups_zero_spread``, ``groups_kept``, ``groups_dropped``,
         ``sampling_rounds``, ``non_finite_rewards_dropped``, ``samples``, and ``reward_mean`` /
-        ``accuracy`` (fraction of samples the env's reward calls correct,
-        :func:`ar_torchrl.rewards.is_correct`) over every generated sample.
+        ``accuracy`` (fraction of samples the env's reward called correct) over every generated
+        sample.
     """
     target, rounds = env.prompts_per_batch, max_rounds if dynamic else 1
     before = env.non_finite_rewards_dropped
     counts = dict.fromkeys(
         ("groups_generated", "groups_zero_spread", "groups_kept", "sampling_rounds"), 0
     )
-    kept, rewards, raw = [], [], None
+    kept, rewards, correct, raw = [], [], [], None
     while counts["sampling_rounds"] < rounds and counts["groups_kept"] < target:
         raw, seq = _one_round(env)
         rewards.append(seq["next", "reward"].reshape(-1))
+        correct += [s.correct for s in samples_of(seq)]
         spread, flat = _spread_groups(seq)
         take = (spread if dynamic else list(dict.fromkeys(seq["prompt_id"].tolist())))[
             : target - counts["groups_kept"]
@@ -117,4 +117,4 @@ def gather_batch(
         )
     rows = torch.cat(kept) if kept else raw[:0]
     batch = env.to_token_trajectory(rows) if rows.shape[0] else env.to_token_trajectory(raw)[:0]
-    return batch, _summary(env, rewards, counts)
+    return batch, _summary(rewards, correct, counts)

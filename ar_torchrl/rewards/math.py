@@ -31,6 +31,8 @@ from ar_torchrl.rewards.registry import TaskReward, register_reward
 
 __all__ = [
     "MATH_VERIFY_MAX_CHARS",
+    "ArithmeticReward",
+    "ArithmeticRewardConfig",
     "DapoMathRewardConfig",
     "dapo_math_reward",
     "extract_answer",
@@ -267,8 +269,8 @@ def overlong_penalty(
 @register_reward("dapo_math", help="DAPO's +1/-1 rule on the last Answer: line (correct: +1)")
 @dataclass
 class DapoMathRewardConfig:
-    """``reward=dapo_math``: :func:`dapo_math_reward`; an answer is correct when it scores ``+1``
-    (any score above 0: the overlong penalty can lower a correct answer's score)."""
+    """``reward=dapo_math``: :func:`dapo_math_reward` on DAPO-schema rows; an answer is correct when
+    it scores ``+1`` (above 0)."""
 
     use_math_verify: bool = False  # also accept answers math-verify proves equivalent
 
@@ -280,3 +282,63 @@ class DapoMathRewardConfig:
     def build(self) -> TaskReward:
         fn = partial(dapo_math_reward, use_math_verify=self.use_math_verify)
         return TaskReward(fn, correct_above=0.0, name="dapo_math")
+
+
+@dataclass(frozen=True)
+class ArithmeticReward:
+    """+1 when the last ``Answer:`` line equals the value of the row's ``extra_info.problem``
+    (``"7 * 8"``: computed here, not read from DAPO's ``reward_model.ground_truth``), else -1; minus
+    ``length_penalty`` per response token. Correct: the answer's value is right, whatever its length.
+
+    Example:
+        >>> from ar_torchrl.data.samples import Sample, Segment
+        >>> r = ArithmeticReward(length_penalty=0.01)
+        >>> s = Sample([Segment([1]), Segment([5] * 10, trained=True)],
+        ...            row={"extra_info": {"problem": "7 * 8"}}, text="7 * 8 = 56\nAnswer: 56")
+        >>> round(r.score(s), 4), r.correct(s, r.score(s))
+        (0.9, True)
+    """
+
+    length_penalty: float = 0.0
+    name: str = "arithmetic"
+
+    def _right(self, sample) -> bool:
+        problem = (sample.row or {}).get("extra_info", {}).get("problem")
+        if not isinstance(problem, str) or len(problem.split()) != 3:
+            raise KeyError(
+                f"reward arithmetic: {sample.source or 'the row'} has no extra_info.problem of the form "
+                f"'a op b' (got {problem!r}); it scores the arithmetic tasks (data=fewshot_arithmetic)"
+            )
+        from ar_torchrl.data.tasks import OPS
+
+        a, op, b = problem.split()
+        answer = extract_answer(sample.text or "")
+        truth = str(OPS[op](int(a), int(b)))
+        return answer is not None and normalize_final_answer(answer) == truth
+
+    def score(self, sample) -> float:
+        base = 1.0 if self._right(sample) else -1.0
+        return base - self.length_penalty * sample.num_trained
+
+    def correct(self, sample, score: float) -> bool:
+        return self._right(sample)
+
+
+@register_reward(
+    "arithmetic",
+    help="+1/-1 on the value of the row's extra_info.problem, minus a per-token length penalty",
+)
+@dataclass
+class ArithmeticRewardConfig:
+    """``reward=arithmetic``: :class:`ArithmeticReward` (a reward that reads a field outside DAPO's
+    schema and the response's token count)."""
+
+    length_penalty: float = 0.0  # subtracted per response token
+
+    def check(self, prefix: str) -> None:
+        from ar_torchrl.utils.checks import check_number
+
+        check_number(prefix, "length_penalty", self.length_penalty, ge=0)
+
+    def build(self) -> ArithmeticReward:
+        return ArithmeticReward(length_penalty=self.length_penalty)

@@ -23,7 +23,7 @@ from ar_torchrl.data.registry import TASKS
 from ar_torchrl.envs import LLMEnv
 from ar_torchrl.objectives import TokenPPOLoss, make_advantage
 from ar_torchrl.recipes.dapo_ppo.config import Config
-from ar_torchrl.rewards.registry import REWARDS
+from ar_torchrl.rewards.registry import REWARDS, OverlongPenalty
 
 __all__ = [
     "build_advantage",
@@ -120,6 +120,8 @@ def build_envs(
     (synced after each update).
     """
     r, reward = cfg.rollout, build_reward(cfg)
+    if r.overlong_buffer is not None:  # DAPO's soft overlong punishment: a wrapper of the reward
+        reward = OverlongPenalty(reward, r.max_new_tokens, r.overlong_buffer, r.overlong_penalty)
     sampling = SamplingParams(
         max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k
     )
@@ -131,8 +133,6 @@ def build_envs(
         num_samples=r.samples_per_prompt,
         prompts_per_batch=r.prompts_per_iter,
         sampling=sampling,
-        overlong_buffer_len=r.overlong_buffer,
-        overlong_penalty_factor=r.overlong_penalty,
         seed=cfg.seed,
     )
     trainside = isinstance(backend, TransformersBackend) and trainer_can_generate

@@ -22,13 +22,13 @@ from tqdm.auto import tqdm
 from ar_torchrl.collectors import WeightSyncCollector
 from ar_torchrl.data import plan_micro_batches
 from ar_torchrl.envs import LLMEnv
+from ar_torchrl.envs.llm_env import samples_of
 from ar_torchrl.functional import masked_mean
 from ar_torchrl.modules import LMActorCritic
 from ar_torchrl.objectives import TokenPPOLoss
 from ar_torchrl.recipes.dapo_ppo import build
 from ar_torchrl.recipes.dapo_ppo.config import Config
 from ar_torchrl.recipes.strategy import ExecutionStrategy
-from ar_torchrl.rewards.registry import is_correct
 from ar_torchrl.training import ppo_update
 from ar_torchrl.utils import StageTimer, append_jsonl, log_metrics, make_logger
 
@@ -297,12 +297,11 @@ def evaluate(run: Run) -> dict[str, float]:
     there)."""
     if run.eval_env is None:
         return {}
-    td = run.eval_env.rollout()
-    reward = td["next", "reward"].squeeze(-1).sum(-1)
-    correct = is_correct(run.eval_env.reward_fn, reward)
+    seq = run.eval_env.rollout(1)[..., 0]
+    samples = samples_of(seq)
     return {
-        "eval/reward_mean": float(reward.mean()),
-        "eval/accuracy": float(correct.float().mean()),
+        "eval/reward_mean": float(seq["next", "reward"].mean()),
+        "eval/accuracy": sum(s.correct for s in samples) / len(samples),
     }
 
 
