@@ -53,7 +53,9 @@ def tok():
     return build_char_tokenizer()
 
 
-def make(tok, *, mode="sync", total_batches=3, max_policy_lag=1, seed=0, **backend_kwargs):
+def make(
+    tok, *, mode="sync", total_batches=3, max_policy_lag=1, seed=0, wrap=None, **backend_kwargs
+):
     model = attach_value_head(build_tiny_qwen3(len(tok), seed=0))
     backend = RecordingBackend(model, seed=seed, **backend_kwargs)
     env = LLMEnv(
@@ -65,7 +67,11 @@ def make(tok, *, mode="sync", total_batches=3, max_policy_lag=1, seed=0, **backe
         sampling=SamplingParams(max_new_tokens=4),
     )
     collector = WeightSyncCollector(
-        env, model, total_batches=total_batches, mode=mode, max_policy_lag=max_policy_lag
+        env if wrap is None else wrap(env),
+        model,
+        total_batches=total_batches,
+        mode=mode,
+        max_policy_lag=max_policy_lag,
     )
     return collector, model, backend
 
@@ -79,6 +85,26 @@ def run(collector, updates_per_batch=1):
             collector.update_policy_weights_()
     collector.shutdown()
     return versions, lags
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_transformed_env_is_collected_with_its_transforms(tok, mode):
+    """main: WeightSyncCollector(TransformedEnv(...)) failed with `TypeError: EnvBase.rollout() got
+    an unexpected keyword argument 'token_trajectory'`."""
+    from torchrl.envs import RewardScaling, TransformedEnv
+
+    plain, _, _ = make(tok, mode=mode, total_batches=2)
+    expected = [b["next", "reward"].sum((1, 2)) for b in plain]
+    plain.shutdown()
+    def wrap(env):  # exactly as a TorchRL user writes it
+        return TransformedEnv(env, RewardScaling(loc=1.0, scale=3.0))
+
+    collector, model, backend = make(tok, mode=mode, total_batches=2, wrap=wrap)
+    got = [b["next", "reward"].sum((1, 2)) for b in collector]  # same seeds: the same samples
+    collector.shutdown()
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g, 1.0 + 3.0 * e)
+    assert backend.threads and collector.last_batch_stats["samples"] == 4
 
 
 def test_sync_mode_versions(tok):

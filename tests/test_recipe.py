@@ -177,6 +177,30 @@ def test_grpo_end_to_end(tmp_path, cache_dir):
 
 
 @pytest.mark.slow
+def test_a_reward_reading_a_non_dapo_field_and_the_token_count_from_the_config(tmp_path, cache_dir):
+    """reward=arithmetic scores the value of extra_info.problem (not DAPO's ground truth) minus a
+    per-token length penalty, chosen from the config for a CPU run."""
+    _, history = run_recipe(
+        tmp_path,
+        cache_dir,
+        "data=fewshot_arithmetic",
+        "reward=arithmetic",
+        "reward.length_penalty=0.01",
+        "train.iterations=2",
+        "train.eval_every=2",
+        "train.plot=false",
+    )
+    assert [h["step"] for h in history] == [0, 1, 2]
+    for h in history[1:]:
+        reward, length = h["rollout/reward_mean"], h["rollout/response_length"]
+        assert math.isfinite(h["train/loss_objective"])
+        # every answer is +1 or -1, minus 0.01 per token: the mean is off the +-1 grid by the length
+        assert -1.0 - 0.01 * 12 <= reward <= 1.0 - 0.01
+        assert 0.0 <= h["rollout/accuracy"] <= 1.0 and length >= 1
+    assert 0.0 <= history[-1]["eval/accuracy"] <= 1.0
+
+
+@pytest.mark.slow
 def test_async_end_to_end_with_critic_warmup_resumes_exactly(tmp_path, cache_dir):
     async_ = ["train.mode=async", "algo.critic_warmup_iters=2", *COMMON]
     _, history = run_recipe(tmp_path / "straight", cache_dir, *async_)
