@@ -10,6 +10,7 @@ from ar_torchrl._lazy import lazy_exports
 _EXPORTS = {
     **dict.fromkeys(["MicroBatch", "MicroBatchPlan", "Plan", "plan_micro_batches"], "micro_batch"),
     "completions_to_trajectory": "collate",
+    **dict.fromkeys(["ROW_KEYS", "pad_trajectories"], "pad"),
     **dict.fromkeys(
         [
             "DAPO_TEMPLATE",

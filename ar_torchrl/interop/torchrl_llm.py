@@ -1,0 +1,410 @@
+"""TorchRL's own LLM stack (``ChatEnv`` + ``TransformersWrapper`` + ``LLMCollector``) -> this library.
+
+:class:`TokenTrajectory` turns a batch of TorchRL 0.14.1's LLM collector (``tokens.prompt`` /
+``tokens.response`` lists, ``log_probs.response``, a reward per row) into the ``[B, L]`` token
+trajectory of docs/design.md section 1, so that ``TokenGAE``, ``TokenPPOLoss``,
+``recompute_anchors`` and ``ppo_update`` run on it unchanged. Pass it as the collector's
+``postproc``::
+
+    collector = LLMCollector(env, policy=policy, postproc=TokenTrajectory.from_policy(policy), ...)
+
+What TorchRL 0.14.1 gets wrong and how the converter deals with it (docs/design.md section 8):
+
+- ``TransformersWrapper`` writes 0.0 as the log-prob of every first generated token, and its
+  log-probs come from the raw logits (temperature ignored). They never become ``rollout_log_prob``
+  unchecked: ``rollout_log_prob="drop"`` (default) leaves the key out, ``"recompute"`` recomputes
+  it with the generating model, ``"raise"`` keeps the engine's log-probs and refuses the defect.
+- ``TransformersWrapper`` drops generated tokens equal to the pad id from ``tokens.response``
+  (and their log-probs): the sampled sequence is lost, nothing can repair it. A response that
+  ends neither with EOS nor at ``max_new_tokens`` shows the loss and is refused;
+  :meth:`TokenTrajectory.from_policy` also refuses a policy that can sample the pad id (fix:
+  ``generate_kwargs={"bad_words_ids": [[pad_id]]}``; TorchRL silently drops ``suppress_tokens``).
+- ``StepCounter(max_steps=1)`` marks every row truncated. The converter ignores the env's flags and
+  reads the finish from the tokens: EOS last -> terminated, ``max_new_tokens`` reached -> truncated.
+
+:func:`policy_state_dict` is the value-head-free state dict for TorchRL's weight-sync helpers
+(``get_model_metadata``, ``WeightStrategy.extract_weights``, ``sender.update_weights``), which
+would otherwise send ``value_head.weight`` / ``value_head.bias`` to the inference engine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from tensordict.utils import NestedKey
+from torch import nn
+
+from ar_torchrl.backends.base import Completion
+from ar_torchrl.data.collate import completions_to_trajectory
+from ar_torchrl.weight_sync.names import named_policy_tensors
+
+__all__ = ["PolicyStateDict", "TokenTrajectory", "policy_state_dict", "prompt_group_id"]
+
+logger = logging.getLogger(__name__)
+
+RolloutLogProb = Literal["drop", "recompute", "raise"]
+_MODES = ("drop", "recompute", "raise")
+_OWNER = "TokenTrajectory"
+_PAD_FIX = "TransformersWrapper(..., generate_kwargs={{'bad_words_ids': [[{pad}]], ...}})"
+
+
+def prompt_group_id(prompt: Sequence[int] | torch.Tensor) -> int:
+    """A stable, non-negative int64 id of a prompt's token ids: the GRPO group (``prompt_id``).
+
+    The same tokens give the same id in every batch and every process (a BLAKE2b digest, not
+    Python's salted ``hash``), so batches concatenated later keep distinct prompts apart.
+
+    Example:
+        >>> prompt_group_id([1, 5, 6]) == prompt_group_id(torch.tensor([1, 5, 6]))
+        True
+        >>> prompt_group_id([1, 5, 6]) == prompt_group_id([1, 5, 7])
+        False
+    """
+    ids = torch.as_tensor(prompt, dtype=torch.int64).reshape(-1).numpy().tobytes()
+    return int.from_bytes(hashlib.blake2b(ids, digest_size=8).digest(), "little") >> 1
+
+
+class TokenTrajectory:
+    """``LLMCollector`` postproc: a TorchRL LLM batch -> the ``[B, L]`` token trajectory.
+
+    Reads, per row of the (flattened) batch: ``("tokens", "prompt")`` and ``("tokens", "response")``
+    (1-D id tensors, ``pad_output=False``), the reward ``("next", "reward")`` (one value per row,
+    e.g. ``[B, 1, 1]``), ``("next", "policy_version")`` or ``"policy_version"`` (an int:
+    ``LLMCollector(track_policy_version=True)``) and, with ``rollout_log_prob="raise"``,
+    ``("log_probs", "response")``. Writes the keys of docs/design.md section 1: ``tokens``,
+    ``attention_mask``, ``loss_mask``, ``("next", "reward")`` on the last generated token,
+    ``("next", "done")`` / ``("next", "terminated")`` / ``("next", "truncated")`` from the finish
+    (EOS last -> terminated, ``max_new_tokens`` generated -> truncated), ``prompt_id`` =
+    :func:`prompt_group_id` of the prompt tokens (same prompt -> same group), ``policy_version``,
+    and ``rollout_log_prob`` unless dropped. Only single-turn rows are converted (every row done:
+    ``StepCounter(max_steps=1)``).
+
+    Args:
+        tokenizer: the policy's tokenizer (its ``pad_token_id``, and ``eos_token_id`` by default).
+        max_new_tokens: the generation cap: a response of that many tokens without EOS was cut by
+            length (truncated); a shorter one without EOS lost tokens and is refused. A pad id
+            dropped from inside an EOS-ended response leaves no such trace: only a policy that
+            cannot sample the pad id (checked by :meth:`from_policy`) rules it out.
+        rollout_log_prob: what becomes ``rollout_log_prob``:
+
+            - ``"drop"`` (default): nothing; the key is left out. The library's PPO anchors are
+              recomputed by the trainer (``recompute_anchors``), so the engine's log-probs only feed
+              drift metrics and truncated importance sampling, and TorchRL 0.14.1's are wrong on
+              the first token. Leaving the key out (rather than zeros plus a flag) keeps
+              ``TokenPPOLoss`` from reporting a drift against zeros, and ``tis_cap`` then fails
+              loudly (missing key) instead of weighting by ``exp(log_prob - 0)``.
+            - ``"recompute"``: ``log softmax(logits / temperature)`` of the sampled tokens with
+              ``model`` (the generating model, at its current weights), micro-batched.
+            - ``"raise"``: keep the engine's log-probs; raise when a row's first log-prob is exactly
+              0.0 (TorchRL's defect) or a row's log-probs do not match its tokens.
+        model: the generating HF model, for ``"recompute"``.
+        temperature: the sampling temperature, for ``"recompute"``.
+        eos_token_id: the id(s) that end a response (default ``tokenizer.eos_token_id``).
+        token_budget: tokens per micro-batch of the ``"recompute"`` forward.
+
+    Raises (when called):
+        KeyError: a key the batch lacks, with the TorchRL setting that writes it.
+        ValueError: a row that is not done, lost tokens, has no token, more than ``max_new_tokens``
+            tokens, several rewards, log-probs with the defect, or a non-integer policy version.
+
+    Example:
+        >>> from tensordict import lazy_stack
+        >>> from ar_torchrl.models.tiny import build_char_tokenizer
+        >>> tok = build_char_tokenizer()  # pad 0, eos 2
+        >>> rows = [TensorDict({"tokens": {"prompt": torch.tensor([1, 40]), "response": r},
+        ...                     "next": {"reward": torch.ones(1, 1), "done": torch.ones(1, dtype=torch.bool),
+        ...                              "policy_version": torch.tensor(3)}})
+        ...         for r in (torch.tensor([7, 2]), torch.tensor([7, 8, 9]))]
+        >>> td = TokenTrajectory(tok, max_new_tokens=3)(lazy_stack(rows))
+        >>> td.batch_size, td["tokens"].tolist()
+        (torch.Size([2, 5]), [[1, 40, 7, 2, 0], [1, 40, 7, 8, 9]])
+        >>> td["next", "terminated"].any(1).flatten().tolist(), td["next", "truncated"].any(1).flatten().tolist()
+        ([True, False], [False, True])
+        >>> "rollout_log_prob" in td.keys(), td["policy_version"][:, 0].tolist()
+        (False, [3, 3])
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        max_new_tokens: int,
+        rollout_log_prob: RolloutLogProb = "drop",
+        model: nn.Module | None = None,
+        temperature: float = 1.0,
+        eos_token_id: int | Sequence[int] | None = None,
+        token_budget: int = 16384,
+    ) -> None:
+        if rollout_log_prob not in _MODES:
+            raise ValueError(
+                f"{_OWNER}: rollout_log_prob must be one of {_MODES}, got {rollout_log_prob!r}"
+            )
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+            raise TypeError(f"{_OWNER}: max_new_tokens must be an int, got {max_new_tokens!r}")
+        if max_new_tokens < 1:
+            raise ValueError(f"{_OWNER}: max_new_tokens must be >= 1, got {max_new_tokens}")
+        if rollout_log_prob == "recompute" and not isinstance(model, nn.Module):
+            raise ValueError(
+                f"{_OWNER}: rollout_log_prob='recompute' needs the generating model: "
+                f"TokenTrajectory(..., model=policy.model), got model={type(model).__name__}"
+            )
+        self.pad_token_id = _pad_id(tokenizer)
+        eos = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
+        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else eos)
+        if not self.eos_token_ids or self.pad_token_id in self.eos_token_ids:
+            raise ValueError(
+                f"{_OWNER}: eos ids {sorted(self.eos_token_ids)} and pad id {self.pad_token_id}: "
+                "TransformersWrapper drops pad-id tokens, so an EOS equal to the pad id is lost; "
+                "give the tokenizer its own pad token (tokenizer.pad_token = '<pad>' or another "
+                "special token the model never samples)"
+            )
+        self.max_new_tokens = max_new_tokens
+        self.rollout_log_prob = rollout_log_prob
+        self.model = model
+        self.temperature = float(temperature)
+        self.token_budget = int(token_budget)
+
+    @classmethod
+    def from_policy(cls, policy, **kwargs) -> TokenTrajectory:
+        """Build from a ``TransformersWrapper``: its tokenizer, ``max_new_tokens``, temperature,
+        EOS ids and (for ``"recompute"``) model, after checking that it cannot sample the pad id.
+
+        Raises:
+            ValueError: ``pad_output=True``, no ``max_new_tokens`` in ``generate_kwargs``, or the
+                pad id not banned through ``bad_words_ids`` (TorchRL would drop sampled pad ids).
+        """
+        gk = dict(getattr(policy, "generate_kwargs", None) or {})
+        name = type(policy).__name__
+        if getattr(policy, "pad_output", False):
+            raise ValueError(
+                f"{_OWNER}.from_policy: {name}(pad_output=True) mixes padding into tokens.response "
+                "(and, in history mode, into the response text); use pad_output=False"
+            )
+        if "max_new_tokens" not in gk:
+            raise ValueError(
+                f"{_OWNER}.from_policy: {name}.generate_kwargs has no max_new_tokens (got keys "
+                f"{sorted(gk)}); set generate_kwargs={{'max_new_tokens': N, ...}} so that a cut by "
+                "length can be told from a finished response"
+            )
+        tokenizer = policy.tokenizer
+        pad = _pad_id(tokenizer)
+        if [pad] not in [list(w) for w in gk.get("bad_words_ids") or []]:
+            raise ValueError(
+                f"{_OWNER}.from_policy: {name} can sample the pad id {pad}, and TorchRL 0.14.1 "
+                "drops generated tokens equal to it (the sampled sequence is lost); ban it with "
+                + _PAD_FIX.format(pad=pad)
+                + " (TorchRL silently ignores suppress_tokens)"
+            )
+        config = getattr(getattr(policy, "model", None), "generation_config", None)
+        sampled = gk.get("do_sample", getattr(config, "do_sample", False))
+        kwargs.setdefault("max_new_tokens", int(gk["max_new_tokens"]))
+        kwargs.setdefault("temperature", float(gk.get("temperature", 1.0)) if sampled else 1.0)
+        eos = gk.get("eos_token_id", getattr(config, "eos_token_id", None))
+        if eos is not None:
+            kwargs.setdefault("eos_token_id", eos)
+        if kwargs.get("rollout_log_prob") == "recompute":
+            kwargs.setdefault("model", policy.model)
+        return cls(tokenizer, **kwargs)
+
+    def __call__(self, data: TensorDictBase) -> TensorDict:
+        rows = data.reshape(-1) if data.batch_dims != 1 else data
+        prompts = _id_list(rows, ("tokens", "prompt"), "the policy's prompt tokens")
+        responses = _id_list(rows, ("tokens", "response"), "TransformersWrapper(generate=True)")
+        _check_single_turn(rows)
+        rewards = _per_row(rows, ("next", "reward"), "a reward transform on the env", float)
+        versions = _policy_versions(rows)
+        log_probs = self._engine_log_probs(rows, responses)
+        completions = [
+            Completion(r, ids.tolist(), lp, self._finish(r, ids), int(versions[r]))
+            for r, (ids, lp) in enumerate(zip(responses, log_probs))
+        ]
+        td = completions_to_trajectory(
+            prompts,
+            completions,
+            rewards,
+            pad_token_id=self.pad_token_id,
+            prompt_id=[prompt_group_id(p) for p in prompts],
+            policy_version=int(versions[0]),
+        )
+        td.set("policy_version", versions.unsqueeze(-1).expand(td.batch_size).clone())
+        if self.rollout_log_prob == "drop":
+            del td["rollout_log_prob"]
+        elif self.rollout_log_prob == "recompute":
+            td.set("rollout_log_prob", self._recompute(td))
+        logger.debug(
+            "%s: %d rows, %d terminated, width %d",
+            _OWNER,
+            td.batch_size[0],
+            int(td["next", "terminated"].sum()),
+            td.batch_size[1],
+        )
+        return td
+
+    def _finish(self, row: int, ids: torch.Tensor) -> str:
+        n = len(ids)
+        if n > self.max_new_tokens:
+            raise ValueError(
+                f"{_OWNER}: row {row} has {n} generated tokens, more than max_new_tokens="
+                f"{self.max_new_tokens}; pass the policy's max_new_tokens (or use from_policy)"
+            )
+        if n and int(ids[-1]) in self.eos_token_ids:
+            return "stop"
+        if n == self.max_new_tokens:
+            return "length"
+        raise ValueError(
+            f"{_OWNER}: row {row} has {n} generated tokens, does not end with EOS "
+            f"{sorted(self.eos_token_ids)} and is shorter than max_new_tokens="
+            f"{self.max_new_tokens}: tokens were lost. TorchRL 0.14.1's TransformersWrapper drops "
+            f"generated tokens equal to the pad id {self.pad_token_id}; ban it with "
+            + _PAD_FIX.format(pad=self.pad_token_id)
+            + " (or the generation stopped for a reason this converter does not know, e.g. stop "
+            "strings)"
+        )
+
+    def _engine_log_probs(self, rows, responses) -> list[list[float]]:
+        if self.rollout_log_prob != "raise":
+            return [[0.0] * len(ids) for ids in responses]
+        lps = _id_list(
+            rows, ("log_probs", "response"), "TransformersWrapper(return_log_probs=True)", float
+        )
+        for r, (ids, lp) in enumerate(zip(responses, lps)):
+            if lp.shape != ids.shape or not torch.isfinite(lp).all():
+                raise ValueError(
+                    f"{_OWNER}: row {r}: log_probs.response has shape {tuple(lp.shape)} for "
+                    f"{len(ids)} tokens (or non-finite values); use rollout_log_prob='recompute'"
+                )
+            if len(lp) and float(lp[0]) == 0.0:
+                raise ValueError(
+                    f"{_OWNER}: row {r}: the first generated token's log-prob is exactly 0.0, "
+                    "TorchRL 0.14.1 TransformersWrapper's defect (it overwrites it); use "
+                    "rollout_log_prob='drop' (anchors are recomputed by the trainer anyway) or "
+                    "'recompute'"
+                )
+        return [lp.tolist() for lp in lps]
+
+    def _recompute(self, td: TensorDict) -> torch.Tensor:
+        from ar_torchrl.data.micro_batch import plan_micro_batches
+        from ar_torchrl.modules import LMActorCritic
+        from ar_torchrl.objectives.anchors import recompute_anchors
+
+        actor = LMActorCritic(self.model, critic=False, temperature=self.temperature)
+        inputs = td.select("tokens", "attention_mask")
+        plan = plan_micro_batches(inputs, token_budget=self.token_budget)
+        recompute_anchors(actor, inputs, plan)
+        return torch.where(td["loss_mask"], inputs["sample_log_prob"], 0.0)
+
+
+def _pad_id(tokenizer) -> int:
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if not isinstance(pad, int):
+        raise ValueError(
+            f"{_OWNER}: the tokenizer has no pad_token_id (got {pad!r}); set tokenizer.pad_token "
+            "to a special token the model never samples"
+        )
+    return pad
+
+
+def _get(rows: TensorDictBase, key: NestedKey, fix: str, **kwargs):
+    value = rows.get(key, None, **kwargs)
+    if value is None:
+        keys = ", ".join(sorted(map(str, rows.keys(include_nested=True, leaves_only=True))))
+        raise KeyError(f"{_OWNER}: the batch has no {key!r} (needs {fix}); it has {keys}")
+    return value
+
+
+def _id_list(rows, key, fix, dtype=int) -> list[torch.Tensor]:
+    """One 1-D tensor per row (TorchRL stores ragged per-row tensors in a lazy stack)."""
+    values = _get(rows, key, fix, as_list=True)
+    out = []
+    for r, v in enumerate(values):
+        v = torch.as_tensor(v)
+        floating = v.is_floating_point()
+        if v.dim() != 1 or floating != (dtype is float):
+            kind = "float log-probs" if dtype is float else "integer token ids"
+            raise ValueError(
+                f"{_OWNER}: row {r}: {key!r} must be 1-D {kind} (pad_output=False), got "
+                f"{v.dtype} {tuple(v.shape)}"
+            )
+        out.append(v)
+    return out
+
+
+def _per_row(rows, key, fix, cast) -> list:
+    value = torch.as_tensor(_get(rows, key, fix)).reshape(len(rows), -1)
+    if value.shape[1] != 1:
+        raise ValueError(
+            f"{_OWNER}: {key!r} has {value.shape[1]} values per row (shape "
+            f"{tuple(rows.get(key).shape)}); one per row is expected (a single-turn batch)"
+        )
+    return [cast(v) for v in value[:, 0].tolist()]
+
+
+def _check_single_turn(rows: TensorDictBase) -> None:
+    done = rows.get(("next", "done"), None)
+    if done is None:
+        return
+    not_done = (~torch.as_tensor(done).reshape(len(rows), -1).all(-1)).nonzero()
+    if not_done.numel():
+        raise ValueError(
+            f"{_OWNER}: row {int(not_done[0])} is not done (('next', 'done') False): only "
+            "single-turn batches are converted; end every dialog after one turn with "
+            "StepCounter(max_steps=1)"
+        )
+
+
+def _policy_versions(rows: TensorDictBase) -> torch.Tensor:
+    for key in (("next", "policy_version"), "policy_version"):
+        value = rows.get(key, None)
+        if value is None:
+            continue
+        if (
+            not isinstance(value, torch.Tensor)
+            or value.is_floating_point()
+            or value.dtype == torch.bool
+        ):
+            got = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(
+                f"{_OWNER}: {key!r} must hold integers, got {got}; use "
+                "PolicyVersion(version_type='int') (LLMCollector(track_policy_version=True) does)"
+            )
+        return value.reshape(len(rows), -1)[:, 0].to(torch.int64)
+    raise KeyError(
+        f"{_OWNER}: the batch has no 'policy_version'; build the collector with "
+        "LLMCollector(..., track_policy_version=True) and call collector.increment_version() "
+        "after each update"
+    )
+
+
+class PolicyStateDict(dict):
+    """``{hf_name: tensor}`` of the policy, without ``value_head.*``, that TorchRL's weight-sync
+    helpers accept where they take a model.
+
+    A ``dict`` (``WeightStrategy.extract_weights``, ``sender.update_weights(weights=...)``) that
+    also answers ``state_dict()`` (``get_model_metadata``, ``sender.register_model``, which keeps
+    only a weak reference: hold on to the object). Without ``dtype`` its tensors are detached views
+    of the live parameters, so it follows in-place optimizer steps.
+    """
+
+    def state_dict(self) -> PolicyStateDict:
+        return self
+
+
+def policy_state_dict(model: nn.Module, *, dtype: torch.dtype | None = None) -> PolicyStateDict:
+    """The tensors the inference engine loads (``named_policy_tensors``), as a :class:`PolicyStateDict`.
+
+    Example:
+        >>> from ar_torchrl.models.tiny import build_tiny_qwen3
+        >>> from ar_torchrl.modules import attach_value_head
+        >>> model = attach_value_head(build_tiny_qwen3(99))
+        >>> sd = policy_state_dict(model)
+        >>> "value_head.weight" in model.state_dict(), "value_head.weight" in sd
+        (True, False)
+        >>> sd.state_dict() is sd, len(sd) == len(model.state_dict()) - 2
+        (True, True)
+    """
+    return PolicyStateDict(named_policy_tensors(model, dtype=dtype))
