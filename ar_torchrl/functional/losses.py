@@ -146,8 +146,10 @@ def clipped_surrogate(
         log_prob, old_log_prob, advantage: ``[B, L]`` float; mask: ``[B, L]`` bool.
 
     Returns:
-        ``(loss [B, L], ratio [B, L], clipped [B, L] bool)``; ``clipped`` marks tokens where the
-        clipped branch was taken (the PPO ``clip_fraction`` numerator).
+        ``(loss [B, L], ratio [B, L], clipped [B, L] bool)``; ``clipped`` marks tokens where a
+        clipped branch was taken (the clip, or the dual clip: verl's ``pg_clipfrac`` plus
+        ``pg_clipfrac_lower`` numerators; TorchRL's ``clip_fraction`` counts ratios outside the
+        band instead, whichever branch is taken).
 
     Example:
         >>> lp = torch.tensor([[0.5, 0.0]]); old = torch.zeros(1, 2); a = torch.ones(1, 2)
@@ -186,7 +188,8 @@ def clipped_value_loss(
 
     Returns:
         ``(loss [B, L], clipped [B, L] bool)`` where ``clipped`` marks tokens whose clipped branch is
-        the larger one (``value_clip_fraction`` numerator).
+        the larger one (as verl's ``vf_clipfrac``, up to the rounding of ``V_clip``; TorchRL's
+        ``value_clip_fraction`` counts ``|V - V_old| > clip_value`` instead).
 
     Example:
         >>> v = torch.tensor([[1.0]]); old = torch.zeros(1, 1); r = torch.tensor([[2.0]])

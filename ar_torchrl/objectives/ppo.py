@@ -15,7 +15,9 @@ Departures from ``torchrl.objectives.ClipPPOLoss`` (docs/design.md section 8 lis
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -29,11 +31,113 @@ from ar_torchrl.functional import AggregationMode
 from ar_torchrl.modules import LMActorCritic
 from ar_torchrl.objectives._keys import require_key, squeeze_feature
 from ar_torchrl.objectives.gae import TokenGAE
-from ar_torchrl.utils.checks import check_ppo_loss_args
+from ar_torchrl.utils.checks import check_number, check_ppo_loss_args
 
-__all__ = ["TokenPPOLoss"]
+__all__ = ["UNSUPPORTED_CLIP_PPO_SETTINGS", "TokenPPOLoss"]
 
 _OWNER = "TokenPPOLoss"
+
+#: No value of a ``ClipPPOLoss`` setting describes TokenPPOLoss: reading the setting raises.
+_NO_VALUE = object()
+
+_WHITEN = (
+    "the advantages are used as the batch holds them; whiten them in the advantage module "
+    "(TokenGAE(normalize_advantage=True); GRPOAdvantage scales per group)"
+)
+_CRITIC = (
+    "the critic is actor_critic's value head (LMActorCritic(critic=True)); pass only actor_critic"
+)
+
+#: ``ClipPPOLoss``/``PPOLoss`` settings TokenPPOLoss does not have, ``name -> (value, hint)``:
+#: ``value`` is the TorchRL value that describes what TokenPPOLoss does (the attribute reads it;
+#: passing or setting it is accepted), ``_NO_VALUE`` where none does (reading raises); any other
+#: value raises, with ``hint`` saying what to use instead.
+UNSUPPORTED_CLIP_PPO_SETTINGS: dict[str, tuple[Any, str]] = {
+    "reduction": (
+        _NO_VALUE,
+        "every loss term is reduced over loss_mask by loss_agg_mode ('token_mean', "
+        "'seq_mean_token_mean', 'seq_mean_token_sum', 'seq_mean_token_sum_norm') and "
+        "forward(td, normalizer=...); build TokenPPOLoss(loss_agg_mode=...)",
+    ),
+    "loss_critic_type": (
+        _NO_VALUE,
+        "the value loss is 0.5 * max((V - R)^2, (V_clip - R)^2), half of ClipPPOLoss's 'l2' "
+        "(there is no 'l1' or 'smooth_l1'); weight it with critic_coeff",
+    ),
+    "normalize_advantage": (False, _WHITEN),
+    "normalize_advantage_exclude_dims": ((), _WHITEN),
+    "advantage_norm": (None, _WHITEN),
+    "separate_losses": (
+        False,
+        "actor and critic are one LMActorCritic (one backbone forward), so the value loss trains "
+        "the shared backbone; weight it with critic_coeff, or train without a critic "
+        "(critic_coeff=None)",
+    ),
+    "samples_mc_entropy": (
+        _NO_VALUE,
+        "the entropy is exact over the vocabulary, not a Monte-Carlo estimate; it is computed when "
+        "entropy_coeff > 0 or actor_critic.return_entropy",
+    ),
+    "log_explained_variance": (
+        True,
+        "explained_variance and explained_variance_finite are always logged with a critic",
+    ),
+    "delay_actor": (
+        False,
+        "the proximal policy is sample_log_prob (recompute_anchors); to correct for the rollout "
+        "policy pass rollout_log_prob and tis_cap",
+    ),
+    "max_importance_ratio": (
+        None,
+        "use tis_cap: it caps exp(sample_log_prob - rollout_log_prob), the weight of each token's "
+        "policy loss",
+    ),
+    "use_prioritized_weights": (
+        False,
+        "no priority weights are read; weight tokens through the advantage or loss_mask",
+    ),
+    "functional": (
+        False,
+        "actor_critic is called as a module (functional=False), so DDP/FSDP-wrapped models work",
+    ),
+}
+
+#: ``ClipPPOLoss`` constructor arguments that are not settings of TokenPPOLoss: ``name -> hint``.
+_CLIP_PPO_ONLY_ARGS: dict[str, str] = {
+    "critic_network": _CRITIC,
+    "critic": _CRITIC,
+    "entropy_bonus": "set entropy_coeff (0 switches the entropy bonus off)",
+    "gamma": "the discount is the value estimator's: loss.make_value_estimator(gamma=...), or "
+    "compute the advantage before the loss",
+    "advantage_key": "use loss.set_keys(advantage=...)",
+    "value_target_key": "use loss.set_keys(value_target=...)",
+    "value_key": "use loss.set_keys(value=...)",
+    "device": "the buffers are created on actor_critic's device; move the loss with .to(device)",
+}
+
+
+def _same(value: Any, honoured: Any) -> bool:
+    if honoured is None or isinstance(honoured, bool):
+        return value is honoured
+    return type(value) is type(honoured) and value == honoured
+
+
+def _no_value_message(name: str) -> str:
+    return f"{_OWNER} has no {name}: {UNSUPPORTED_CLIP_PPO_SETTINGS[name][1]}"
+
+
+def _check_clip_ppo_kwargs(kwargs: dict[str, Any]) -> None:
+    """Constructor arguments of ``ClipPPOLoss`` TokenPPOLoss does not take (or only as it behaves)."""
+    for name, value in kwargs.items():
+        if name in UNSUPPORTED_CLIP_PPO_SETTINGS:
+            honoured, hint = UNSUPPORTED_CLIP_PPO_SETTINGS[name]
+            if honoured is not _NO_VALUE and _same(value, honoured):
+                continue
+        elif name in _CLIP_PPO_ONLY_ARGS:
+            hint = _CLIP_PPO_ONLY_ARGS[name]
+        else:
+            raise TypeError(f"{_OWNER}.__init__() got an unexpected keyword argument {name!r}")
+        raise TypeError(f"{_OWNER}({name}={value!r}) is not supported: {hint}")
 
 
 class TokenPPOLoss(ClipPPOLoss):
@@ -58,22 +162,77 @@ class TokenPPOLoss(ClipPPOLoss):
     ``tokens``/``attention_mask``; optionally ``ref_log_prob`` and ``rollout_log_prob``. Keys are
     changed with :meth:`set_keys` (TorchRL's mechanism; the value estimator follows).
 
-    Output (every entry listed in :attr:`out_keys`; every metric is reduced over ``loss_mask`` only,
-    log-ratios clamped to ``[-20, 20]`` first):
+    Output (every entry listed in :attr:`out_keys`): the summed terms ``loss_objective``,
+    ``loss_critic``, ``loss_entropy``, ``loss_kl``, and detached metrics. **Every metric is reduced
+    over the trained tokens** ``T`` (``loss_mask``; ``n = |T|``) and nothing else. A name TorchRL's
+    ``ClipPPOLoss`` or verl's ``core_algos.py`` also emits has *their* definition, with ``T`` as
+    the sample batch (so a curve compares like with like); ours have names of their own. With
+    ``lr = clamp(log pi - log pi_old, -20, 20)`` (``pi_old``: ``sample_log_prob``; the clamp is the
+    loss's, :data:`~ar_torchrl.functional.LOG_RATIO_CLAMP`), ``r = exp(lr)``, ``A`` the advantage,
+    ``eps_low``/``eps_high`` the clip range, ``c`` the ``dual_clip``, ``V``/``V_old``/``R`` the new
+    value, ``state_value`` and ``value_target``, means over ``T``:
 
-    - ``loss_objective``, ``loss_critic``, ``loss_entropy``, ``loss_kl``: the summed terms;
-    - TorchRL's ``ClipPPOLoss`` names, same definitions: ``clip_fraction``, ``kl_approx``
-      (``mean(log pi_old - log pi)``, the k1 estimate of KL(old || new)), ``mean_ratio``,
-      ``max_ratio``, ``ESS`` (``(sum r)^2 / sum r^2 / n``), ``entropy``, ``value_clip_fraction``,
-      ``explained_variance``;
-    - ours: ``approx_kl`` (``mean((r - 1) - log r)``, the non-negative k3 estimate, as CleanRL logs it),
-      ``min_ratio`` (named as TorchRL's ``max_ratio``), ``kl_ref`` (k3 KL to the reference policy)
-      and ``rollout_log_prob_abs_diff`` (only when the batch holds ``rollout_log_prob``). One name
-      per metric: there are no aliases.
+    ============================= ============================================== =================
+    name                          definition (over ``T``)                        defined as by
+    ============================= ============================================== =================
+    ``clip_fraction``             fraction with ``r`` outside                    TorchRL
+                                  ``[1 - eps_low, 1 + eps_high]`` (in log space:
+                                  ``lr`` outside ``[log1p(-eps_low),
+                                  log1p(eps_high)]``), whatever the sign of ``A``
+    ``pg_clipfrac``               fraction where the clipped term is the larger  verl (and TRL)
+                                  loss: ``-A clip(r) > -A r`` (the clip is
+                                  active: the token's gradient is 0)
+    ``pg_clipfrac_lower``         (``dual_clip`` only) fraction with ``A < 0``   verl
+                                  and ``max(-A r, -A clip(r)) > -c A`` (the
+                                  dual clip is active); disjoint from
+                                  ``pg_clipfrac``
+    ``kl_approx``                 ``mean(-lr)`` (k1 estimate of KL(old || new))  TorchRL (= verl's
+                                                                                 ``ppo_kl``)
+    ``mean_ratio``, ``max_ratio`` ``mean(r)``, ``max(r)``                        TorchRL
+    ``ESS``                       ``exp(2 logsumexp(lr) - logsumexp(2 lr)) / n`` TorchRL
+                                  ``= (sum r)^2 / sum r^2 / n``
+    ``entropy``                   mean per-token entropy of the policy           TorchRL
+    ``value_clip_fraction``       fraction with ``|V - V_old| > clip_value``     TorchRL
+                                  (0 without ``clip_value``)
+    ``vf_clipfrac``               fraction with ``(clamp(V, V_old - clip_value,  verl (and TRL)
+                                  V_old + clip_value) - R)^2 > (V - R)^2`` (the
+                                  clipped value loss is used; 0 without
+                                  ``clip_value``)
+    ``explained_variance``        ``1 - Var(R - V) / (Var(R) + eps)``,           TorchRL
+                                  population variances, ``eps`` the dtype's
+                                  machine epsilon (huge and negative when ``R``
+                                  is constant over ``T`` but ``V`` is not)
+    ``explained_variance_finite`` ``1 - Var(R - V) / Var(R)``; for a constant    ours (as
+                                  ``R``: 1 if ``R - V`` is constant too, else 0  scikit-learn's
+                                  (:func:`~ar_torchrl.functional.                ``force_finite``)
+                                  explained_variance`), a curve to plot
+    ``approx_kl``                 ``mean((r - 1) - lr)`` (k3, >= 0)              ours (as CleanRL)
+    ``min_ratio``                 ``min(r)``                                     ours
+    ``kl_ref``                    mean k3 KL to ``ref_log_prob``                 ours
+    ``rollout_log_prob_abs_diff`` ``mean(|log pi - rollout_log_prob|)``          ours
+    ============================= ============================================== =================
+
+    Where TorchRL's definitions are not met exactly: TorchRL does not clamp ``lr``, so its ratio
+    statistics differ once a trained token has ``|lr| > 20`` (its ``max_ratio`` then overflows to
+    ``inf`` above ``lr = 88.7``; ours stay finite); TorchRL reduces ``ESS`` and
+    ``explained_variance`` over the first batch dimension only (a ``[B, L]`` batch gives ``[L]``
+    vectors), ours treat the trained tokens as one flat batch; and a batch without trained tokens
+    gives 1 for the ratio statistics and 0 for the other metrics (TorchRL: ``nan``). ``kl_approx``,
+    ``mean_ratio``, ``max_ratio`` and ``ESS`` describe ``pi / pi_old`` (TorchRL without
+    ``delay_actor``): the ``tis_cap`` weight is not part of them. ``pg_clipfrac`` +
+    ``pg_clipfrac_lower`` is the fraction of tokens with zero policy gradient from the clip.
 
     ``entropy`` is present only when entropies are computed (``entropy_coeff > 0`` or the actor's
-    ``return_entropy``), the critic metrics only with a critic, ``loss_kl``/``kl_ref`` only with
-    ``kl_coeff > 0``. A batch without trained tokens gives ratio statistics of 1 and 0 elsewhere.
+    ``return_entropy``), the critic metrics only with a critic, ``pg_clipfrac_lower`` only with
+    ``dual_clip``, ``loss_kl``/``kl_ref`` only with ``kl_coeff > 0``,
+    ``rollout_log_prob_abs_diff`` only when the batch holds ``rollout_log_prob``. One name per
+    metric: there are no aliases.
+
+    Inherited ``ClipPPOLoss`` settings TokenPPOLoss does not honour (``reduction``,
+    ``loss_critic_type``, ``normalize_advantage``, ``separate_losses``, ``samples_mc_entropy``,
+    ``delay_actor``, ``max_importance_ratio``, ... see :data:`UNSUPPORTED_CLIP_PPO_SETTINGS`) raise
+    when passed or set to anything but the behaviour TokenPPOLoss has, naming what to use instead;
+    ``loss_mask_key`` is ``tensor_keys.loss_mask`` (setting it renames the key).
 
     Example:
         >>> from tensordict import TensorDict
@@ -120,7 +279,9 @@ class TokenPPOLoss(ClipPPOLoss):
         loss_agg_mode: AggregationMode = "token_mean",
         norm_length: int | None = None,
         tis_cap: float | None = None,
+        **clip_ppo_kwargs: Any,
     ) -> None:
+        _check_clip_ppo_kwargs(clip_ppo_kwargs)
         a = check_ppo_loss_args(
             _OWNER,
             clip_epsilon=clip_epsilon,
@@ -152,6 +313,107 @@ class TokenPPOLoss(ClipPPOLoss):
         self.loss_agg_mode = a["loss_agg_mode"]
         self.norm_length = a["norm_length"]
         self.tis_cap = a["tis_cap"]
+        self._settings_frozen = True  # from here on, __setattr__ guards ClipPPOLoss's settings
+
+    # ------------------------------------------------------------------ inherited settings
+    def __setattr__(self, name: str, value: Any) -> None:
+        if not self.__dict__.get("_settings_frozen", False):
+            if name in UNSUPPORTED_CLIP_PPO_SETTINGS:
+                return  # ClipPPOLoss.__init__ writing its defaults: TokenPPOLoss has none of them
+            super().__setattr__(name, value)
+            return
+        if name in UNSUPPORTED_CLIP_PPO_SETTINGS:
+            honoured, hint = UNSUPPORTED_CLIP_PPO_SETTINGS[name]
+            if honoured is _NO_VALUE or not _same(value, honoured):
+                raise ValueError(f"{_OWNER}.{name} = {value!r} is not supported: {hint}")
+            return
+        self._check_setting(name, value)
+        super().__setattr__(name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in UNSUPPORTED_CLIP_PPO_SETTINGS:  # a property below raised: keep its message
+            raise AttributeError(_no_value_message(name))
+        return super().__getattr__(name)
+
+    def _check_setting(self, name: str, value: Any) -> None:
+        """Assignments ClipPPOLoss would accept but TokenPPOLoss would silently not honour."""
+        number = isinstance(value, numbers.Real)  # bool included: check_number rejects it
+        if name == "critic_network" and value is not self.critic_network:
+            raise ValueError(
+                f"{_OWNER}.critic_network cannot be replaced: the values come from actor_critic's "
+                "value head in the same forward; build a new TokenPPOLoss with another actor_critic"
+            )
+        if name == "critic_coeff" and not self._has_critic:
+            raise ValueError(
+                f"{_OWNER}.critic_coeff = {value!r} has no effect on a loss built without a critic "
+                "term: build TokenPPOLoss(critic_coeff=...) with a positive value (it may be "
+                "scheduled to 0 later)"
+            )
+        if name == "critic_coeff" and value is None:
+            raise ValueError(
+                f"{_OWNER}.critic_coeff = None is not supported once built: set 0 to switch the "
+                "critic term off"
+            )
+        if name == "entropy_coeff" and number and not isinstance(value, bool) and value:
+            if not self.entropy_bonus:
+                raise ValueError(
+                    f"{_OWNER}.entropy_coeff = {value!r} has no effect on a loss built with "
+                    "entropy_coeff=0 (no entropy term, entropies not computed): build "
+                    "TokenPPOLoss(entropy_coeff=...) with a positive value (it may be scheduled "
+                    "to 0 later)"
+                )
+        if name == "entropy_bonus" and value and not self.actor_network.return_entropy:
+            raise ValueError(
+                f"{_OWNER}.entropy_bonus = {value!r} needs entropies: build "
+                "TokenPPOLoss(entropy_coeff=...) with a positive value instead"
+            )
+        if name in ("entropy_coeff", "critic_coeff") and number:
+            check_number(_OWNER, name, value, ge=0)
+        if name == "clip_value" and isinstance(value, bool):
+            raise TypeError(
+                f"{_OWNER}.clip_value = {value!r} is not supported (ClipPPOLoss reads True as "
+                "'clip at clip_epsilon'): pass the value clip range as a float, or None to disable "
+                "value clipping"
+            )
+        if name == "clip_value" and number:
+            check_number(_OWNER, name, value, gt=0, hint="None disables value clipping")
+
+    @property
+    def loss_mask_key(self) -> NestedKey:
+        """The bool ``[B, L]`` entry every term and metric is reduced over (``tensor_keys.loss_mask``).
+
+        Setting it is ``set_keys(loss_mask=...)``. TorchRL's ``"auto"`` (its padding masks) and
+        ``None`` (no mask) are not supported: an all-True ``loss_mask`` trains every position.
+        """
+        return self.tensor_keys.loss_mask
+
+    @loss_mask_key.setter
+    def loss_mask_key(self, value: NestedKey) -> None:
+        if value is None or value == "auto" or not isinstance(value, (str, tuple)):
+            raise ValueError(
+                f"{_OWNER}.loss_mask_key = {value!r} is not supported: every term and metric is "
+                f"reduced over the bool [B, L] entry {self.tensor_keys.loss_mask!r} "
+                "(TorchRL's 'auto' masks are not read; for no masking make loss_mask all True); "
+                "a key renames that entry, as set_keys(loss_mask=...) does"
+            )
+        self.set_keys(loss_mask=value)
+
+    def set_keys(self, **kwargs) -> None:
+        """TorchRL's ``set_keys``; ``action`` is not read (the actions are the actor's tokens)."""
+        if "action" in kwargs and self.__dict__.get("_settings_frozen", False):
+            raise ValueError(
+                f"{_OWNER}.set_keys(action=...) is not supported: the actions are the tokens "
+                "actor_critic reads; rename them with actor_critic.set_keys(tokens=...)"
+            )
+        super().set_keys(**kwargs)
+
+    def loss_critic(self, tensordict: TensorDictBase) -> None:
+        """Not available: TorchRL's (unmasked, ``loss_critic_type``) critic loss is not this loss's."""
+        raise NotImplementedError(
+            f"{_OWNER}.loss_critic(td) is ClipPPOLoss's unmasked critic loss and is not "
+            "available: read forward(td)['loss_critic'] (masked by loss_mask, aggregated by "
+            "loss_agg_mode)"
+        )
 
     @property
     def actor_critic(self) -> LMActorCritic:
@@ -162,12 +424,15 @@ class TokenPPOLoss(ClipPPOLoss):
         """Every key the output may hold for this configuration (see the class docstring)."""
         keys = ["loss_objective"]
         if self._has_critic:
-            keys += ["loss_critic", "value_clip_fraction", "explained_variance"]
+            keys += ["loss_critic", *_CRITIC_METRICS]
         if self.entropy_bonus:
             keys += ["loss_entropy"]
         if self.kl_coeff:
             keys += ["loss_kl", "kl_ref"]
-        keys += list(_POLICY_METRICS) + ["rollout_log_prob_abs_diff"]
+        keys += list(_POLICY_METRICS)
+        if self.dual_clip is not None:
+            keys += ["pg_clipfrac_lower"]
+        keys += ["rollout_log_prob_abs_diff"]
         return keys + ["entropy"] if self.actor_network.return_entropy else keys
 
     @out_keys.setter
@@ -287,7 +552,7 @@ class TokenPPOLoss(ClipPPOLoss):
             if self._asymmetric_clip
             else (self.clip_epsilon,) * 2
         )
-        loss, _, clipped = F.clipped_surrogate(
+        loss, ratio, _ = F.clipped_surrogate(
             log_prob,
             old,
             adv,
@@ -310,7 +575,13 @@ class TokenPPOLoss(ClipPPOLoss):
             weight = torch.exp(F.masked_log_ratio(old, rollout, mask)).clamp(max=self.tis_cap)
             loss = loss * weight.detach()
         out["loss_objective"] = self._agg(loss, mask, normalizer)
-        out.update(_policy_metrics(F.masked_log_ratio(log_prob.detach(), old, mask), clipped, mask))
+        log_ratio = F.masked_log_ratio(log_prob.detach(), old, mask)
+        out.update(_ratio_metrics(log_ratio, mask, self._clip_bounds))
+        out.update(
+            _verl_policy_clip_fractions(
+                ratio.detach(), adv, mask, float(low), float(high), self.dual_clip
+            )
+        )
 
     def _critic_terms(self, td, value, mask, normalizer, out) -> None:
         k = self.tensor_keys
@@ -323,43 +594,139 @@ class TokenPPOLoss(ClipPPOLoss):
             "without a critic: TokenPPOLoss(critic_coeff=0)",
         )
         clip = None if self.clip_value is None else float(self.clip_value)
-        loss, clipped = F.clipped_value_loss(value, old, target, mask, clip_value=clip)
+        loss, _ = F.clipped_value_loss(value, old, target, mask, clip_value=clip)
         out["loss_critic"] = self.critic_coeff * self._agg(loss, mask, normalizer)
-        out["value_clip_fraction"] = F.masked_mean(clipped.float(), mask)
-        out["explained_variance"] = F.explained_variance(value.detach(), target, mask)
+        out.update(_critic_metrics(value.detach(), old, target, mask, clip))
 
 
-#: Policy metrics of every call, in ``out_keys`` order (TorchRL's names first, then ours).
+def _read_setting(name: str) -> property:
+    honoured = UNSUPPORTED_CLIP_PPO_SETTINGS[name][0]
+
+    def get(self) -> Any:
+        if honoured is _NO_VALUE:
+            raise AttributeError(_no_value_message(name))
+        return honoured
+
+    return property(get, doc=f"ClipPPOLoss's ``{name}``: {UNSUPPORTED_CLIP_PPO_SETTINGS[name][1]}.")
+
+
+for _name in UNSUPPORTED_CLIP_PPO_SETTINGS:
+    setattr(TokenPPOLoss, _name, _read_setting(_name))
+del _name
+
+#: Policy metrics of every call, in ``out_keys`` order (TorchRL's names, verl's, then ours);
+#: ``pg_clipfrac_lower`` (verl) follows with ``dual_clip``.
 _POLICY_METRICS = (
     "clip_fraction",
     "kl_approx",
     "mean_ratio",
     "max_ratio",
     "ESS",
+    "pg_clipfrac",
     "approx_kl",
     "min_ratio",
 )
 
+#: Critic metrics (with a critic), in ``out_keys`` order (TorchRL's, verl's, then ours).
+_CRITIC_METRICS = (
+    "value_clip_fraction",
+    "explained_variance",
+    "vf_clipfrac",
+    "explained_variance_finite",
+)
 
-def _policy_metrics(
-    log_ratio: torch.Tensor, clipped: torch.Tensor, mask: torch.Tensor
+
+def _fraction(flags: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return F.masked_mean((flags & mask).float(), mask)
+
+
+def _ratio_metrics(
+    log_ratio: torch.Tensor, mask: torch.Tensor, clip_bounds: tuple[torch.Tensor, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    """Ratio / KL diagnostics over ``mask`` from the (detached, clamped) log-ratio ``[B, L]``."""
-    ratio = torch.exp(log_ratio)
-    has = bool(mask.any())
-    one = torch.ones((), dtype=ratio.dtype, device=ratio.device)
-    mean = F.masked_mean(ratio, mask)
-    top = ratio[mask].max() if has else one
-    sq = F.masked_mean(ratio * ratio, mask)
-    return {
-        "clip_fraction": F.masked_mean(clipped.float(), mask),
+    """TorchRL's ratio diagnostics (and ours) over ``mask`` from the detached log-ratio ``[B, L]``.
+
+    ``clip_bounds``: ``ClipPPOLoss._clip_bounds``, ``(log1p(-eps_low), log1p(eps_high))``; the
+    band test is TorchRL's ``log_weight.clamp(*bounds) != log_weight``.
+    """
+    one = torch.ones((), dtype=log_ratio.dtype, device=log_ratio.device)
+    low, high = (bound.to(log_ratio.device) for bound in clip_bounds)
+    outside = log_ratio.clamp(low, high) != log_ratio
+    out = {
+        "clip_fraction": _fraction(outside, mask),
         "kl_approx": F.masked_mean(-log_ratio, mask),
-        "mean_ratio": mean if has else one,
-        "max_ratio": top,
-        "ESS": mean * mean / sq if has else one,
         "approx_kl": F.masked_mean(torch.expm1(log_ratio) - log_ratio, mask),
-        "min_ratio": ratio[mask].min() if has else one,
     }
+    if not bool(mask.any()):
+        return {**out, "mean_ratio": one, "max_ratio": one, "min_ratio": one, "ESS": one}
+    lw = log_ratio[mask]
+    ratio = lw.exp()
+    ess = (2 * lw.logsumexp(0) - (2 * lw).logsumexp(0)).exp()
+    return {
+        **out,
+        "mean_ratio": ratio.mean(),
+        "max_ratio": ratio.max(),
+        "min_ratio": ratio.min(),
+        "ESS": ess / lw.numel(),
+    }
+
+
+def _verl_policy_clip_fractions(
+    ratio: torch.Tensor,
+    advantage: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+) -> dict[str, torch.Tensor]:
+    """verl's ``pg_clipfrac`` (and ``pg_clipfrac_lower`` with ``dual_clip``) over ``mask``.
+
+    verl's ``compute_policy_loss_vanilla``: ``pg_losses1 = -A r``, ``pg_losses2 = -A clip(r)``;
+    ``pg_clipfrac`` counts ``pg_losses2 > pg_losses1``, ``pg_clipfrac_lower`` counts ``A < 0`` and
+    ``max(pg_losses1, pg_losses2) > -c A``. ``ratio``: the loss's (clamped) ``[B, L]`` ratio.
+    """
+    adv = torch.where(mask, advantage, torch.zeros((), dtype=ratio.dtype, device=ratio.device))
+    losses1 = -adv * ratio
+    losses2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    out = {"pg_clipfrac": _fraction(losses2 > losses1, mask)}
+    if dual_clip is not None:
+        lower = (torch.maximum(losses1, losses2) > -adv * dual_clip) & (adv < 0)
+        out["pg_clipfrac_lower"] = _fraction(lower, mask)
+    return out
+
+
+def _critic_metrics(
+    value: torch.Tensor,
+    old_value: torch.Tensor,
+    target: torch.Tensor,
+    mask: torch.Tensor,
+    clip_value: float | None,
+) -> dict[str, torch.Tensor]:
+    """TorchRL's, verl's and our critic diagnostics over ``mask`` (``[B, L]`` tensors, detached)."""
+    zero = torch.zeros((), dtype=value.dtype, device=value.device)
+    v, old, tgt = (torch.where(mask, x, zero) for x in (value, old_value, target))
+    out = {"explained_variance_finite": F.explained_variance(value, target, mask)}
+    if clip_value is None:
+        out["value_clip_fraction"], out["vf_clipfrac"] = zero.clone(), zero.clone()
+    else:
+        diff = v - old  # TorchRL's _clip_value_loss: pre_clipped != pre_clipped.clamp(-c, c)
+        out["value_clip_fraction"] = _fraction(diff.clamp(-clip_value, clip_value) != diff, mask)
+        v_clip = torch.max(torch.min(v, old + clip_value), old - clip_value)  # verl clip_by_value
+        out["vf_clipfrac"] = _fraction((v_clip - tgt) ** 2 > (v - tgt) ** 2, mask)
+    out["explained_variance"] = _torchrl_explained_variance(v, tgt, mask)
+    return out
+
+
+def _torchrl_explained_variance(
+    value: torch.Tensor, target: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """TorchRL's ``1 - Var(R - V) / (Var(R) + eps)`` (population variances) over the tokens of
+    ``mask`` as one batch; 0 without any."""
+    if not bool(mask.any()):
+        return torch.zeros((), dtype=value.dtype, device=value.device)
+    tgt, pred = target[mask], value[mask]
+    eps = torch.finfo(tgt.dtype).eps
+    resid = torch.var(tgt - pred, correction=0)
+    return 1.0 - resid / (torch.var(tgt, correction=0) + eps)
 
 
 def _check_actor(actor_critic, critic_coeff: float | None) -> None:
