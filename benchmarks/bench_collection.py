@@ -113,12 +113,21 @@ class TimedReward:
         self.reward, self.clock = reward, clock
         self.name = getattr(reward, "name", "reward")
 
-    def __call__(self, text: str, truth: str) -> float:
+    def _timed(self, fn, *args):
         wall, cpu = time.perf_counter(), time.process_time()
         try:
-            return self.reward(text, truth)
+            return fn(*args)
         finally:
             self.clock.add("reward_fn", time.perf_counter() - wall, time.process_time() - cpu)
+
+    def __call__(self, text: str, truth: str) -> float:  # the API before the sample-aware rewards
+        return self._timed(self.reward, text, truth)
+
+    def score(self, sample: Any) -> float:  # the sample-aware reward protocol
+        return self._timed(self.reward.score, sample)
+
+    def correct(self, sample: Any, score: float) -> bool:
+        return self.reward.correct(sample, score)
 
     def is_correct(self, value: Any) -> Any:
         judge = getattr(self.reward, "is_correct", None)
@@ -247,8 +256,6 @@ class Setting:
             num_samples=r.samples_per_prompt,
             prompts_per_batch=prompts,
             sampling=self.sampling(max_new_tokens),
-            overlong_buffer_len=r.overlong_buffer,
-            overlong_penalty_factor=r.overlong_penalty,
             seed=self.cfg.seed,
         )
 
@@ -334,13 +341,16 @@ def collect_once(s: Setting, sc: Scenario) -> dict:
     rep["layout_s"] = rep["else_s"] - rep["reward_fn_s"]
     rep["layout_cpu_s"] = rep["else_cpu_s"] - rep["reward_fn_cpu_s"]
     found = {p: s.clock.wall.get(p) for _, p in DIAGNOSTIC_METHODS}
-    if all(v is not None for v in found.values()):
+    rep.update(dict.fromkeys(("actions_s", "decode_s", "trajectory_s", "other_s")))
+    if found["env_generate"] is not None and found["trajectory"] is not None:
+        # before: env.generate = backend + action tensors, env.score = decode + reward_fn; after:
+        # env.generate = backend + samples (decoding included), the reward runs on its own
         rep["actions_s"] = found["env_generate"] - rep["generate_s"]
-        rep["decode_s"] = found["score"] - rep["reward_fn_s"]
         rep["trajectory_s"] = found["trajectory"]
-        rep["other_s"] = rep["else_s"] - rep["actions_s"] - found["score"] - rep["trajectory_s"]
-    else:
-        rep.update(dict.fromkeys(("actions_s", "decode_s", "trajectory_s", "other_s")))
+        scored = found["score"] if found["score"] is not None else rep["reward_fn_s"]
+        if found["score"] is not None:
+            rep["decode_s"] = found["score"] - rep["reward_fn_s"]
+        rep["other_s"] = rep["else_s"] - rep["actions_s"] - scored - rep["trajectory_s"]
     return rep
 
 

@@ -96,6 +96,7 @@ def test_a_transformed_env_is_collected_with_its_transforms(tok, mode):
     plain, _, _ = make(tok, mode=mode, total_batches=2)
     expected = [b["next", "reward"].sum((1, 2)) for b in plain]
     plain.shutdown()
+
     def wrap(env):  # exactly as a TorchRL user writes it
         return TransformedEnv(env, RewardScaling(loc=1.0, scale=3.0))
 

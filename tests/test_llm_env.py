@@ -14,7 +14,6 @@ from torchrl.envs.utils import check_env_specs
 from ar_torchrl.backends import SamplingParams, TransformersBackend
 from ar_torchrl.data import arithmetic_dataset, make_row
 from ar_torchrl.envs import EpochSampler, LLMEnv
-from ar_torchrl.envs.llm_env import samples_of
 from ar_torchrl.models.tiny import build_char_tokenizer, build_tiny_qwen3
 from ar_torchrl.rewards import dapo_math_reward
 from ar_torchrl.rewards.registry import OverlongPenalty, SampleReward, TaskReward
@@ -70,9 +69,9 @@ def test_transformed_env_rolls_out_with_the_backend_and_scales_rewards(tok, mode
     before = Counting.calls
     seq = env.rollout(1)[..., 0]
     assert Counting.calls == before + 1  # one generate call for the batch: the backend answered
-    raw = torch.tensor([s.reward for s in samples_of(seq)])
+    raw = torch.tensor([s.reward for s in env.samples(seq)])
     torch.testing.assert_close(seq["next", "reward"].reshape(-1), 0.5 + 2.0 * raw)
-    for s in samples_of(seq):  # the samples hold the engine's real tokens
+    for s in env.samples(seq):  # the samples hold the engine's real tokens
         assert 1 <= s.num_trained <= 6 and s.text == env.tokenizer.decode(
             s.response_ids, skip_special_tokens=True
         )
@@ -149,7 +148,7 @@ def test_scripted_rewards_and_overlong_penalty(tok):
     # task reward +1/-1, overlong penalty -(10 - (10 - 4)) / 4 = -1 for every row
     assert td["next", "reward"].sum((1, 2)).tolist() == [0.0, -2.0, 0.0, -2.0]
     # "correct" is the task's: a right answer stays right when it is long
-    assert [s.correct for s in samples_of(seq)] == [True, False, True, False]
+    assert [s.correct for s in env.samples(seq)] == [True, False, True, False]
 
 
 def test_missing_chat_template_and_no_prompt_tokenised_before_it_is_drawn(tok, model):
@@ -267,7 +266,7 @@ def test_the_reward_sees_the_whole_sample(tok):
         tok, ScriptedBackend(tok), reward_fn=reward, sampling=SamplingParams(max_new_tokens=12)
     )
     seq = env.rollout(1)[..., 0]
-    samples = samples_of(seq)
+    samples = env.samples(seq)
     assert [s.reward for s in samples] == pytest.approx([-0.1 * s.num_trained for s in samples])
     assert all(f == "stop" for _, f, _ in seen) and {i for *_, i in seen} == {
         int(i) for i in seq["prompt_id"]

@@ -123,7 +123,7 @@ def test_curves_have_an_accuracy_panel_labels_and_say_what_was_not_logged(tmp_pa
     from ar_torchrl.utils.plotting import DEFAULT_PANELS
 
     keys = [key for panel in DEFAULT_PANELS for key, _ in panel.curves]
-    assert {"rollout/accuracy", "eval/accuracy", "train/explained_variance"} <= set(keys)
+    assert {"rollout/accuracy", "eval/accuracy", "train/explained_variance_finite"} <= set(keys)
     assert all(panel.ylabel for panel in DEFAULT_PANELS)
     grpo = [{"step": 0, "eval/accuracy": 0.5}] + [
         {"step": i, "rollout/reward_mean": -0.5, "rollout/accuracy": 0.2} for i in (1, 2)

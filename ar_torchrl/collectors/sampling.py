@@ -17,7 +17,7 @@ import logging
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from ar_torchrl.envs.llm_env import LLMEnv, samples_of
+from ar_torchrl.envs.llm_env import LLMEnv
 from ar_torchrl.functional import grpo_advantage
 
 __all__ = ["batch_policy_version", "gather_batch"]
@@ -95,7 +95,7 @@ def gather_batch(
     while counts["sampling_rounds"] < rounds and counts["groups_kept"] < target:
         raw, seq = _one_round(env)
         rewards.append(seq["next", "reward"].reshape(-1))
-        correct += [s.correct for s in samples_of(seq)]
+        correct += [s.correct for s in env.samples(seq)]
         spread, flat = _spread_groups(seq)
         take = (spread if dynamic else list(dict.fromkeys(seq["prompt_id"].tolist())))[
             : target - counts["groups_kept"]

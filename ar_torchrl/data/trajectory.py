@@ -10,6 +10,7 @@ version" is checked here, once per batch.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +31,24 @@ def _as_log_probs(segment: Any) -> torch.Tensor:
     if lp is None or not getattr(segment, "trained", False):
         return torch.zeros(len(segment), dtype=torch.float32)
     return torch.as_tensor(lp, dtype=torch.float32).reshape(-1)
+
+
+def _flatten(segments: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """All token ids and log-probs (0 off trained segments) as two flat tensors: one conversion
+    from Python lists (what a backend's protocol gives), or a concatenation of tensor segments."""
+    if all(isinstance(x.token_ids, list) for x in segments):
+        ids = torch.tensor(list(itertools.chain.from_iterable(x.token_ids for x in segments)))
+        lps = itertools.chain.from_iterable(
+            x.log_probs
+            if getattr(x, "trained", False) and x.log_probs is not None
+            else itertools.repeat(0.0, len(x))
+            for x in segments
+        )
+        return ids.to(torch.long), torch.tensor(list(lps), dtype=torch.float32)
+    return (
+        torch.cat([_as_ids(x.token_ids) for x in segments]),
+        torch.cat([_as_log_probs(x) for x in segments]),
+    )
 
 
 def _check(samples: Sequence[Sample], rewards: Any) -> None:
@@ -109,9 +128,8 @@ def build_trajectory(
     width = width_p + int((total_len - prompt_len).max())
     segments = [x for segs in seg_lists for x in segs]
     seg_len = torch.tensor([len(x) for x in segments])
-    flat_ids = torch.cat([_as_ids(x.token_ids) for x in segments])
-    flat_lp = torch.cat([_as_log_probs(x) for x in segments])
     trained = torch.tensor([bool(getattr(x, "trained", False)) for x in segments])
+    flat_ids, flat_lp = _flatten(segments)
     flat_trained = trained.repeat_interleave(seg_len)
     # destination of every flat token: row b, columns [P - p_b, P - p_b + n_b)
     rows = torch.arange(n).repeat_interleave(total_len)

@@ -12,9 +12,11 @@ Two time scales:
   with the reward (which sees the whole :class:`~ar_torchrl.data.samples.Sample`; off this thread,
   with a deadline: :class:`~ar_torchrl.rewards.scoring.RewardScorer`) and writes
   ``("next", "reward")``, ``done``/``terminated``/``truncated`` (``truncated``: cut by
-  ``max_new_tokens``) and ``("next", "sample")``, the samples themselves (a non-tensor entry:
-  token ids, log-probs, weight version, text, row). ``check_env_specs`` holds, and TorchRL reward
-  transforms apply as usual.
+  ``max_new_tokens``) and ``("next", "sample_id")``, the id of each row's sample (token ids,
+  log-probs, weight version, text, row), which the env keeps for the last ``keep_rounds`` steps
+  (:meth:`LLMEnv.samples` looks them up: plain integers are what TorchRL's rollout clones and
+  indexes, not Python objects). ``check_env_specs`` holds, and TorchRL reward transforms apply as
+  usual.
 - **The token trajectory** (docs/design.md section 1) is built from those samples by the one
   builder, :func:`~ar_torchrl.data.trajectory.build_trajectory`, with the rewards of the step (so
   a reward transform's rewards are the trained ones): :meth:`LLMEnv.to_token_trajectory` of a step,
@@ -26,12 +28,13 @@ Two time scales:
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Literal
 
 import torch
-from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
-from torchrl.data import Categorical, Composite, NonTensor, Unbounded
+from tensordict import TensorDict, TensorDictBase
+from torchrl.data import Categorical, Composite, Unbounded
 from torchrl.envs import EnvBase
 
 from ar_torchrl.backends.base import GenerationBackend, SamplingParams
@@ -60,13 +63,6 @@ def _check_tokenizer(tokenizer) -> None:
         raise ValueError("LLMEnv: the tokenizer has no pad_token_id; set tokenizer.pad_token")
 
 
-def samples_of(td: TensorDictBase, key=("next", "sample")) -> list[Sample]:
-    """The :class:`Sample` objects of a step (``[N]``) as a list, in row order."""
-    value = td.get(key)
-    items = value.tolist() if hasattr(value, "tolist") else list(value)
-    return [getattr(x, "data", x) for x in items]
-
-
 class LLMEnv(EnvBase):
     """Prompts in, scored samples out; token trajectories from them (see the module docstring).
 
@@ -89,6 +85,8 @@ class LLMEnv(EnvBase):
             ``non_finite_rewards_dropped`` (``"drop"``).
         reward_workers: threads that score a batch (1: the reward need not be thread-safe).
         reward_timeout_s: the deadline of one reward call.
+        keep_rounds: how many steps' samples the env keeps for :meth:`samples` (a collector that
+            samples several rounds per batch needs them all).
 
     The weight version of the rows is the one the backend stamped on the completions (the backend
     owns it); the env only reads it.
@@ -122,6 +120,7 @@ class LLMEnv(EnvBase):
         non_finite_reward: NonFiniteRewardPolicy = "raise",
         reward_workers: int = 1,
         reward_timeout_s: float = 60.0,
+        keep_rounds: int = 32,
     ) -> None:
         _check_tokenizer(tokenizer)
         if non_finite_reward not in ("raise", "drop"):
@@ -146,6 +145,8 @@ class LLMEnv(EnvBase):
         )
         self.sampler = EpochSampler(len(dataset), seed=seed, shuffle=shuffle)
         self._prompt_cache: dict[int, list[int]] = {}
+        self._samples: OrderedDict[int, Sample] = OrderedDict()
+        self._next_id, self._keep = 0, max(1, keep_rounds) * prompts_per_batch * num_samples
         self._make_specs()
 
     # ------------------------------------------------------------------ prompts
@@ -164,7 +165,7 @@ class LLMEnv(EnvBase):
         n = self.batch_size[0]
         self.observation_spec = Composite(
             prompt_id=Unbounded(shape=(n,), dtype=torch.int64),
-            sample=NonTensor(shape=(n,)),
+            sample_id=Unbounded(shape=(n,), dtype=torch.int64),
             shape=(n,),
         )
         # the engine answers: "action" has one value, so no policy (or rand_action) picks tokens
@@ -184,8 +185,10 @@ class LLMEnv(EnvBase):
             )
         indices = self.sampler.draw(self.prompts_per_batch)
         prompt_id = torch.tensor(indices).repeat_interleave(self.num_samples)
-        out = TensorDict({"prompt_id": prompt_id}, batch_size=self.batch_size)
-        out.set("sample", NonTensorStack(*[NonTensorData(None) for _ in range(len(prompt_id))]))
+        out = TensorDict(
+            {"prompt_id": prompt_id, "sample_id": torch.full_like(prompt_id, -1)},
+            batch_size=self.batch_size,
+        )
         return out.update(self.full_done_spec.zero())
 
     def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
@@ -202,11 +205,36 @@ class LLMEnv(EnvBase):
                 "done": torch.ones_like(stopped),
                 "terminated": stopped,
                 "truncated": ~stopped,
+                "sample_id": self._keep_samples(samples),
             },
             batch_size=self.batch_size,
         )
-        out.set("sample", NonTensorStack(*[NonTensorData(s) for s in samples]))
         return out
+
+    def _keep_samples(self, samples: list[Sample]) -> torch.Tensor:
+        ids = torch.arange(self._next_id, self._next_id + len(samples))
+        self._next_id += len(samples)
+        self._samples.update(zip(ids.tolist(), samples))
+        while len(self._samples) > self._keep:
+            self._samples.popitem(last=False)
+        return ids
+
+    def samples(self, td: TensorDictBase, key=("next", "sample_id")) -> list[Sample]:
+        """The :class:`~ar_torchrl.data.samples.Sample` of each row of a step (``td[key]``), in
+        row order.
+
+        Raises:
+            KeyError: a sample the env no longer keeps (more than ``keep_rounds`` steps ago).
+        """
+        ids = td.get(key).reshape(-1).tolist()
+        try:
+            return [self._samples[i] for i in ids]
+        except KeyError as err:
+            raise KeyError(
+                f"LLMEnv.samples: sample {err.args[0]} is gone (the env keeps the last "
+                f"{self._keep} samples, keep_rounds={self._keep // self.batch_size[0]} steps); "
+                "build the token trajectory within keep_rounds steps, or raise keep_rounds"
+            ) from None
 
     def _set_seed(self, seed: int | None) -> None:
         self.sampler = EpochSampler(len(self.dataset), seed=seed or 0, shuffle=self.sampler.shuffle)
@@ -276,7 +304,7 @@ class LLMEnv(EnvBase):
         """Steps ``[N]`` (any rows, e.g. the groups kept over several sampling rounds) -> the
         ``[N, L]`` token trajectory, with the steps' (possibly transformed) rewards."""
         return build_trajectory(
-            samples_of(seq),
+            self.samples(seq),
             pad_token_id=self.tokenizer.pad_token_id,
             rewards=seq["next", "reward"].reshape(-1),
         )

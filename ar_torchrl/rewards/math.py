@@ -294,7 +294,7 @@ class ArithmeticReward:
         >>> from ar_torchrl.data.samples import Sample, Segment
         >>> r = ArithmeticReward(length_penalty=0.01)
         >>> s = Sample([Segment([1]), Segment([5] * 10, trained=True)],
-        ...            row={"extra_info": {"problem": "7 * 8"}}, text="7 * 8 = 56\nAnswer: 56")
+        ...            row={"extra_info": {"problem": "7 * 8"}}, text="7 * 8 = 56\\nAnswer: 56")
         >>> round(r.score(s), 4), r.correct(s, r.score(s))
         (0.9, True)
     """

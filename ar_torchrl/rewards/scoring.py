@@ -11,6 +11,7 @@ and the error says so.
 from __future__ import annotations
 
 import numbers
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -23,11 +24,20 @@ class RewardError(RuntimeError):
     """A reward raised, returned a non-number, or missed its deadline (the message names the row)."""
 
 
-def _score_one(reward: Any, sample: Any) -> tuple[Any, bool]:
-    value = reward.score(sample)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return value, False
-    return value, bool(reward.correct(sample, float(value)))
+def _score_chunk(reward: Any, samples: Sequence[Any], rows: Sequence[int], progress: dict) -> list:
+    """Score ``samples`` in order, recording which row is being scored (and since when)."""
+    out = []
+    for sample, row in zip(samples, rows):
+        progress["current"] = (row, time.monotonic())
+        try:
+            value = reward.score(sample)
+            ok = not isinstance(value, bool) and isinstance(value, numbers.Real)
+            out.append((value, bool(reward.correct(sample, float(value))) if ok else False, None))
+        except Exception as err:  # raised in the main thread, naming the row
+            out.append((None, False, err))
+            break
+    progress["current"] = None
+    return out
 
 
 class RewardScorer:
@@ -64,32 +74,56 @@ class RewardScorer:
     def __call__(self, samples: Sequence[Any]) -> None:
         """Set ``reward`` and ``correct`` of every sample.
 
+        The batch is split into one chunk per worker (one task each: no per-sample thread hop);
+        while waiting, the row being scored is watched, and one that runs past ``timeout_s`` is an
+        error naming it.
+
         Raises:
             RewardError: naming the reward and the row.
         """
         name = getattr(self.reward, "name", type(self.reward).__name__)
-        futures = [self._executor().submit(_score_one, self.reward, s) for s in samples]
-        for row, (sample, future) in enumerate(zip(samples, futures)):
-            try:
-                value, correct = future.result(timeout=self.timeout_s)
-            except FutureTimeout:
-                self._pool = None  # the stuck thread is abandoned; later calls get a fresh pool
-                raise RewardError(
-                    f"reward {name} took more than {self.timeout_s:g} s on {self._where(sample, row)}"
-                    "; its thread is abandoned (Python cannot stop it): make the reward faster or "
-                    "raise its timeout"
-                ) from None
-            except Exception as err:
-                raise RewardError(
-                    f"reward {name} raised {type(err).__name__}: {err} on {self._where(sample, row)}"
-                ) from err
-            if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                raise RewardError(
-                    f"reward {name} returned {value!r} ({type(value).__name__}) for "
-                    f"{self._where(sample, row)}; a reward must be a real number (int or float; not "
-                    "a bool, a string, a list or None)"
+        k = min(self.workers, max(1, len(samples)))
+        chunks = [list(range(i, len(samples), k)) for i in range(k)]
+        jobs = []
+        for rows in chunks:
+            progress: dict = {"current": None}
+            part = [samples[r] for r in rows]
+            jobs.append(
+                (
+                    rows,
+                    progress,
+                    self._executor().submit(_score_chunk, self.reward, part, rows, progress),
                 )
-            sample.reward, sample.correct = float(value), correct
+            )
+        poll = min(1.0, self.timeout_s / 4)
+        for rows, progress, future in jobs:
+            while True:
+                try:
+                    results = future.result(timeout=poll)
+                    break
+                except FutureTimeout:
+                    current = progress.get("current")
+                    if current is not None and time.monotonic() - current[1] > self.timeout_s:
+                        self._pool = None  # the stuck thread is abandoned; later: a fresh pool
+                        row = current[0]
+                        raise RewardError(
+                            f"reward {name} took more than {self.timeout_s:g} s on "
+                            f"{self._where(samples[row], row)}; its thread is abandoned (Python "
+                            "cannot stop it): make the reward faster or raise its timeout"
+                        ) from None
+            for row, (value, correct, err) in zip(rows, results):
+                sample = samples[row]
+                if err is not None:
+                    raise RewardError(
+                        f"reward {name} raised {type(err).__name__}: {err} on {self._where(sample, row)}"
+                    ) from err
+                if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                    raise RewardError(
+                        f"reward {name} returned {value!r} ({type(value).__name__}) for "
+                        f"{self._where(sample, row)}; a reward must be a real number (int or float; "
+                        "not a bool, a string, a list or None)"
+                    )
+                sample.reward, sample.correct = float(value), correct
 
     def close(self) -> None:
         if self._pool is not None:

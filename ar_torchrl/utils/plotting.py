@@ -32,7 +32,7 @@ DEFAULT_PANELS: tuple[Panel, ...] = (
     Panel("response length", "tokens", (("rollout/response_length", "mean"),)),
     Panel("value loss", "loss", (("train/loss_critic", "value loss"),)),
     Panel("KL to the reference policy", "KL (k3)", (("train/kl_ref", "KL"),)),
-    Panel("critic fit", "explained variance", (("train/explained_variance", "critic"),)),
+    Panel("critic fit", "explained variance", (("train/explained_variance_finite", "critic"),)),
 )
 
 

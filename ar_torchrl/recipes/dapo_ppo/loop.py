@@ -22,7 +22,6 @@ from tqdm.auto import tqdm
 from ar_torchrl.collectors import WeightSyncCollector
 from ar_torchrl.data import plan_micro_batches
 from ar_torchrl.envs import LLMEnv
-from ar_torchrl.envs.llm_env import samples_of
 from ar_torchrl.functional import masked_mean
 from ar_torchrl.modules import LMActorCritic
 from ar_torchrl.objectives import TokenPPOLoss
@@ -298,7 +297,7 @@ def evaluate(run: Run) -> dict[str, float]:
     if run.eval_env is None:
         return {}
     seq = run.eval_env.rollout(1)[..., 0]
-    samples = samples_of(seq)
+    samples = run.eval_env.samples(seq)
     return {
         "eval/reward_mean": float(seq["next", "reward"].mean()),
         "eval/accuracy": sum(s.correct for s in samples) / len(samples),
