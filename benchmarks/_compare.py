@@ -81,7 +81,7 @@ def ppo_step(
     ``on_anchors(td)`` measures the batch right after the anchor pass (before the update).
     Returns the batch, the update's metrics and the row both comparisons report.
     """
-    td = env.rollout()
+    td = env.collect()
     plan = plan_micro_batches(td, token_budget=4096)
     recompute_anchors(actor_critic, td, plan)
     extra = on_anchors(td) if on_anchors is not None else {}

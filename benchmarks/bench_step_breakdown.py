@@ -9,7 +9,7 @@ update, sync; the rest of the iteration is logging/other) and, inside them, into
 
 * ``generate``: model forwards of the rollout engine (forward hooks on the trainside backend's
   model; with SGLang the whole ``/generate`` round trip, the server's compute), the reward
-  (``LLMEnv.score``), and the rest (our decode loop, tokenisation, TensorDict assembly);
+  (``RewardScorer``: the reward over every sample), and the rest (our decode loop, tokenisation, TensorDict assembly);
 * ``anchors`` / ``update``: ``LMActorCritic.forward`` (decoder + log-probs + value head), backward
   (``torch.autograd.backward``), grad clipping (``clip_grad_norm_``), ``optimizer.step``, and the
   rest (plan, cropping, loss glue).
@@ -145,14 +145,14 @@ def _sync() -> None:
 def instrument(run, recipe):
     """Install the timer and wrappers on a set-up run; everything is restored on exit."""
     from ar_torchrl.backends import TransformersBackend
-    from ar_torchrl.envs import LLMEnv
     from ar_torchrl.modules import LMActorCritic
+    from ar_torchrl.rewards.scoring import RewardScorer
 
     timer = run.timer = ProfilingTimer()
     backend = run.collector.env.backend
     patches = [
         (LMActorCritic, "forward", "forward"),
-        (LLMEnv, "score", "reward"),
+        (RewardScorer, "__call__", "reward"),
         (torch.autograd, "backward", "backward"),
         (torch.nn.utils, "clip_grad_norm_", "grad_clip"),
     ]

@@ -86,7 +86,7 @@ def main(iterations: int, epochs: int = 2, minibatch_rows: int = 32, seed: int =
     optim = torch.optim.AdamW(loss_module.parameters(), lr=1e-3)
 
     for i in range(iterations):
-        data = env.rollout()  # [B, L]: each token position is a time step
+        data = env.collect()  # [B, L]: each token position is a time step
         plan = plan_micro_batches(data, token_budget=4096)
         recompute_anchors(actor_critic, data, plan)  # "old" log-probs and values, no grad
         advantage_module(data)  # writes "advantage" and "value_target"

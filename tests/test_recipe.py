@@ -470,6 +470,7 @@ def test_a_reward_of_the_wrong_type_names_the_function_and_the_row(value):
     from ar_torchrl.data import arithmetic_dataset
     from ar_torchrl.envs import LLMEnv
     from ar_torchrl.models import build_char_tokenizer, build_tiny_qwen3
+    from ar_torchrl.rewards.scoring import RewardError
 
     def my_reward(text, truth):
         return value
@@ -485,10 +486,10 @@ def test_a_reward_of_the_wrong_type_names_the_function_and_the_row(value):
         sampling=SamplingParams(max_new_tokens=2),
     )
     with pytest.raises(
-        TypeError,
-        match=rf"reward function .*my_reward returned {re.escape(repr(value))}.* batch row 0",
+        RewardError,
+        match=rf"reward .*my_reward returned {re.escape(repr(value))} .*for batch row 0 \(prompt",
     ):
-        env.rollout()
+        env.collect()
 
 
 def test_tokenizer_without_chat_template(tmp_path):
