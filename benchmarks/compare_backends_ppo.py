@@ -23,8 +23,7 @@ from _compare import make_backend, ppo_step, run_both, write_result
 from ar_torchrl.backends import SamplingParams
 from ar_torchrl.data.datasets import arithmetic_dataset
 from ar_torchrl.envs import LLMEnv
-from ar_torchrl.models import build_tiny_model
-from ar_torchrl.models.warmstart import cached_warm_start
+from ar_torchrl.models.config import warm_started_tiny_model
 from ar_torchrl.modules import LMActorCritic, attach_value_head
 from ar_torchrl.objectives import TokenGAE, TokenPPOLoss
 
@@ -34,20 +33,9 @@ ROLLOUTS, PROMPTS, MAX_NEW = 3, 16, 12
 
 def starting_policy(cache: Path, seed: int):
     """The recipe's warm-started tiny model (cached), a fresh value head and its tokenizer."""
-    model, tok = build_tiny_model()
-    rows = list(arithmetic_dataset(1000, seed=1234))
-    model, _ = cached_warm_start(
-        model,
-        tok,
-        rows,
-        cache_dir=cache / "warmstart",
-        steps=300,
-        batch_size=32,
-        lr=3e-3,
-        final_lr_ratio=0.1,
-        correct_fraction=0.3,
-        seed=1234,
-    )
+    model, tok = warm_started_tiny_model(
+        cache
+    )  # the CPU default's warm start (configs/model/tiny.yaml)
     torch.manual_seed(seed)
     return attach_value_head(model), tok
 

@@ -26,8 +26,7 @@ from ar_torchrl.backends import SamplingParams, TransformersBackend
 from ar_torchrl.data import plan_micro_batches
 from ar_torchrl.data.datasets import arithmetic_dataset
 from ar_torchrl.envs import LLMEnv
-from ar_torchrl.models import build_tiny_model
-from ar_torchrl.models.warmstart import cached_warm_start
+from ar_torchrl.models.config import warm_started_tiny_model
 from ar_torchrl.modules import LMActorCritic, attach_value_head
 from ar_torchrl.objectives import TokenGAE, TokenPPOLoss, recompute_anchors
 from ar_torchrl.weight_sync import named_policy_tensors
@@ -51,20 +50,9 @@ def main(iterations: int, epochs: int = 2, minibatch_rows: int = 32, seed: int =
     cache = Path(os.environ.get("AR_TORCHRL_CACHE", Path.home() / ".cache" / "ar_torchrl"))
 
     # Policy: the tiny Qwen3, warm-started on the answer format (cached), plus a value head.
-    model, tok = build_tiny_model()
-    rows = list(arithmetic_dataset(1000, seed=1234))
-    model, _ = cached_warm_start(
-        model,
-        tok,
-        rows,
-        cache_dir=cache / "warmstart",
-        steps=300,
-        batch_size=32,
-        lr=3e-3,
-        final_lr_ratio=0.1,
-        correct_fraction=0.3,
-        seed=1234,
-    )
+    model, tok = warm_started_tiny_model(
+        cache
+    )  # the CPU default's warm start (configs/model/tiny.yaml)
     model = attach_value_head(model)
     actor_critic = LMActorCritic(model)
 

@@ -39,7 +39,7 @@ from torchrl.modules.llm import TransformersWrapper
 from ar_torchrl.data import arithmetic_dataset, plan_micro_batches
 from ar_torchrl.interop import TokenTrajectory
 from ar_torchrl.models import build_char_tokenizer, build_tiny_qwen3
-from ar_torchrl.models.warmstart import cached_warm_start
+from ar_torchrl.models.config import warm_started_tiny_model
 from ar_torchrl.modules import LMActorCritic, attach_value_head
 from ar_torchrl.objectives import TokenGAE, TokenPPOLoss, recompute_anchors
 from ar_torchrl.rewards import dapo_math_reward
@@ -122,23 +122,13 @@ def main(
 
     # Policy: the tiny Qwen3 and its character tokenizer, optionally warm-started on the answer
     # format (cached; the same run as examples/compose_torchrl.py).
-    tok = build_char_tokenizer()
-    tok.padding_side = "left"
-    model = build_tiny_qwen3(len(tok))
-    if warm_start:
+    if warm_start:  # the recipe's own warm start and its cache entry (configs/model/tiny.yaml)
         cache = Path(os.environ.get("AR_TORCHRL_CACHE", Path.home() / ".cache" / "ar_torchrl"))
-        model, _ = cached_warm_start(
-            model,
-            tok,
-            list(arithmetic_dataset(1000, seed=1234)),
-            cache_dir=cache / "warmstart",
-            steps=300,
-            batch_size=32,
-            lr=3e-3,
-            final_lr_ratio=0.1,
-            correct_fraction=0.3,
-            seed=1234,
-        )
+        model, tok = warm_started_tiny_model(cache)
+    else:
+        tok = build_char_tokenizer()
+        model = build_tiny_qwen3(len(tok))
+    tok.padding_side = "left"
     model = attach_value_head(model)  # [ar_torchrl] V(s) = 0 at start; generation is unchanged
 
     # TorchRL env: a ChatEnv fed by the DataLoader, each prompt repeated group_size times, one

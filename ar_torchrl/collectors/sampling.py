@@ -42,7 +42,8 @@ def batch_policy_version(batch: TensorDictBase) -> int:
 def _one_round(env: LLMEnv) -> tuple[TensorDictBase, TensorDictBase]:
     """A sequence-level round (raw, and with non-finite rows dropped); a row's group is its
     ``prompt_id`` (the dataset index of its prompt, as GRPO groups the trajectory)."""
-    raw = env.rollout(1)[..., 0]  # a TransformedEnv's transforms (e.g. RewardScaling) apply
+    # whole episodes (one step for LLMEnv, one per turn for ToolEnv), through the env's transforms
+    raw = env.episodes(env.rollout(env.max_turns))
     return raw, env.drop_non_finite(raw)
 
 

@@ -20,7 +20,7 @@ import random
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from ar_torchrl.data.registry import register_task
 from ar_torchrl.utils.checks import check_choice, check_number
@@ -40,6 +40,20 @@ logger = logging.getLogger(__name__)
 
 #: Most rows a generated task makes (they are built in memory, about 1 KB each: 1 GB).
 MAX_GENERATED_ROWS = 1_000_000
+
+
+def check_generated_rows(prefix: str, num_rows: Any) -> None:
+    """``num_rows`` of a generated task: an integer in ``[1, MAX_GENERATED_ROWS]``."""
+    check_number(
+        prefix,
+        "num_rows",
+        num_rows,
+        ge=1,
+        le=MAX_GENERATED_ROWS,
+        integer=True,
+        hint="the rows are generated in memory, about 1 KB each",
+    )
+
 
 #: DAPO-Math-17k's prompt, verbatim (``{problem}`` is substituted).
 DAPO_TEMPLATE = (
@@ -375,15 +389,7 @@ class ArithmeticDataConfig:
     seed: int = 0  # generation / split seed
 
     def check(self, prefix: str) -> None:
-        check_number(
-            prefix,
-            "num_rows",
-            self.num_rows,
-            ge=1,
-            le=MAX_GENERATED_ROWS,
-            integer=True,
-            hint="the rows are generated in memory, about 1 KB each",
-        )
+        check_generated_rows(prefix, self.num_rows)
         check_number(prefix, "max_operand", self.max_operand, ge=0, integer=True)
         check_choice(prefix, "template", self.template, ("short", "dapo"))
         check_number(prefix, "holdout", self.holdout, ge=1, integer=True)

@@ -64,6 +64,8 @@ class Sample:
         finish_reason: how the episode ended: ``"stop"`` (EOS / no further call), ``"length"``
             (cut by a token cap) or ``"abort"``.
         reward: the outcome reward (placed on the last trained token).
+        turn_rewards: per-turn rewards, turn -> reward (e.g. a tool-error penalty), placed on each
+            turn's last trained token (multi-turn episodes; added to the outcome on the last one).
         correct: whether the reward counts the answer as correct (``rollout/accuracy``).
         text: the decoded response (set when the sample is scored).
         source: where the row comes from, for messages (``"data/dapo.jsonl line 7"``).
@@ -79,6 +81,7 @@ class Sample:
     prompt_id: int = 0
     finish_reason: FinishReason = "stop"
     reward: float = 0.0
+    turn_rewards: dict[int, float] = field(default_factory=dict)
     correct: bool = False
     text: str | None = None
     source: str = ""

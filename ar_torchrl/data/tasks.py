@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ar_torchrl.data.datasets import MAX_GENERATED_ROWS, MathDataset
+from ar_torchrl.data.datasets import MathDataset, check_generated_rows
 from ar_torchrl.data.registry import register_task
 from ar_torchrl.utils.checks import check_number
 
@@ -177,15 +177,7 @@ class FewshotArithmeticDataConfig:
     seed: int = 0  # problem split / sampling seed
 
     def check(self, prefix: str) -> None:
-        check_number(
-            prefix,
-            "num_rows",
-            self.num_rows,
-            ge=1,
-            le=MAX_GENERATED_ROWS,
-            integer=True,
-            hint="the rows are generated in memory, about 1 KB each",
-        )
+        check_generated_rows(prefix, self.num_rows)
         key = prefix.rsplit(" ", 1)[-1]
         if not self.ops or any(op not in ("+", "-", "*") for op in self.ops):
             raise ValueError(f"{prefix}ops must be a non-empty list of +, -, *; got {self.ops}")
@@ -210,4 +202,101 @@ class FewshotArithmeticDataConfig:
             max_operand=self.max_operand,
             shots=self.shots,
             seed=self.seed,
+        )
+
+
+# --------------------------------------------------------------------------- tool arithmetic
+#: The prompt of the tool task: the call format of the ``tag`` parser (``<calc>...</calc>``).
+TOOL_TEMPLATE = (
+    "Compute {a} * {b}. You may use the calculator: write <calc>expression</calc> and wait for its "
+    "answer. End with a line Answer: $Answer"
+)
+
+
+def tool_problems(num: int, *, digits: int = 2, seed: int = 0) -> list[tuple[int, int]]:
+    """``num`` multiplications of two ``digits``-digit numbers (seeded, with repetition).
+
+    Example:
+        >>> tool_problems(2, digits=2, seed=0)
+        [(59, 63), (15, 43)]
+    """
+    if digits < 1 or num < 1:
+        raise ValueError(f"tool_problems: need digits >= 1 and num >= 1, got {digits}, {num}")
+    rng = random.Random(seed)
+    low, high = 10 ** (digits - 1), 10**digits - 1
+    return [(rng.randint(low, high), rng.randint(low, high)) for _ in range(num)]
+
+
+def tool_arithmetic_rows(
+    num_rows: int,
+    *,
+    digits: int = 2,
+    seed: int = 0,
+    problems: Sequence[tuple[int, int]] | None = None,
+) -> MathDataset:
+    """Rows of the tool task: multiply two multi-digit numbers (a tiny model cannot in its head,
+    with the calculator it can). DAPO's schema, plus ``extra_info.problem`` (``"37 * 58"``).
+
+    Example:
+        >>> rows = tool_arithmetic_rows(2, seed=0)
+        >>> rows.messages(0)[0]["content"][:16], rows.ground_truth(0), rows[0]["extra_info"]["problem"]
+        ('Compute 59 * 63.', '3717', '59 * 63')
+    """
+    pairs = (
+        list(problems)
+        if problems is not None
+        else tool_problems(num_rows, digits=digits, seed=seed)
+    )
+    rows = [
+        {
+            "data_source": "tool_arithmetic",
+            "prompt": [{"role": "user", "content": TOOL_TEMPLATE.format(a=a, b=b)}],
+            "ability": "MATH",
+            "reward_model": {"ground_truth": str(a * b), "style": "rule"},
+            "extra_info": {"index": i, "problem": f"{a} * {b}"},
+        }
+        for i, (a, b) in enumerate(pairs)
+    ]
+    return MathDataset(rows, name="tool_arithmetic")
+
+
+@register_task(
+    "tool_arithmetic", help="multi-digit multiplication a tiny model needs a calculator for"
+)
+@dataclass
+class ToolArithmeticDataConfig:
+    """``data=tool_arithmetic``: :func:`tool_arithmetic_rows`; the held-out problems are disjoint
+    from the training ones."""
+
+    num_rows: int = 2000  # training rows
+    digits: int = 2  # digits of each operand
+    holdout: int = 64  # held-out problems (one evaluation row each)
+    seed: int = 0  # problem seed
+
+    def check(self, prefix: str) -> None:
+        check_generated_rows(prefix, self.num_rows)
+        check_number(prefix, "digits", self.digits, ge=1, le=6, integer=True)
+        check_number(prefix, "holdout", self.holdout, ge=1, integer=True)
+        space = (9 * 10 ** (self.digits - 1)) ** 2
+        if self.holdout >= space:
+            raise ValueError(f"{prefix}holdout={self.holdout} must be < {space} distinct problems")
+
+    def build(self) -> tuple[MathDataset, MathDataset]:
+        rng = random.Random(self.seed)
+        held: list[tuple[int, int]] = []
+        seen: set[tuple[int, int]] = set()
+        low, high = 10 ** (self.digits - 1), 10**self.digits - 1
+        while len(held) < self.holdout:
+            pair = (rng.randint(low, high), rng.randint(low, high))
+            if pair not in seen:
+                seen.add(pair)
+                held.append(pair)
+        train: list[tuple[int, int]] = []
+        while len(train) < self.num_rows:
+            pair = (rng.randint(low, high), rng.randint(low, high))
+            if pair not in seen:
+                train.append(pair)
+        return (
+            tool_arithmetic_rows(len(train), problems=train),
+            tool_arithmetic_rows(len(held), problems=held),
         )

@@ -51,6 +51,25 @@ def _flatten(segments: list) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
+def _add_turn_rewards(reward, samples, loss_mask, rows, cols, segments, seg_len, turns) -> None:
+    """Each sample's ``turn_rewards[u]`` onto the last trained token of its turn ``u``."""
+    seg_row = rows.new_tensor([b for b, s in enumerate(samples) for _ in s.segments])
+    seg_end = torch.cumsum(seg_len, 0) - 1  # flat index of each segment's last token
+    last_of_turn: dict[tuple[int, int], int] = {}
+    for i, (seg, t) in enumerate(zip(segments, turns)):
+        if getattr(seg, "trained", False) and len(seg) and t is not None:
+            last_of_turn[(int(seg_row[i]), int(t))] = int(seg_end[i])  # later segments win
+    for b, s in enumerate(samples):
+        for u, r in s.turn_rewards.items():
+            if (b, int(u)) not in last_of_turn:
+                raise ValueError(
+                    f"build_trajectory: sample {b} has a reward for turn {u} but no trained segment "
+                    f"of that turn (its turns: {sorted(t for (row, t) in last_of_turn if row == b)})"
+                )
+            flat = last_of_turn[(b, int(u))]
+            reward[rows[flat], cols[flat], 0] += float(r)
+
+
 def _check(samples: Sequence[Sample], rewards: Any) -> None:
     if not samples:
         raise ValueError("build_trajectory: got no samples")
@@ -176,6 +195,8 @@ def build_trajectory(
         },
     }
     turns = [getattr(x, "turn", None) for x in segments]
+    if any(s.turn_rewards for s in samples):
+        _add_turn_rewards(reward, samples, loss_mask, rows, cols, segments, seg_len, turns)
     if any(t is not None for t in turns):
         seg_turn = torch.tensor(
             [-1 if t is None or not tr else int(t) for t, tr in zip(turns, trained.tolist())]

@@ -161,6 +161,9 @@ class LLMEnv(EnvBase):
         source = getattr(self.dataset, "source", None)
         return source(index) if source is not None else f"row {index}"
 
+    #: TorchRL steps of one episode (one turn: the answer); :class:`~ar_torchrl.envs.ToolEnv` has more
+    max_turns = 1
+
     def _make_specs(self) -> None:
         n = self.batch_size[0]
         self.observation_spec = Composite(
@@ -309,10 +312,16 @@ class LLMEnv(EnvBase):
             rewards=seq["next", "reward"].reshape(-1),
         )
 
+    def episodes(self, steps: TensorDictBase) -> TensorDictBase:
+        """A rollout ``[N, T]`` of whole episodes -> one row per episode ``[N]`` (its last step,
+        with ``("next", "reward")`` the episode's return: here episodes are one step)."""
+        return steps[..., -1]
+
     def collect(self) -> TensorDict:
-        """One batch as a token trajectory: ``rollout(1)`` (reset + step), rows with a non-finite
-        reward dropped under ``non_finite_reward="drop"``, then :meth:`to_token_trajectory`."""
-        seq = self.rollout(1)[..., 0]
+        """One batch as a token trajectory: ``rollout(max_turns)`` (reset + the episodes), rows
+        with a non-finite reward dropped under ``non_finite_reward="drop"``, then
+        :meth:`to_token_trajectory`."""
+        seq = self.episodes(self.rollout(self.max_turns))
         return self.to_token_trajectory(self.drop_non_finite(seq))
 
     # ------------------------------------------------------------------ checkpoint

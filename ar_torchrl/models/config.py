@@ -26,6 +26,7 @@ from ar_torchrl.utils.checks import check_choice, check_number, check_warm_start
 
 __all__ = [
     "DTYPES",
+    "warm_started_tiny_model",
     "MODELS",
     "ModelConfig",
     "PretrainedModelConfig",
@@ -198,3 +199,10 @@ class PretrainedModelConfig(ModelConfig):
             self.path, dtype=self.dtype, attn_implementation=self.attn_implementation
         )
         return model, tokenizer, f"model.path={self.path}"
+
+
+def warm_started_tiny_model(cache_dir: str | Path) -> tuple[Any, Any]:
+    """The CPU default's starting policy: ``model=tiny`` with its warm start (the defaults of
+    :class:`TinyModelConfig` and :class:`WarmStartConfig` are configs/model/tiny.yaml's), cached
+    under ``cache_dir/warmstart`` (the recipe's own cache entry)."""
+    return TinyModelConfig(warm_start=WarmStartConfig(enabled=True)).build(cache_dir=cache_dir)

@@ -296,8 +296,9 @@ def evaluate(run: Run) -> dict[str, float]:
     there)."""
     if run.eval_env is None:
         return {}
-    seq = run.eval_env.rollout(1)[..., 0]
-    samples = run.eval_env.samples(seq)
+    env = run.eval_env
+    seq = env.episodes(env.rollout(env.max_turns))
+    samples = env.samples(seq)
     return {
         "eval/reward_mean": float(seq["next", "reward"].mean()),
         "eval/accuracy": sum(s.correct for s in samples) / len(samples),
