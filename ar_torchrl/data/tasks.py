@@ -206,10 +206,12 @@ class FewshotArithmeticDataConfig:
 
 
 # --------------------------------------------------------------------------- tool arithmetic
-#: The prompt of the tool task: the call format of the ``tag`` parser (``<calc>...</calc>``).
+#: The prompt of the tool task, in the call format of the ``tag`` parser
+#: (:class:`ar_torchrl.tools.TagParser`).
 TOOL_TEMPLATE = (
-    "Compute {a} * {b}. You may use the calculator: write <calc>expression</calc> and wait for its "
-    "answer. End with a line Answer: $Answer"
+    "Compute {a} * {b}. You may use the calculator: write "
+    '<tool name="calculator">expression</tool> and wait for its answer. End with a line '
+    "Answer: $Answer"
 )
 
 

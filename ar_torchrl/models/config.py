@@ -65,6 +65,8 @@ class WarmStartConfig:
     num_rows: int = 1000
     data_seed: int = 1234
     template: str = "short"
+    task: str = "arithmetic"  # arithmetic (answer traces) | tool_arithmetic (calculator traces)
+    tool_fraction: float = 0.5  # tool_arithmetic: fraction of traces that call the calculator
 
     def check(self, prefix: str) -> None:
         check_warm_start_args(
@@ -77,15 +79,23 @@ class WarmStartConfig:
         )
         check_number(prefix, "num_rows", self.num_rows, ge=1, integer=True)
         check_choice(prefix, "template", self.template, ("short", "dapo"))
+        check_choice(prefix, "task", self.task, ("arithmetic", "tool_arithmetic"))
+        check_number(prefix, "tool_fraction", self.tool_fraction, ge=0, le=1)
 
     def apply(self, model: Any, tokenizer: Any, cache_dir: str | Path) -> Any:
         """The warm-started model (cached under ``cache_dir/warmstart``), or ``model`` if disabled."""
         if not self.enabled:
             return model
         from ar_torchrl.data.datasets import arithmetic_dataset
+        from ar_torchrl.data.tasks import tool_arithmetic_rows
         from ar_torchrl.models.warmstart import cached_warm_start
 
-        rows = arithmetic_dataset(self.num_rows, seed=self.data_seed, template=self.template)
+        extra: dict[str, Any] = {}
+        if self.task == "tool_arithmetic":  # calculator traces (the settings name them: own cache)
+            rows = tool_arithmetic_rows(self.num_rows, seed=self.data_seed)
+            extra["tool_fraction"] = self.tool_fraction
+        else:  # the answer-format traces (settings as before: the cache entries of earlier runs)
+            rows = arithmetic_dataset(self.num_rows, seed=self.data_seed, template=self.template)
         model, _ = cached_warm_start(
             model,
             tokenizer,
@@ -97,6 +107,7 @@ class WarmStartConfig:
             final_lr_ratio=self.final_lr_ratio,
             correct_fraction=self.correct_fraction,
             seed=self.data_seed,
+            **extra,
         )
         return model
 

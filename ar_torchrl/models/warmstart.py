@@ -106,6 +106,74 @@ def build_sft_batch(
     return ids, mask, labels
 
 
+def tool_trace(
+    row: dict, tokenizer, *, call: bool, correct: bool, rng: random.Random
+) -> tuple[list[int], list[int]]:
+    """One supervised trace of the tool task (``data=tool_arithmetic`` rows) as ``(ids, labels)``.
+
+    ``call``: the model asks the calculator (in the ``tag`` format), the tool's answer follows as the
+    chat template's delta tokens (not trained), then the model answers with the tool's number; else
+    it answers at once (correct with ``correct``, else a near miss: what a model that computes in
+    its head writes). Trained tokens are labelled, every other one is ``-100``.
+
+    Example:
+        >>> from ar_torchrl.models.tiny import build_char_tokenizer
+        >>> from ar_torchrl.data.tasks import tool_arithmetic_rows
+        >>> tok = build_char_tokenizer()
+        >>> ids, labels = tool_trace(tool_arithmetic_rows(1)[0], tok, call=True, correct=True,
+        ...                          rng=random.Random(0))
+        >>> tok.decode([i for i, l in zip(ids, labels) if l != -100])
+        '<tool name="calculator">59*63</tool><|im_end|>Answer: 3717<|im_end|>'
+    """
+    from ar_torchrl.data.prompts import prompt_token_ids
+    from ar_torchrl.tools.base import ToolCall
+    from ar_torchrl.tools.parsers import TagParser
+    from ar_torchrl.tools.template import tool_delta_ids
+
+    messages, truth = _row_fields(row, 0)
+    prompt = prompt_token_ids(messages, tokenizer)
+    eos = [tokenizer.eos_token_id]
+
+    def said(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"] + eos
+
+    segments: list[tuple[list[int], bool]] = [(prompt, False)]
+    if call:
+        a, _, b = row["extra_info"]["problem"].split()
+        request = TagParser().format(ToolCall("calculator", f"{a}*{b}", ""))
+        answer = tool_delta_ids(tokenizer, [{"role": "tool", "content": truth}])
+        segments += [(said(request), True), (answer, False), (said(f"Answer: {truth}"), True)]
+    else:
+        segments.append((said(sft_response(truth, correct, rng)), True))
+    ids = [t for seg, _ in segments for t in seg]
+    labels = [t if trained else -100 for seg, trained in segments for t in seg]
+    return ids, labels
+
+
+def _tool_batch(tokenizer, rows, rng, tool_fraction: float, correct_fraction: float):
+    traces = [
+        tool_trace(
+            r,
+            tokenizer,
+            call=rng.random() < tool_fraction,
+            correct=rng.random() < correct_fraction,
+            rng=rng,
+        )
+        for r in rows
+    ]
+    width = max(len(ids) for ids, _ in traces)
+    ids = torch.full((len(traces), width), tokenizer.pad_token_id, dtype=torch.long)
+    labels = torch.full((len(traces), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(traces), width), dtype=torch.long)
+    for i, (s, t) in enumerate(traces):
+        ids[i, : len(s)], labels[i, : len(t)], mask[i, : len(s)] = (
+            torch.tensor(s),
+            torch.tensor(t),
+            1,
+        )
+    return ids, mask, labels
+
+
 def supervised_warm_start(
     model: PreTrainedModel,
     tokenizer,
@@ -118,8 +186,13 @@ def supervised_warm_start(
     correct_fraction: float = 0.3,
     grad_clip: float = 1.0,
     seed: int = 0,
+    tool_fraction: float | None = None,
 ) -> list[float]:
     """Train ``model`` in place on ``"Answer: X"`` responses (correct with prob ``correct_fraction``).
+
+    With ``tool_fraction`` (tool-task rows), each row is a :func:`tool_trace` that calls the
+    calculator with that probability (and answers directly otherwise): the call format is taught,
+    the task is not solved (a model that never calls is right only ``correct_fraction`` of the time).
 
     Each step samples ``batch_size`` rows (with replacement, seeded) and minimises the token-mean
     cross-entropy of the response and EOS. AdamW, learning rate decaying linearly from ``lr`` to
@@ -154,10 +227,14 @@ def supervised_warm_start(
     losses = []
     for _ in tqdm(range(steps), desc="warm start", leave=False):
         batch = [rows[rng.randrange(len(rows))] for _ in range(batch_size)]
-        responses = [
-            sft_response(_row_fields(r, 0)[1], rng.random() < correct_fraction, rng) for r in batch
-        ]
-        ids, mask, labels = build_sft_batch(tokenizer, batch, responses)
+        if tool_fraction is None:
+            responses = [
+                sft_response(_row_fields(r, 0)[1], rng.random() < correct_fraction, rng)
+                for r in batch
+            ]
+            ids, mask, labels = build_sft_batch(tokenizer, batch, responses)
+        else:
+            ids, mask, labels = _tool_batch(tokenizer, batch, rng, tool_fraction, correct_fraction)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
