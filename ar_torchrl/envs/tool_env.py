@@ -64,11 +64,11 @@ class ToolEnv(LLMEnv):
         >>> from ar_torchrl.models import build_char_tokenizer, build_tiny_qwen3
         >>> from ar_torchrl.backends import TransformersBackend
         >>> from ar_torchrl.data.tasks import tool_arithmetic_rows
-        >>> from ar_torchrl.tools import Toolbox, make_tools
+        >>> from ar_torchrl.tools import ToolConfig
         >>> from torchrl.envs.utils import check_env_specs
         >>> tok = build_char_tokenizer()
         >>> env = ToolEnv(tool_arithmetic_rows(8), tok, TransformersBackend(build_tiny_qwen3(len(tok))),
-        ...               toolbox=Toolbox(make_tools(["calculator"]), "tag"), num_samples=2,
+        ...               toolbox=ToolConfig().build(), num_samples=2,
         ...               prompts_per_batch=2, sampling=SamplingParams(max_new_tokens=8), max_turns=3)
         >>> check_env_specs(env)
         >>> td = env.collect()
@@ -201,7 +201,7 @@ class ToolEnv(LLMEnv):
         if completion.finish_reason != "stop":  # cut by the token cap: the turn did not end
             return self._end(sample, completion.finish_reason)
         handled = self.toolbox.handle(text)
-        if not handled.calls:  # an answer without a call: the episode is over
+        if handled.ended:  # an answer without a call: the episode is over
             return self._end(sample, "stop")
         sample.extra["tool_calls"] += len(handled.calls)
         errors = sum(not r.ok for r in handled.results)
@@ -212,7 +212,7 @@ class ToolEnv(LLMEnv):
             reward[row] += penalty
         if turn + 1 >= self.max_turns:  # it asked for a tool on its last turn
             return self._end(sample, "length")
-        messages = [{"role": "tool", "content": r.content} for r in handled.results]
+        messages = handled.messages()
         delta = self._tool_delta(messages)
         used = sum(len(x) for x in sample.segments)
         if used + len(delta) >= self.max_total_tokens:  # no room for the answer and a next turn
@@ -230,12 +230,25 @@ class ToolEnv(LLMEnv):
         sample.finish_reason = finish
         sample.extra["done"] = True
         if self.template_check != "off" and sample.extra["messages"]:
-            from ar_torchrl.tools.template import check_prefix_stable
-
-            messages = [*sample.row["prompt"], *sample.extra["messages"]]
-            ids = [int(t) for s in sample.segments for t in s.token_ids]
-            check_prefix_stable(self.tokenizer, messages, ids, on_mismatch=self.template_check)
+            self._check_template(sample)
         return True
+
+    def _check_template(self, sample: Sample) -> None:
+        """The episode's ids against the template's rendering of its conversation (a turn cut by
+        the token cap is left out: the template would close it)."""
+        from ar_torchrl.tools.template import check_prefix_stable
+
+        messages, segments = list(sample.extra["messages"]), list(sample.segments)
+        last = segments[-1]
+        if getattr(last, "trained", False) and getattr(last, "finish_reason", "stop") != "stop":
+            messages, segments = messages[:-1], segments[:-1]
+        if not messages:
+            return
+        ids = [int(t) for s in segments for t in s.token_ids]
+        on_mismatch = "raise" if self.template_check == "raise" else "warn"
+        check_prefix_stable(
+            self.tokenizer, [*sample.row["prompt"], *messages], ids, on_mismatch=on_mismatch
+        )
 
     # ------------------------------------------------------------------ episodes -> trajectory
     def episodes(self, steps: TensorDictBase) -> TensorDictBase:
