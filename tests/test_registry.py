@@ -50,6 +50,7 @@ def test_builtin_estimators_and_their_arguments():
     assert [f.name for f in dataclasses.fields(R.ADVANTAGES["gae"].config)] == [
         "lmbda",
         "normalize_advantage",
+        "timestep",
     ]
     with pytest.raises(ValueError, match=r"config: algo.gae.lmbda must be >= 0 and <= 1, got 2"):
         R.ADVANTAGES.options("gae", {"lmbda": 2}, prefix="config: algo.gae.")

@@ -8,6 +8,7 @@ garbage at masked positions is harmless.
 
 References:
     GAE: Schulman et al. 2015, https://arxiv.org/abs/1506.02438
+    Turn-level GAE: AReaL's ``gae_timestep_unit: turn`` (areal/trainer/ppo/gae.py)
     PPO: Schulman et al. 2017, https://arxiv.org/abs/1707.06347
     GRPO: Shao et al. 2024, https://arxiv.org/abs/2402.03300
     DAPO (clip-higher, token-mean, dynamic sampling): Yu et al. 2025, https://arxiv.org/abs/2503.14476
@@ -34,6 +35,7 @@ from ar_torchrl.functional.losses import (
     masked_log_ratio,
 )
 from ar_torchrl.functional.reductions import explained_variance, masked_mean, masked_whiten
+from ar_torchrl.functional.turns import count_turns, turn_gae
 from ar_torchrl.utils.checks import AGGREGATION_MODES, AggregationMode
 
 __all__ = [
@@ -44,6 +46,7 @@ __all__ = [
     "check_finite_reward",
     "clipped_surrogate",
     "clipped_value_loss",
+    "count_turns",
     "explained_variance",
     "grpo_advantage",
     "rloo_advantage",
@@ -54,4 +57,5 @@ __all__ = [
     "masked_mean",
     "masked_whiten",
     "token_gae",
+    "turn_gae",
 ]

@@ -35,18 +35,21 @@ def _as_row_coeff(
     return t.to(dtype).reshape(batch, 1)
 
 
-def _check_gae_inputs(reward: Tensor, value: Tensor, mask: Tensor) -> bool:
+def _check_gae_inputs(
+    reward: Tensor, value: Tensor, mask: Tensor, owner: str = "token_gae"
+) -> bool:
     """Check shapes and rewards; return whether every row's trained tokens form one run (the
-    usual prompt + response layout). Both answers come from one device sync."""
+    usual prompt + response layout). Both answers come from one device sync. ``owner`` names the
+    caller in the messages."""
     if reward.ndim != 2:
         raise ValueError(
-            f"token_gae expects [B, L] tensors, got reward of shape {tuple(reward.shape)}; "
+            f"{owner} expects [B, L] tensors, got reward of shape {tuple(reward.shape)}; "
             "squeeze the trailing feature dim ([B, L, 1] -> [B, L])."
         )
     _check_same_shape("value", value, "reward", reward)
     _check_mask(mask, reward)
     if reward.shape[1] == 0:
-        check_finite_reward(reward, "token_gae")
+        check_finite_reward(reward, owner)
         return True
     stray = reward.ne(0).logical_and_(~mask)
     runs = (mask[:, 1:] & ~mask[:, :-1]).sum(-1, dtype=torch.int32) + mask[:, 0]
@@ -54,11 +57,11 @@ def _check_gae_inputs(reward: Tensor, value: Tensor, mask: Tensor) -> bool:
     flags = torch.stack([reward.sum().isfinite(), stray.any(), (runs <= 1).all()])
     finite, has_stray, contiguous = flags.tolist()
     if not finite:
-        check_finite_reward(reward, "token_gae")
+        check_finite_reward(reward, owner)
     if has_stray:
         row, col = (int(i) for i in stray.nonzero()[0])
         raise ValueError(
-            f"token_gae: {int(stray.sum())} non-zero reward(s) on masked tokens (first at row {row}, "
+            f"{owner}: {int(stray.sum())} non-zero reward(s) on masked tokens (first at row {row}, "
             f"position {col}, reward {reward[row, col].item():g}). Put the task reward on the last "
             "generated token (loss_mask True) and shaping rewards on trained tokens only."
         )
@@ -87,6 +90,19 @@ def token_gae(
     ``value_target = A' + V`` where ``A'`` uses ``critic_lmbda`` (defaults to ``lmbda``; VAPO's
     decoupled lambdas). Masked positions get ``advantage = value_target = 0``.
 
+    Multi-turn rows (docs/design.md section 1b: turns of trained tokens with tool/observation
+    tokens between them, ``loss_mask`` False there) need nothing more: tool tokens, like prompt and
+    padding, consume no step, and ``V_next``, ``A_next`` carry across them (verl's observation mask,
+    volcengine/verl#2337, and NeMo-RL's carry-forward GAE compute the same numbers on trained
+    tokens). So the last token of turn ``u`` bootstraps from ``V`` at the first trained token of
+    turn ``u + 1`` (``state_value`` there is the value of the state after the observation). The
+    outcome reward goes on the episode's last trained token and per-turn rewards (e.g. a tool-error
+    penalty) on each turn's last trained token; a non-zero reward on a masked token is an error.
+    ``bootstrap_value`` is added after the row's last trained token; for a truncated episode
+    :class:`~ar_torchrl.objectives.TokenGAE` passes the value of the state after the row's last
+    real token (tool output included). :func:`~ar_torchrl.functional.turn_gae` takes one step per
+    turn instead.
+
     Closed form, no loop over tokens: rows with gaps between trained tokens (multi-turn) are first
     compacted (each row's trained tokens moved next to each other), then ``A`` is the discounted
     suffix sum of ``delta`` (factor ``gamma * lmbda``, :func:`_discounted_suffix`). Computed in
@@ -95,7 +111,8 @@ def token_gae(
 
     Args:
         reward: ``[B, L]`` per-token reward; must be 0 wherever ``loss_mask`` is False.
-        value: ``[B, L]`` V(s_t) (values at masked positions are ignored).
+        value: ``[B, L]`` V(s_t), the state before token ``t`` (values at masked positions are
+            ignored).
         loss_mask: ``[B, L]`` bool.
         gamma: discount in ``[0, 1]``.
         lmbda: GAE lambda in ``[0, 1]``, a float or a per-row ``[B]`` tensor (length-adaptive).

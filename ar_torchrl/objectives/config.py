@@ -24,6 +24,7 @@ class GAEConfig:
 
     lmbda: float = 0.95  # GAE lambda
     normalize_advantage: bool = True  # whiten advantages over trained tokens
+    timestep: str = "token"  # GAE step: token | turn (one per turn of multi-turn rows)
 
     def check(self, prefix: str) -> None:
         check_gae_args(prefix, **asdict(self))

@@ -1,4 +1,5 @@
-"""``TokenGAE``: TorchRL value estimator computing token-level GAE over ``loss_mask`` tokens."""
+"""``TokenGAE``: TorchRL value estimator computing GAE over ``loss_mask`` tokens, one step per token
+or, for multi-turn trajectories, one step per turn."""
 
 from __future__ import annotations
 
@@ -12,24 +13,34 @@ from torchrl.objectives.value import ValueEstimatorBase
 
 from ar_torchrl.functional import (
     check_finite_reward,
+    count_turns,
     length_adaptive_lmbda,
     masked_whiten,
     token_gae,
+    turn_gae,
 )
 from ar_torchrl.objectives._keys import MissingKeyError, require_key, squeeze_feature
-from ar_torchrl.utils.checks import check_gae_args
+from ar_torchrl.utils.checks import GAETimestep, check_gae_args
 
 __all__ = ["MissingKeyError", "TokenGAE"]
 
 
 class TokenGAE(ValueEstimatorBase):
-    """Token-level GAE over the ``loss_mask`` tokens of a ``[B, L]`` token trajectory.
+    """GAE over the ``loss_mask`` tokens of a ``[B, L]`` token trajectory, per token or per turn.
 
-    A thin wrapper around :func:`ar_torchrl.functional.token_gae` (see it for the equations). Reads
-    ``("next", "reward")``, ``state_value`` (the anchor values from
-    :func:`~ar_torchrl.objectives.recompute_anchors`) and ``loss_mask``; writes ``advantage`` and
-    ``value_target`` ``[B, L, 1]``. Keys follow TorchRL and are changed with :meth:`set_keys`
-    (``loss_mask`` is ours).
+    A thin wrapper around :func:`ar_torchrl.functional.token_gae` (``timestep="token"``, the
+    default) or :func:`ar_torchrl.functional.turn_gae` (``timestep="turn"``); see them for the
+    equations. Reads ``("next", "reward")``, ``state_value`` (the anchor values from
+    :func:`~ar_torchrl.objectives.recompute_anchors`) and ``loss_mask`` (and ``turn_id`` per turn);
+    writes ``advantage`` and ``value_target`` ``[B, L, 1]``. Keys follow TorchRL and are changed
+    with :meth:`set_keys` (``loss_mask``, ``turn_id`` and ``attention_mask`` are ours).
+
+    Multi-turn trajectories (docs/design.md section 1b): at token level tool/observation tokens
+    consume no step and values and advantages carry across them; at turn level each turn is one
+    step whose value is ``state_value`` at its first trained token and whose reward is the sum of
+    its rewards, and the turn's advantage and value target go to all its trained tokens. Either
+    way rewards sit on trained tokens only (the outcome on the last one, per-turn rewards on each
+    turn's last one) and ``normalize_advantage`` whitens over all trained tokens.
 
     Call contract (shared with :class:`GRPOAdvantage`, as TorchRL's value estimators): every call
     ``td = module(td)`` recomputes and overwrites ``advantage``/``value_target``. A NaN/inf reward is
@@ -42,8 +53,16 @@ class TokenGAE(ValueEstimatorBase):
         adaptive_lmbda_alpha: if set, the advantage lambda of each row is VAPO's
             ``1 - 1 / (alpha * length)`` (``lmbda`` is then ignored).
         normalize_advantage: whiten the advantage over all trained tokens of the batch.
-        bootstrap_truncated: for rows whose response was cut by length (``("next", "terminated")``
-            False at the last trained token), bootstrap from ``("next", "state_value")`` there.
+        bootstrap_truncated: for rows whose episode was cut (``("next", "terminated")`` False at
+            the last trained token: by length, ``max_turns`` or ``max_total_tokens``), the step
+            after the last one (token or turn) is valued at ``("next", "state_value")`` of the
+            row's last real token (``attention_mask``): ``V`` of the state after everything the
+            episode holds, the value the next turn's first token would have had. That is the last
+            trained token itself unless a tool output follows it (always so for single-turn
+            rows). Off: every row ends with ``V = 0`` (terminal).
+        timestep: ``"token"`` (one GAE step per trained token) or ``"turn"`` (one per turn of a
+            multi-turn episode, read from ``turn_id``: AReaL's ``gae_timestep_unit: turn``;
+            ``adaptive_lmbda_alpha`` then counts turns, not tokens).
         value_network: optional; if given and ``state_value`` is missing it is computed (no grad)
             on the whole batch. Prefer :func:`recompute_anchors` with a micro-batch plan.
 
@@ -60,7 +79,9 @@ class TokenGAE(ValueEstimatorBase):
 
     @dataclass
     class _AcceptedKeys(ValueEstimatorBase._AcceptedKeys):
-        """TorchRL's value-estimator keys plus ``loss_mask`` (bool ``[B, L]``).
+        """TorchRL's value-estimator keys plus ``loss_mask`` (bool ``[B, L]``), ``turn_id`` (int64
+        ``[B, L]``, read with ``timestep="turn"``) and ``attention_mask`` (bool ``[B, L]``, read
+        with ``bootstrap_truncated``).
 
         TorchRL 0.14.1 workaround: ``ValueEstimatorBase.set_keys`` checks names against
         ``_AcceptedKeys.__dict__``, which for a dataclass subclass only lists the fields declared in
@@ -77,6 +98,8 @@ class TokenGAE(ValueEstimatorBase):
         steps_to_next_obs: NestedKey = "steps_to_next_obs"
         sample_log_prob: NestedKey | None = None
         loss_mask: NestedKey = "loss_mask"
+        turn_id: NestedKey = "turn_id"
+        attention_mask: NestedKey = "attention_mask"
 
     default_keys = _AcceptedKeys
 
@@ -89,6 +112,7 @@ class TokenGAE(ValueEstimatorBase):
         adaptive_lmbda_alpha: float | None = None,
         normalize_advantage: bool = False,
         bootstrap_truncated: bool = False,
+        timestep: GAETimestep = "token",
         value_network=None,
         **kwargs,
     ) -> None:
@@ -100,6 +124,7 @@ class TokenGAE(ValueEstimatorBase):
             adaptive_lmbda_alpha=adaptive_lmbda_alpha,
             normalize_advantage=normalize_advantage,
             bootstrap_truncated=bootstrap_truncated,
+            timestep=timestep,
         )
         super().__init__(value_network=value_network, **kwargs)
         self.gamma, self.lmbda = args["gamma"], args["lmbda"]
@@ -107,6 +132,7 @@ class TokenGAE(ValueEstimatorBase):
         self.adaptive_lmbda_alpha = args["adaptive_lmbda_alpha"]
         self.normalize_advantage = args["normalize_advantage"]
         self.bootstrap_truncated = args["bootstrap_truncated"]
+        self.timestep = args["timestep"]
 
     @property
     def in_keys(self) -> list[NestedKey]:
@@ -118,7 +144,9 @@ class TokenGAE(ValueEstimatorBase):
             self.tensor_keys.loss_mask,
         ]
         if self.bootstrap_truncated:
-            keys.append(("next", self.tensor_keys.value))
+            keys += [("next", self.tensor_keys.value), self.tensor_keys.attention_mask]
+        if self.timestep == "turn":
+            keys.append(self.tensor_keys.turn_id)
         return keys
 
     def _values(self, td: TensorDictBase) -> torch.Tensor:
@@ -158,13 +186,41 @@ class TokenGAE(ValueEstimatorBase):
             shape,
             "TokenGAE",
         )
+        attn_key = self.tensor_keys.attention_mask
+        real = squeeze_feature(
+            require_key(
+                td,
+                attn_key,
+                "TokenGAE",
+                "bool [B, L], True on real tokens: bootstrap_truncated values the state after "
+                "each row's last real token",
+            ),
+            attn_key,
+            shape,
+            "TokenGAE",
+        ).bool()
         pos = torch.arange(shape[-1], device=mask.device)
         last = torch.where(mask, pos, -1).max(-1).values.clamp_min(0)
+        # the state after the episode: after the last real token (a tool output may follow the
+        # last trained token in multi-turn rows; single-turn rows end on their last trained token)
+        end = torch.where(real | mask, pos, -1).max(-1).values.clamp_min(0)
         rows = torch.arange(shape[0], device=mask.device)
         truncated = mask.any(-1) & ~terminated[rows, last]
         return torch.where(
-            truncated, next_value[rows, last], torch.zeros_like(next_value[rows, last])
+            truncated, next_value[rows, end], torch.zeros_like(next_value[rows, end])
         )
+
+    def _turn_id(self, td: TensorDictBase, shape: torch.Size) -> torch.Tensor:
+        key = self.tensor_keys.turn_id
+        turn_id = require_key(
+            td,
+            key,
+            "TokenGAE(timestep='turn')",
+            "int64 [B, L]: the turn index on trained tokens, -1 elsewhere; the multi-turn env "
+            "writes it (build_trajectory does when segments carry a turn); single-turn batches "
+            "use timestep='token'",
+        )
+        return squeeze_feature(turn_id, key, shape, "TokenGAE")
 
     def forward(
         self, tensordict: TensorDictBase, *, params=None, target_params=None
@@ -190,18 +246,21 @@ class TokenGAE(ValueEstimatorBase):
         )
         check_finite_reward(reward, "TokenGAE", f"reward {reward_key!r}")
         value = squeeze_feature(self._values(tensordict), keys.value, shape, "TokenGAE")
+        turn_id = self._turn_id(tensordict, shape) if self.timestep == "turn" else None
         lmbda = self.lmbda
         if self.adaptive_lmbda_alpha is not None:
-            lmbda = length_adaptive_lmbda(mask.sum(-1), self.adaptive_lmbda_alpha)
-        adv, target = token_gae(
-            reward,
-            value.detach(),
-            mask,
-            gamma=self.gamma,
-            lmbda=lmbda,
-            critic_lmbda=self.critic_lmbda,
-            bootstrap_value=self._bootstrap(tensordict, mask),
-        )
+            steps = mask.sum(-1) if turn_id is None else count_turns(mask, turn_id)
+            lmbda = length_adaptive_lmbda(steps, self.adaptive_lmbda_alpha)
+        hyper = {
+            "gamma": self.gamma,
+            "lmbda": lmbda,
+            "critic_lmbda": self.critic_lmbda,
+            "bootstrap_value": self._bootstrap(tensordict, mask),
+        }
+        if turn_id is None:
+            adv, target = token_gae(reward, value.detach(), mask, **hyper)
+        else:
+            adv, target = turn_gae(reward, value.detach(), mask, turn_id, **hyper)
         if self.normalize_advantage:
             adv = masked_whiten(adv, mask)
         tensordict.set(keys.advantage, adv.unsqueeze(-1))

@@ -18,7 +18,9 @@ from typing import Any, Literal, get_args
 
 __all__ = [
     "AGGREGATION_MODES",
+    "GAE_TIMESTEPS",
     "AggregationMode",
+    "GAETimestep",
     "check_actor_args",
     "check_bool",
     "check_choice",
@@ -39,6 +41,11 @@ AggregationMode = Literal[
     "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
 ]
 AGGREGATION_MODES: tuple[str, ...] = get_args(AggregationMode)
+
+#: GAE step units (``TokenGAE(timestep=...)``): one step per trained token, or one per turn of a
+#: multi-turn episode (reads ``turn_id``).
+GAETimestep = Literal["token", "turn"]
+GAE_TIMESTEPS: tuple[str, ...] = get_args(GAETimestep)
 
 
 def _key(owner: str, name: str) -> str:
@@ -226,14 +233,20 @@ def check_gae_args(
     adaptive_lmbda_alpha: Any = None,
     normalize_advantage: Any = False,
     bootstrap_truncated: Any = False,
+    timestep: Any = "token",
 ) -> dict[str, Any]:
-    """Arguments of :class:`~ar_torchrl.objectives.TokenGAE` (``gamma``, lambdas in ``[0, 1]``).
+    """Arguments of :class:`~ar_torchrl.objectives.TokenGAE` (``gamma``, lambdas in ``[0, 1]``,
+    ``timestep`` one of :data:`GAE_TIMESTEPS`).
 
     Example:
         >>> check_gae_args(gamma=1.0, lmbda=1.2)
         Traceback (most recent call last):
         ...
         ValueError: TokenGAE: lmbda must be >= 0 and <= 1, got 1.2
+        >>> check_gae_args("config: algo.gae.", timestep="episode")
+        Traceback (most recent call last):
+        ...
+        ValueError: config: algo.gae.timestep='episode' is not one of ['token', 'turn']
     """
     return {
         "gamma": float(check_number(owner, "gamma", gamma, ge=0, le=1)),
@@ -246,6 +259,7 @@ def check_gae_args(
         ),
         "normalize_advantage": check_bool(owner, "normalize_advantage", normalize_advantage),
         "bootstrap_truncated": check_bool(owner, "bootstrap_truncated", bootstrap_truncated),
+        "timestep": check_choice(owner, "timestep", timestep, GAE_TIMESTEPS),
     }
 
 
