@@ -58,14 +58,30 @@ def _spread_groups(seq: TensorDictBase) -> tuple[list[int], int]:
     return spread, len(groups) - len(spread)
 
 
-def _summary(rewards: list[torch.Tensor], correct: list[bool], counts: dict[str, int]) -> dict:
+def _summary(rewards: list[torch.Tensor], samples: list, counts: dict[str, int]) -> dict:
     r = torch.cat(rewards) if rewards else torch.zeros(0)
     n = max(int(r.numel()), 1)
-    return {
+    out = {
         **{k: float(v) for k, v in counts.items()},
         "samples": float(r.numel()),
         "reward_mean": float(r.sum()) / n,
-        "accuracy": sum(correct) / n,  # what the reward called correct, sample by sample
+        "accuracy": sum(s.correct for s in samples) / n,  # what the reward called correct
+        "truncated": sum(not s.terminated for s in samples) / n,  # cut by a cap
+    }
+    return out | episode_stats(samples)
+
+
+def episode_stats(samples: list) -> dict[str, float]:
+    """Means over multi-turn episodes (:class:`~ar_torchrl.envs.ToolEnv`'s samples): model turns,
+    tool calls, failed calls, and the fraction of episodes that called a tool (empty otherwise)."""
+    if not samples or "turns" not in samples[0].extra:
+        return {}
+    n = len(samples)
+    return {
+        "turns": sum(s.extra["turns"] for s in samples) / n,
+        "tool_calls": sum(s.extra["tool_calls"] for s in samples) / n,
+        "tool_errors": sum(s.extra["tool_errors"] for s in samples) / n,
+        "tool_call_rate": sum(s.extra["tool_calls"] > 0 for s in samples) / n,
     }
 
 
@@ -92,11 +108,11 @@ def gather_batch(
     counts = dict.fromkeys(
         ("groups_generated", "groups_zero_spread", "groups_kept", "sampling_rounds"), 0
     )
-    kept, rewards, correct, raw = [], [], [], None
+    kept, rewards, scored, raw = [], [], [], None
     while counts["sampling_rounds"] < rounds and counts["groups_kept"] < target:
         raw, seq = _one_round(env)
         rewards.append(seq["next", "reward"].reshape(-1))
-        correct += [s.correct for s in env.samples(seq)]
+        scored += env.samples(seq)
         spread, flat = _spread_groups(seq)
         take = (spread if dynamic else list(dict.fromkeys(seq["prompt_id"].tolist())))[
             : target - counts["groups_kept"]
@@ -118,4 +134,4 @@ def gather_batch(
         )
     rows = torch.cat(kept) if kept else raw[:0]
     batch = env.to_token_trajectory(rows) if rows.shape[0] else env.to_token_trajectory(raw)[:0]
-    return batch, _summary(rewards, correct, counts)
+    return batch, _summary(rewards, scored, counts)

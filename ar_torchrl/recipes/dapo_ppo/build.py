@@ -20,7 +20,7 @@ from ar_torchrl.backends.registry import BACKENDS, BackendContext
 from ar_torchrl.data.datasets import MathDataset
 from ar_torchrl.data.prompts import check_prompts
 from ar_torchrl.data.registry import TASKS
-from ar_torchrl.envs import LLMEnv
+from ar_torchrl.envs import LLMEnv, ToolEnv
 from ar_torchrl.objectives import TokenPPOLoss, make_advantage
 from ar_torchrl.recipes.dapo_ppo.config import Config
 from ar_torchrl.rewards.registry import REWARDS, OverlongPenalty
@@ -57,7 +57,7 @@ def fit_prompts(
     """The rows whose prompts leave ``rollout.max_new_tokens`` of the ``context``: checked once,
     at load (:func:`ar_torchrl.data.check_prompts`: an error naming the row's source, or with
     ``data.skip_invalid`` skipped and counted; characters the tokenizer drops are warned about)."""
-    limit = context - cfg.rollout.max_new_tokens
+    limit = min(context, cfg.rollout.max_total_tokens or context) - cfg.rollout.max_new_tokens
     skip = bool(getattr(cfg.data, "skip_invalid", False))
     fitted = []
     for name, rows in zip(("data", "data (held-out rows)"), datasets):
@@ -113,7 +113,8 @@ def build_backend(
 def build_envs(
     cfg: Config, rows, eval_rows, tokenizer, backend, model, *, trainer_can_generate: bool
 ) -> tuple[LLMEnv, LLMEnv]:
-    """Prompts in, scored token trajectories out: sampled for training, greedy for evaluation.
+    """Prompts in, scored token trajectories out: sampled for training, greedy for evaluation;
+    multi-turn tool-use episodes (:class:`~ar_torchrl.envs.ToolEnv`) when ``tools`` is set.
 
     Evaluation decodes greedily from the trainer's own weights when the trainer can generate and
     the rollouts are trainside (a shared-weights engine, no copy); otherwise on the rollout engine
@@ -125,7 +126,18 @@ def build_envs(
     sampling = SamplingParams(
         max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k
     )
-    env = LLMEnv(
+    greedy = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=0.0)
+    kind, extra = LLMEnv, {}
+    if cfg.tools is not None:
+        kind = ToolEnv
+        extra = dict(
+            toolbox=cfg.tools.build(),
+            max_turns=r.max_turns,
+            max_total_tokens=r.max_total_tokens or context_length(model, backend),
+            tool_error_penalty=r.tool_error_penalty,
+            template_check=r.template_check,
+        )
+    env = kind(
         rows,
         tokenizer,
         backend,
@@ -134,11 +146,11 @@ def build_envs(
         prompts_per_batch=r.prompts_per_iter,
         sampling=sampling,
         seed=cfg.seed,
+        **extra,
     )
     trainside = isinstance(backend, TransformersBackend) and trainer_can_generate
     eval_backend = TransformersBackend(model, mode="share") if trainside else backend
-    greedy = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=0.0)
-    eval_env = LLMEnv(
+    eval_env = kind(
         eval_rows,
         tokenizer,
         eval_backend,
@@ -147,6 +159,7 @@ def build_envs(
         prompts_per_batch=len(eval_rows),
         sampling=greedy,
         shuffle=False,
+        **extra,
     )
     return env, eval_env
 

@@ -28,6 +28,7 @@ from ar_torchrl.objectives.registry import ADVANTAGES, needs_critic
 from ar_torchrl.recipes import config as recipe_config
 from ar_torchrl.recipes.run import world_size
 from ar_torchrl.rewards.registry import REWARDS
+from ar_torchrl.tools.config import ToolConfig
 from ar_torchrl.utils.checks import (
     check_choice,
     check_number,
@@ -173,6 +174,12 @@ class RolloutConfig:
     overlong_penalty: float = 1.0
     dynamic_sampling: bool = False  # DAPO: keep groups whose rewards differ, refill (the collector)
     max_sampling_rounds: int = 4
+    max_turns: int = 1  # model turns per episode (> 1 needs `tools`: the multi-turn ToolEnv)
+    max_total_tokens: Optional[int] = None  # multi-turn: tokens per episode (None: the context)
+    tool_error_penalty: float = 0.0  # multi-turn: reward added per failed tool call of a turn
+    template_check: str = (
+        "raise"  # multi-turn: raise | warn | off when a template is not prefix-stable
+    )
 
     def check(self, prefix: str) -> None:
         for key in ("prompts_per_iter", "samples_per_prompt", "max_new_tokens", "token_budget"):
@@ -203,6 +210,15 @@ class RolloutConfig:
             allow_none=True,
         )
         check_number(prefix, "overlong_penalty", self.overlong_penalty, ge=0)
+        _count(prefix, "max_turns", self.max_turns)
+        _count(prefix, "max_total_tokens", self.max_total_tokens, allow_none=True)
+        if self.max_total_tokens is not None and self.max_total_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"{prefix}max_total_tokens={self.max_total_tokens} must be > "
+                f"{prefix.rsplit(' ', 1)[-1]}max_new_tokens={self.max_new_tokens} (room for a prompt)"
+            )
+        check_number(prefix, "tool_error_penalty", self.tool_error_penalty)
+        check_choice(prefix, "template_check", self.template_check, ("raise", "warn", "off"))
 
 
 @dataclass
@@ -258,6 +274,7 @@ class Config:
     reward: Any = MISSING
     logger: LoggerConfig = MISSING
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    tools: Optional[ToolConfig] = None  # tools for multi-turn episodes (None: single-turn LLMEnv)
     train: TrainConfig = field(default_factory=TrainConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     seed: int = 0
@@ -269,6 +286,13 @@ class Config:
     def check(self) -> None:
         for name in ("model", "backend", "data", "reward", "logger", "rollout", "train", "dist"):
             getattr(self, name).check(f"config: {name}.")
+        if self.tools is not None:
+            self.tools.check("config: tools.")
+        elif self.rollout.max_turns > 1:
+            raise ValueError(
+                f"config: rollout.max_turns={self.rollout.max_turns} needs tools (a multi-turn episode "
+                "continues after a tool answer): set tools (e.g. --config-name tool_arithmetic)"
+            )
         self.algo.check(norm_length=self.rollout.max_new_tokens)
         _count("config", "seed", self.seed, ge=0)
         check_number("config", "seed", self.seed, le=2**32 - 1, integer=True)

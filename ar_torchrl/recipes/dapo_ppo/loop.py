@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ar_torchrl.collectors import WeightSyncCollector
+from ar_torchrl.collectors.sampling import episode_stats
 from ar_torchrl.data import plan_micro_batches
 from ar_torchrl.envs import LLMEnv
 from ar_torchrl.functional import masked_mean
@@ -285,7 +286,11 @@ def rollout_metrics(run: Run, td) -> dict[str, float]:
     if td.shape[0]:
         mask = td["loss_mask"]
         drift = (td["rollout_log_prob"] - td["sample_log_prob"]).abs()
-        out["rollout/response_length"] = float(mask.sum(-1).float().mean())
+        out["rollout/response_length"] = float(mask.sum(-1).float().mean())  # trained tokens
+        answered = mask.long().cumsum(-1) > 0  # from the first trained token on
+        tool = td["attention_mask"] & ~mask & answered
+        if bool(tool.any()):  # multi-turn: the tool answers (observation tokens, not trained)
+            out["rollout/observation_tokens"] = float(tool.sum(-1).float().mean())
         out["rollout/logprob_drift"] = float(masked_mean(drift, mask))
     return out
 
@@ -299,10 +304,12 @@ def evaluate(run: Run) -> dict[str, float]:
     env = run.eval_env
     seq = env.episodes(env.rollout(env.max_turns))
     samples = env.samples(seq)
-    return {
+    out = {
         "eval/reward_mean": float(seq["next", "reward"].mean()),
         "eval/accuracy": sum(s.correct for s in samples) / len(samples),
     }
+    out.update({f"eval/{k}": v for k, v in episode_stats(samples).items()})
+    return out
 
 
 def record(run: Run, step: int, metrics: dict[str, float]) -> None:
