@@ -139,6 +139,33 @@ def test_an_episode_that_never_stops_is_truncated_by_max_turns_and_by_max_total_
     assert (td["turn_id"].max(-1).values == 0).all() and not td["next", "terminated"].any()
 
 
+def test_the_template_check_raises_on_an_unstable_template_not_on_turns_text_cannot_reproduce():
+    from test_tool_template import STRIP_HISTORY_THINK
+    from ar_torchrl.tools.template import PrefixMismatchError
+
+    def thinking(a, b, turn):  # reasoning the template drops from every turn but the last
+        return f"<think>hm</think>{call(f'{a}*{b}')}" if turn == 0 else f"Answer: {a * b}"
+
+    unstable = build_char_tokenizer()
+    unstable.chat_template = STRIP_HISTORY_THINK
+    wide = {"sampling": SamplingParams(max_new_tokens=64)}
+    with pytest.raises(PrefixMismatchError, match="not prefix-stable"):
+        make_env(unstable, thinking, **wide).collect()
+    with pytest.warns(UserWarning, match="not prefix-stable"):
+        assert make_env(unstable, thinking, template_check="warn", **wide).collect().shape[0] == 4
+    assert make_env(unstable, thinking, template_check="off", **wide).collect().shape[0] == 4
+
+    # a special token sampled mid-turn (its decoded text drops it): a fact about the sample, not
+    # the template; the episode keeps its sampled ids and the check covers the turns before it
+    tok = build_char_tokenizer()
+
+    def stray(a, b, turn):
+        return call(f"{a}*{b}") if turn == 0 else f"Answer: <|im_start|>{a * b}"
+
+    td = make_env(tok, stray).collect()
+    assert (td["tokens"] == tok.convert_tokens_to_ids("<|im_start|>")).any(-1).all()
+
+
 class Slow:
     name, description = "slow", "sleeps"
 

@@ -209,9 +209,8 @@ class FewshotArithmeticDataConfig:
 #: The prompt of the tool task, in the call format of the ``tag`` parser
 #: (:class:`ar_torchrl.tools.TagParser`).
 TOOL_TEMPLATE = (
-    "Compute {a} * {b}. You may use the calculator: write "
-    '<tool name="calculator">expression</tool> and wait for its answer. End with a line '
-    "Answer: $Answer"
+    'Compute {a} * {b}. Calculator: <tool name="calculator">expression</tool>. '
+    "End with Answer: $Answer"
 )
 
 

@@ -193,8 +193,10 @@ class ToolEnv(LLMEnv):
                 f"ToolEnv: the completion of batch row {row} (prompt index {sample.prompt_id}, turn "
                 f"{turn}) has token ids {bad[:5]} outside the tokenizer's vocabulary"
             )
-        sample.segments.append(_TurnSegment(completion, turn))
         text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        if "checkable" not in sample.extra and not self._round_trips(completion, text):
+            sample.extra["checkable"] = (len(sample.extra["messages"]), len(sample.segments))
+        sample.segments.append(_TurnSegment(completion, turn))
         sample.extra["messages"].append({"role": "assistant", "content": text})
         sample.extra["turns"] = turn + 1
         sample.text = "\n".join(m["content"] for m in sample.extra["messages"])
@@ -234,14 +236,16 @@ class ToolEnv(LLMEnv):
         return True
 
     def _check_template(self, sample: Sample) -> None:
-        """The episode's ids against the template's rendering of its conversation (a turn cut by
-        the token cap is left out: the template would close it)."""
+        """The episode's ids against the template's rendering of its conversation, up to the first
+        turn whose text cannot reproduce its tokens: a turn cut by the token cap (the template would
+        close it) or one that sampled a special token mid-turn (its text drops it). Such turns are
+        why the env never re-tokenizes; they say nothing about the template."""
         from ar_torchrl.tools.template import check_prefix_stable
 
         messages, segments = list(sample.extra["messages"]), list(sample.segments)
-        last = segments[-1]
-        if getattr(last, "trained", False) and getattr(last, "finish_reason", "stop") != "stop":
-            messages, segments = messages[:-1], segments[:-1]
+        if "checkable" in sample.extra:
+            n_messages, n_segments = sample.extra["checkable"]
+            messages, segments = messages[:n_messages], segments[:n_segments]
         if not messages:
             return
         ids = [int(t) for s in segments for t in s.token_ids]
@@ -249,6 +253,15 @@ class ToolEnv(LLMEnv):
         check_prefix_stable(
             self.tokenizer, [*sample.row["prompt"], *messages], ids, on_mismatch=on_mismatch
         )
+
+    def _round_trips(self, completion, text: str) -> bool:
+        """Whether the turn's text, tokenized, gives back its sampled ids (then its end-of-turn
+        token): not when the token cap cut it, nor when it sampled a special token mid-turn, nor
+        when the sampler chose a non-canonical tokenization."""
+        ids = list(completion.token_ids)
+        if completion.finish_reason != "stop" or not ids or ids[-1] != self.tokenizer.eos_token_id:
+            return False
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"] == ids[:-1]
 
     # ------------------------------------------------------------------ episodes -> trajectory
     def episodes(self, steps: TensorDictBase) -> TensorDictBase:
