@@ -215,7 +215,11 @@ class ToolEnv(LLMEnv):
         if turn + 1 >= self.max_turns:  # it asked for a tool on its last turn
             return self._end(sample, "length")
         messages = handled.messages()
-        delta = self._tool_delta(messages)
+        # a turn that ended on a stop token other than EOS gets its end-of-turn token inserted
+        # (untrained) before the tool message, as the template would render the conversation
+        ids = completion.token_ids
+        closed = len(ids) > 0 and ids[-1] == self.tokenizer.eos_token_id
+        delta = self._tool_delta(messages, include_end_of_turn=not closed)
         used = sum(len(x) for x in sample.segments)
         if used + len(delta) >= self.max_total_tokens:  # no room for the answer and a next turn
             return self._end(sample, "length")
@@ -223,10 +227,10 @@ class ToolEnv(LLMEnv):
         sample.extra["messages"] += messages
         return False
 
-    def _tool_delta(self, messages: list[dict]) -> list[int]:
+    def _tool_delta(self, messages: list[dict], include_end_of_turn: bool = False) -> list[int]:
         from ar_torchrl.tools.template import tool_delta_ids
 
-        return tool_delta_ids(self.tokenizer, messages)
+        return tool_delta_ids(self.tokenizer, messages, include_end_of_turn=include_end_of_turn)
 
     def _end(self, sample: Sample, finish: str) -> bool:
         sample.finish_reason = finish
