@@ -67,8 +67,11 @@ def read_history(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
 
 
-def run_recipe(run_dir: Path, cache: Path, *overrides: str, check: bool = True):
-    cmd = [sys.executable, str(SCRIPT), f"hydra.run.dir={run_dir}", *overrides]
+def run_recipe(
+    run_dir: Path, cache: Path, *overrides: str, check: bool = True, config_name: str | None = None
+):
+    name = ["--config-name", config_name] if config_name else []
+    cmd = [sys.executable, str(SCRIPT), *name, f"hydra.run.dir={run_dir}", *overrides]
     proc = subprocess.run(
         cmd, cwd=ROOT, env=recipe_env(cache), capture_output=True, text=True, timeout=900
     )

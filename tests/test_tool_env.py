@@ -141,6 +141,7 @@ def test_an_episode_that_never_stops_is_truncated_by_max_turns_and_by_max_total_
 
 def test_the_template_check_raises_on_an_unstable_template_not_on_turns_text_cannot_reproduce():
     from test_tool_template import STRIP_HISTORY_THINK
+
     from ar_torchrl.tools.template import PrefixMismatchError
 
     def thinking(a, b, turn):  # reasoning the template drops from every turn but the last

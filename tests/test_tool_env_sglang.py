@@ -26,7 +26,7 @@ from ar_torchrl.models import build_char_tokenizer
 from ar_torchrl.modules import LMActorCritic
 from ar_torchrl.objectives import TokenGAE, TokenPPOLoss, recompute_anchors
 from ar_torchrl.rewards.math import ArithmeticReward
-from ar_torchrl.tools import ToolCall, Toolbox
+from ar_torchrl.tools import Toolbox, ToolCall
 from ar_torchrl.tools.template import tool_delta_ids
 from ar_torchrl.weight_sync import named_policy_tensors
 

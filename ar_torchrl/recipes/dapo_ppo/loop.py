@@ -289,7 +289,7 @@ def rollout_metrics(run: Run, td) -> dict[str, float]:
         out["rollout/response_length"] = float(mask.sum(-1).float().mean())  # trained tokens
         answered = mask.long().cumsum(-1) > 0  # from the first trained token on
         tool = td["attention_mask"] & ~mask & answered
-        if bool(tool.any()):  # multi-turn: the tool answers (observation tokens, not trained)
+        if "turn_id" in td.keys():  # multi-turn rows: tool answers (observation tokens, untrained)
             out["rollout/observation_tokens"] = float(tool.sum(-1).float().mean())
         out["rollout/logprob_drift"] = float(masked_mean(drift, mask))
     return out
