@@ -1,0 +1,532 @@
+"""Benchmark: a K-turn episode vs one generation of the same total length, on both backends.
+
+What it measures (issue 18): for each backend (trainside ``TransformersBackend``, SGLang over HTTP)
+and each ``K`` in ``--ks`` (default 1, 2, 4), the wall time of one batch of ``B`` episodes
+(``--batch``, default 16) that each generate ``T`` tokens in all (``--total-tokens``, default 96):
+
+* ``K = 1``: one ``backend.generate(prompts, 1, SamplingParams(max_new_tokens=T))``;
+* ``K > 1``: ``K`` sequential ``generate`` calls with ``max_new_tokens = T // K``, each continuing
+  every episode from its exact ids so far: the prompt, every earlier turn as sampled and, after
+  each turn, a tool answer as the chat template's delta
+  (``tool_delta_ids(tokenizer, ["42"], include_end_of_turn=True)``: the turns end at their token
+  cap, so the end-of-turn token is inserted, as ``ToolEnv`` does for a turn that did not sample
+  it). This is what :class:`~ar_torchrl.envs.ToolEnv` sends per turn (``_turn`` /
+  ``_after_turn``), without parsing or running a tool.
+
+The headline is the **ratio** ``time(K turns) / time(1 generation)`` per backend: the median over
+``--reps`` repetitions of the ratio of the two times measured in the same repetition (the configs
+run round-robin, the order of the ``K`` rotated each repetition, after one warm-up batch per
+config). Both sides generate exactly the same number of tokens, so ``ratio - 1`` is the relative
+cost of splitting an episode into turns: per call, a new prefill of the context so far, a new KV
+cache, the call itself (for SGLang an HTTP round trip per request and the scheduler picking the
+requests up), plus the (K - 1) tool deltas of context. The trainside backend keeps no cache
+between calls: every turn re-prefills the whole prefix (``prefilled`` = ``submitted`` prompt
+tokens; ``prefill s`` is the wall time of its prefill forwards, timed by forward hooks on its
+model, so ``prefill s(K) - prefill s(1)`` is what re-prefilling costs it). SGLang's radix cache
+keeps the prefix of the earlier turns, so a turn should prefill only what the cache does not hold
+(about the tool delta): ``cached`` is the sum of SGLang's ``meta_info.cached_tokens`` over the
+requests (read from the raw ``/generate`` answers by wrapping the backend's HTTP session, since
+:class:`~ar_torchrl.backends.Completion` does not carry it), and ``prefilled = submitted -
+cached``. What prefix reuse saves shows in those columns; the two ratios
+also differ by each backend's own per-call cost, which this benchmark does not separate. The
+SGLang radix cache is flushed (``POST /flush_cache``) before every measured batch, so each batch
+starts cold and only reuses what it wrote itself (never a previous repetition's identical turns);
+it still shares the common start of the prompts across episodes, also at ``K = 1``.
+
+Equal lengths: a random tiny model samples its EOS early and at random, which would make ``K``
+turns generate fewer or more tokens than one generation. Every turn is made to run to its cap
+instead, with the same weights on both backends: EOS is switched off as a stop token
+(trainside ``TransformersBackend(eos_token_id=())``, SGLang ``sampling_params.ignore_eos``), and
+the script checks that every completion has exactly ``max_new_tokens`` tokens, so every episode
+generates exactly ``T`` tokens on both backends (``--allow-eos`` keeps EOS as a stop: then the
+lengths differ and the table shows by how much). Editing the model instead (a very negative EOS
+logit) is not clean here: Qwen3's ``lm_head`` has no bias and is tied to the input embedding, so
+no change of the EOS row makes its logit low for every hidden state, and it would also change the
+embedding of the ``<|im_end|>`` tokens of every prompt. The model can still sample the EOS id
+mid-turn; the cost of a step does not depend on the token. Both backends get the same prompts,
+the same ``SamplingParams`` (temperature 1, seed per repetition and turn) and the same weights
+(the trainer's model is synced into the server before timing, also into a server given by
+``--url``); SGLang honours ``sampling_seed`` only under ``--enable-deterministic-inference``, so
+its tokens differ from the trainside ones, their number does not.
+
+Model and setting: ``build_tiny_qwen3(len(tok), seed)`` (h64, 2 layers, fp32) with the char
+tokenizer (``build_char_tokenizer``), ChatML prompts of one-digit additions (all of one length:
+no padding), temperature 1, 1 torch thread (``--threads``) in this process; a launched server
+inherits ``OMP_NUM_THREADS`` (set it to 1 on a shared machine). Timings are wall times of whole
+batches (``time.perf_counter``).
+
+Run (from the repository root):
+    .venv/bin/python benchmarks/bench_multi_turn.py --backends trainside
+    .venv/bin/python benchmarks/bench_multi_turn.py --launch            # both, launches a server
+    .venv/bin/python benchmarks/bench_multi_turn.py --url http://127.0.0.1:30000
+    .venv/bin/python benchmarks/bench_multi_turn.py --quick --backends trainside   # seconds
+
+``--launch`` saves the model with ``save_tiny_model`` (as the tests' ``sglang_model_dir``) and
+starts ``launch_sglang_server`` from ``.venv-sglang`` (``$AR_TORCHRL_SGLANG_VENV``); the server is
+stopped when the script ends, also on an error. Prints a table and writes
+``benchmarks/results/bench_multi_turn[_quick].json`` (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from _common import machine_info, write_json
+
+from ar_torchrl.backends import SamplingParams, TransformersBackend
+from ar_torchrl.models import build_char_tokenizer, build_tiny_qwen3
+from ar_torchrl.models.tiny import save_tiny_model
+from ar_torchrl.tools.template import render_ids, tool_delta_ids
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+BACKENDS = ("trainside", "sglang")
+TOOL_ANSWER = "42"
+#: the launched server's KV pool: room for B episodes of the longest K plus the radix cache
+LAUNCH_ARGS = ("--max-total-tokens", "16384")
+
+
+# ----------------------------------------------------------------------------- setting
+def make_prompts(tok, batch: int, seed: int) -> list[list[int]]:
+    """``batch`` ChatML prompts ``What is a + b? ...`` (one-digit a, b: all of one length)."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = []
+    for _ in range(batch):
+        a, b = torch.randint(0, 10, (2,), generator=gen).tolist()
+        question = f"What is {a} + {b}? Use the calculator, then end with a line Answer: $Answer"
+        messages = [{"role": "user", "content": question}]
+        prompts.append(render_ids(tok, messages, add_generation_prompt=True))
+    return prompts
+
+
+class CachedTokens:
+    """Sums SGLang's ``meta_info.cached_tokens`` / ``prompt_tokens`` of every ``/generate`` answer,
+    by wrapping the backend's HTTP session (``SGLangBackend.session``, meant to be wrapped).
+
+    The client reads answers with ``response.raw.read1``; the wrapper reads the whole body first,
+    records it and hands the client a replay of the same bytes (the connection is released when
+    the client closes the response). Thread-safe: the backend sends requests from a thread pool.
+    """
+
+    def __init__(self, backend) -> None:
+        self.cached = self.prompt = self.items = 0
+        self._lock = threading.Lock()
+        session, inner = backend.session, backend.session.request
+
+        def request(method, url, *args, **kwargs):
+            response = inner(method, url, *args, **kwargs)
+            if method == "POST" and url.endswith("/generate") and response.status_code == 200:
+                data = response.raw.read(decode_content=True)
+                self._record(json.loads(data))
+                response.raw = _Replay(data, response.raw)
+            return response
+
+        session.request = request
+
+    def _record(self, answer: Any) -> None:
+        items = answer if isinstance(answer, list) else [answer]
+        metas = [item.get("meta_info", {}) for item in items]
+        with self._lock:
+            self.items += len(metas)
+            self.cached += sum(int(m.get("cached_tokens", 0)) for m in metas)
+            self.prompt += sum(int(m.get("prompt_tokens", 0)) for m in metas)
+
+    def reset(self) -> None:
+        with self._lock:
+            self.cached = self.prompt = self.items = 0
+
+
+class _Replay:
+    """A response body already read, served again through ``read1`` (what the client calls)."""
+
+    connection = None  # the client sets a socket timeout only when there is one
+
+    def __init__(self, data: bytes, raw) -> None:
+        self._buf, self._raw = io.BytesIO(data), raw
+
+    def read1(self, amt: int = -1, decode_content: bool = True) -> bytes:
+        return self._buf.read1(amt)
+
+    def close(self) -> None:
+        self._raw.close()
+
+    def release_conn(self) -> None:
+        self._raw.release_conn()
+
+
+class PrefillClock:
+    """Wall seconds of the trainside model's prefill forwards (the first forward of each
+    ``generate`` call: more than one position), by forward hooks on the backend's model."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.seconds, self.forwards, self._start = 0.0, 0, None
+        model.register_forward_pre_hook(self._pre, with_kwargs=True)
+        model.register_forward_hook(self._post, with_kwargs=True)
+
+    def _pre(self, module, args, kwargs) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self._start = time.perf_counter() if ids is not None and ids.shape[-1] > 1 else None
+
+    def _post(self, module, args, kwargs, output) -> None:
+        if self._start is not None:
+            self.seconds += time.perf_counter() - self._start
+            self.forwards += 1
+            self._start = None
+
+    def reset(self) -> None:
+        self.seconds, self.forwards = 0.0, 0
+
+
+@dataclasses.dataclass
+class Engine:
+    """One backend under test and how to reset its prefix cache before a measured batch."""
+
+    name: str
+    backend: Any
+    flush: Any = None  # () -> None, SGLang: POST /flush_cache
+    cached: CachedTokens | None = None
+    prefill: PrefillClock | None = None
+
+
+def flush_fn(backend, url: str):
+    def flush() -> None:
+        response = backend.session.post(url + "/flush_cache", timeout=60)
+        if not response.ok:
+            raise RuntimeError(
+                f"SGLang POST {url}/flush_cache answered HTTP {response.status_code}: "
+                f"{response.text[:300]!r}; it refuses while requests are running"
+            )
+
+    return flush
+
+
+# ----------------------------------------------------------------------------- one batch
+def episode_batch(engine: Engine, prompts, k: int, args, seed: int, deltas, eos: int) -> dict:
+    """One batch of ``len(prompts)`` episodes of ``k`` turns (``T // k`` new tokens each)."""
+    per_turn = args.total_tokens // k
+    contexts = [list(p) for p in prompts]
+    if engine.flush is not None:
+        engine.flush()
+    if engine.cached is not None:
+        engine.cached.reset()
+    if engine.prefill is not None:
+        engine.prefill.reset()
+    submitted, generated, turn_s, finishes = 0, [0] * len(prompts), [], []
+    start = time.perf_counter()
+    for turn in range(k):
+        sampling = SamplingParams(
+            max_new_tokens=per_turn, temperature=1.0, top_p=1.0, top_k=-1, seed=seed + turn
+        )
+        submitted += sum(map(len, contexts))
+        t0 = time.perf_counter()
+        out = engine.backend.generate(contexts, 1, sampling)
+        turn_s.append(time.perf_counter() - t0)
+        for b, c in enumerate(out):
+            contexts[b] += c.token_ids
+            generated[b] += len(c)
+            finishes.append(c.finish_reason)
+            if not args.allow_eos and len(c) != per_turn:
+                raise RuntimeError(
+                    f"{engine.name}: turn {turn} of episode {b} generated {len(c)} tokens "
+                    f"(finish_reason {c.finish_reason!r}) with EOS switched off; expected exactly "
+                    f"max_new_tokens={per_turn}"
+                )
+            if turn < k - 1:
+                closed = bool(c.token_ids) and c.token_ids[-1] == eos
+                contexts[b] += deltas[closed]
+    seconds = time.perf_counter() - start
+    cached = engine.cached.cached if engine.cached is not None else None
+    if engine.cached is not None and engine.cached.prompt != submitted:
+        raise RuntimeError(
+            f"{engine.name}: SGLang reported {engine.cached.prompt} prompt tokens over "
+            f"{engine.cached.items} answers, the episodes submitted {submitted}"
+        )
+    return dict(
+        seconds=seconds,
+        turn_seconds=turn_s,
+        generated_tokens=sum(generated),
+        min_episode_tokens=min(generated),
+        max_episode_tokens=max(generated),
+        submitted_prompt_tokens=submitted,
+        cached_tokens=cached,
+        prefilled_tokens=submitted - (cached or 0),
+        prefill_seconds=None if engine.prefill is None else engine.prefill.seconds,
+        prefill_forwards=None if engine.prefill is None else engine.prefill.forwards,
+        final_context_tokens=sum(map(len, contexts)),
+        finish_reasons={r: finishes.count(r) for r in sorted(set(finishes))},
+        seed=seed,
+    )
+
+
+# ----------------------------------------------------------------------------- the run
+@contextlib.contextmanager
+def engines(args, model, tok):
+    """The backends under test (a launched server is stopped on exit, also on an error)."""
+    with contextlib.ExitStack() as stack:
+        out = []
+        for name in args.backends:
+            if name == "trainside":
+                backend = TransformersBackend(
+                    model, mode="copy", eos_token_id=(() if not args.allow_eos else None)
+                )
+                out.append(Engine("trainside", backend, prefill=PrefillClock(backend.model)))
+                continue
+            from ar_torchrl.backends import SGLangBackend, launch_sglang_server
+            from ar_torchrl.weight_sync import named_policy_tensors
+
+            url = args.url
+            if url is None:  # --launch
+                tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-mt-")))
+                model_dir = save_tiny_model(
+                    tmp / "model", seed=args.seed, hidden_size=args.hidden, num_layers=args.layers
+                )
+                server = stack.enter_context(
+                    launch_sglang_server(
+                        model_dir,
+                        log_file=tmp / "server.log",
+                        timeout_s=600,
+                        extra_args=LAUNCH_ARGS,
+                    )
+                )
+                url = server.url
+            extra = {} if args.allow_eos else {"ignore_eos": True}
+            backend = stack.enter_context(
+                SGLangBackend(
+                    url,
+                    max_concurrency=args.batch,
+                    timeout_s=900,
+                    extra_sampling_params=extra,
+                    vocab_size=len(tok),
+                    show_progress=False,
+                )
+            )
+            # the same weights as the trainside model (a --url server may serve others)
+            backend.sync_weights(named_policy_tensors(model), version=1)
+            out.append(Engine("sglang", backend, flush_fn(backend, url), CachedTokens(backend)))
+        yield out
+
+
+def summarize(name: str, k: int, args, reps: list[dict], ones: list[dict]) -> dict:
+    """Medians over the repetitions; ``ratio``: median of the per-repetition ``t_K / t_1``."""
+    med = {
+        key: statistics.median(r[key] for r in reps)
+        for key in ("seconds", "generated_tokens", "submitted_prompt_tokens", "prefilled_tokens")
+    }
+    cached = [r["cached_tokens"] for r in reps if r["cached_tokens"] is not None]
+    ratios = [r["seconds"] / o["seconds"] for r, o in zip(reps, ones)]
+    prefill = [r["prefill_seconds"] for r in reps if r["prefill_seconds"] is not None]
+    return dict(
+        backend=name,
+        turns=k,
+        max_new_tokens_per_turn=args.total_tokens // k,
+        episodes=args.batch,
+        seconds=med["seconds"],
+        ms_per_episode=1e3 * med["seconds"] / args.batch,
+        generated_tokens=med["generated_tokens"],
+        generated_tokens_per_episode=med["generated_tokens"] / args.batch,
+        ms_per_generated_token=1e3
+        * statistics.median(r["seconds"] / r["generated_tokens"] for r in reps),
+        ratio=statistics.median(ratios),
+        ratio_reps=ratios,
+        ratio_of_medians=med["seconds"] / statistics.median(o["seconds"] for o in ones),
+        submitted_prompt_tokens=med["submitted_prompt_tokens"],
+        cached_tokens=statistics.median(cached) if cached else None,
+        prefilled_tokens=med["prefilled_tokens"],
+        prefill_seconds=statistics.median(prefill) if prefill else None,
+        reps=reps,
+    )
+
+
+def run(args) -> tuple[dict, dict]:
+    torch.set_num_threads(args.threads)
+    tok = build_char_tokenizer()
+    eos = tok.eos_token_id
+    model = build_tiny_qwen3(
+        len(tok), hidden_size=args.hidden, num_layers=args.layers, seed=args.seed
+    )
+    prompts = make_prompts(tok, args.batch, args.seed)
+    deltas = {  # after a turn cut at its cap / after a turn that sampled EOS (with --allow-eos)
+        False: tool_delta_ids(tok, [TOOL_ANSWER], include_end_of_turn=True),
+        True: tool_delta_ids(tok, [TOOL_ANSWER]),
+    }
+    info = dict(prompt_tokens=len(prompts[0]), tool_delta_tokens=len(deltas[False]))
+    runs: dict[tuple[str, int], list[dict]] = {}
+    with engines(args, model, tok) as engs:
+        for e in engs:
+            if e.name == "sglang":
+                infos = e.backend.server_info()
+                info["sglang_version"] = infos[0].get("version")
+                info["sglang_url"] = e.backend.urls[0]
+            for k in args.ks:  # warm-up: first-call costs
+                episode_batch(
+                    e, prompts, k, args, args.seed + 10_000 * (args.reps + 1), deltas, eos
+                )
+        for rep in range(args.reps):  # round-robin; the order of the K rotates
+            order = args.ks[rep % len(args.ks) :] + args.ks[: rep % len(args.ks)]
+            for e in engs:
+                for k in order:
+                    seed = args.seed + 10_000 * (rep + 1)  # the same seeds on both backends
+                    r = episode_batch(e, prompts, k, args, seed, deltas, eos)
+                    runs.setdefault((e.name, k), []).append(r)
+    rows = [
+        summarize(name, k, args, runs[name, k], runs[name, 1])
+        for name in args.backends
+        for k in args.ks
+    ]
+    ratios = {
+        name: {str(r["turns"]): r["ratio"] for r in rows if r["backend"] == name}
+        for name in args.backends
+    }
+    return dict(rows=rows, ratios=ratios), info
+
+
+# ----------------------------------------------------------------------------- reporting
+def report(result: dict, args) -> str:
+    head = (
+        f"  {'backend':<9} {'K':>2} {'tok/turn':>8} {'tok/ep':>6} {'s/batch':>8} {'ms/ep':>7} "
+        f"{'ms/tok':>7} {'ratio':>6} {'(range)':>11} {'submitted':>9} {'cached':>7} "
+        f"{'prefilled':>9} {'prefill s':>9}"
+    )
+    lines = [
+        f"{args.batch} episodes x {args.total_tokens} generated tokens, K turns of "
+        f"{args.total_tokens}/K tokens (median of {args.reps} reps, round-robin; ratio = "
+        "time(K turns) / time(1 generation), median of per-rep ratios)",
+        head,
+    ]
+    for r in result["rows"]:
+        cached = "-" if r["cached_tokens"] is None else f"{r['cached_tokens']:.0f}"
+        spread = f"{min(r['ratio_reps']):.2f}-{max(r['ratio_reps']):.2f}"
+        prefill = "-" if r["prefill_seconds"] is None else f"{r['prefill_seconds']:.3f}"
+        lines.append(
+            f"  {r['backend']:<9} {r['turns']:>2} {r['max_new_tokens_per_turn']:>8} "
+            f"{r['generated_tokens_per_episode']:>6.1f} {r['seconds']:>8.3f} "
+            f"{r['ms_per_episode']:>7.2f} {r['ms_per_generated_token']:>7.3f} {r['ratio']:>6.3f} "
+            f"{spread:>11} "
+            f"{r['submitted_prompt_tokens']:>9.0f} {cached:>7} {r['prefilled_tokens']:>9.0f} "
+            f"{prefill:>9}"
+        )
+    lines.append(
+        "  (tok/ep: generated tokens per episode; range: of the per-rep ratios; submitted: prompt "
+        "tokens sent over all turns; cached: SGLang's meta_info.cached_tokens; prefilled = "
+        "submitted - cached; prefill s: the trainside model's prefill forwards, hooks)"
+    )
+    return "\n".join(lines) + "\n"
+
+
+def code_version() -> dict:
+    """The commit measured, and whether the library's files differ from it."""
+
+    def git(*cmd: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(ROOT), *cmd], capture_output=True, text=True, check=True
+        ).stdout.strip()
+
+    try:
+        return {
+            "commit": git("rev-parse", "HEAD"),
+            "dirty": bool(git("status", "--porcelain", "--", "ar_torchrl")),
+        }
+    except (OSError, subprocess.CalledProcessError) as err:
+        return {"commit": None, "dirty": None, "git_error": str(err)}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--backends", default="trainside,sglang", help="comma list of " + ",".join(BACKENDS)
+    )
+    p.add_argument("--url", default=None, help="a running SGLang server (its weights are replaced)")
+    p.add_argument("--launch", action="store_true", help="launch a local SGLang server")
+    p.add_argument("--ks", default=None, help="turn counts, comma list (default 1,2,4)")
+    p.add_argument("--total-tokens", type=int, default=None, help="T per episode (96; quick 48)")
+    p.add_argument("--batch", type=int, default=None, help="episodes per batch (16; quick 4)")
+    p.add_argument("--reps", type=int, default=None, help="repetitions (default 15; quick 2)")
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--allow-eos", action="store_true", help="EOS ends a turn (lengths then vary)")
+    p.add_argument("--quick", action="store_true", help="T=48, B=4, 2 reps")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    unknown = [b for b in args.backends if b not in BACKENDS]
+    if unknown or not args.backends or len(set(args.backends)) != len(args.backends):
+        p.error(f"--backends must be distinct names of {BACKENDS}, got {args.backends}")
+    if args.url and args.launch:
+        p.error("--url and --launch exclude each other: use a running server or launch one")
+    if "sglang" in args.backends and not (args.url or args.launch):
+        p.error("--backends has sglang: pass --url URL of a running server, or --launch")
+    if "sglang" not in args.backends and (args.url or args.launch):
+        p.error(f"--url/--launch given but --backends is {args.backends} (no sglang)")
+    args.ks = [int(k) for k in (args.ks or "1,2,4").split(",")]
+    args.total_tokens = args.total_tokens or (48 if args.quick else 96)
+    args.batch = args.batch or (4 if args.quick else 16)
+    args.reps = args.reps or (2 if args.quick else 15)
+    if 1 not in args.ks or min(args.ks) < 1 or len(set(args.ks)) != len(args.ks):
+        p.error(
+            f"--ks must be distinct turn counts >= 1 including 1 (the reference), got {args.ks}"
+        )
+    bad = [k for k in args.ks if args.total_tokens % k]
+    if bad:
+        p.error(
+            f"--total-tokens {args.total_tokens} is not divisible by K={bad}: every turn gets "
+            "T // K tokens; pick a T that all K divide"
+        )
+    if args.reps < 1 or args.batch < 1:
+        p.error(f"--reps and --batch must be >= 1, got {args.reps} and {args.batch}")
+    args.out = args.out or RESULTS / f"bench_multi_turn{'_quick' if args.quick else ''}.json"
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    load_before = os.getloadavg()[0]
+    result, info = run(args)
+    meta = dict(
+        backends=args.backends,
+        ks=args.ks,
+        total_tokens=args.total_tokens,
+        episodes=args.batch,
+        reps=args.reps,
+        threads=args.threads,
+        omp_num_threads=os.environ.get("OMP_NUM_THREADS"),
+        seed=args.seed,
+        quick=args.quick,
+        hidden=args.hidden,
+        layers=args.layers,
+        eos_stops=args.allow_eos,
+        launched=args.launch,
+        url=args.url,
+        temperature=1.0,
+        tool_answer=TOOL_ANSWER,
+        **info,
+        load_average=[load_before, os.getloadavg()[0]],
+        **code_version(),
+        **machine_info(),
+    )
+    sys.stdout.write(report(result, args))
+    sys.stdout.write(
+        f"load average {meta['load_average'][0]:.1f} -> {meta['load_average'][1]:.1f}; "
+        f"commit {meta['commit']}{' (dirty)' if meta['dirty'] else ''}\n"
+    )
+    write_json({"config": meta, "results": result}, args.out)
+    sys.stdout.write(f"wrote {args.out}\n")
+
+
+if __name__ == "__main__":
+    main()
