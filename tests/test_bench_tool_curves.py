@@ -37,12 +37,16 @@ def test_summary_table_json_and_png(tmp_path):
     write_run(b, [0.0] * 10, [0.5] * 10, [(0.1, 0.2), (0.1, 0.2)])
     s = curves.summarize(curves.load_run(a))
     assert s["window"] == 1 and s["iterations"] == 5  # 20 % of 5 iterations
-    assert s["first"]["rollout/reward_mean"] == -1 and s["last"]["rollout/reward_mean"] == 1.0
+    assert s["start"]["rollout/reward_mean"] == -1 and s["last"]["rollout/reward_mean"] == 1.0
     assert s["first"]["rollout/tool_call_rate"] == pytest.approx(0.2)
     assert s["eval_first"]["eval/accuracy"] == 0.0 and s["eval_last"]["eval/accuracy"] == 0.75
     assert s["seconds_per_iteration"] == 1.5
     t = curves.summarize(curves.load_run(b))
     assert t["window"] == 2 and t["last"]["rollout/accuracy"] == 0.5
+    write_run(tmp_path / "c", [0.0, 1.0, 0.5, 0.5, 0.5], [0.1] * 5, [(0, 0), (0, 0)])
+    c = curves.summarize(curves.load_run(tmp_path / "c"))
+    assert c["start"]["rollout/reward_mean"] == 0.0 and c["first"]["rollout/reward_mean"] == 0.0
+    assert c["last"]["rollout/reward_mean"] == 0.5
     out, png = tmp_path / "c.json", tmp_path / "c.png"
     cmd = [sys.executable, str(BENCH / "tool_arithmetic_curves.py"), "--run", f"ppo:{a}"]
     cmd += ["--run", f"grpo:{b}", "--out", str(out), "--png", str(png)]
