@@ -25,6 +25,7 @@ from ar_torchrl.functional.gae import (
 )
 from ar_torchrl.functional.gae import length_adaptive_lmbda, token_gae
 from ar_torchrl.functional.grpo import grpo_advantage, rloo_advantage
+from ar_torchrl.functional.kl import KL_ESTIMATORS, kl_penalty
 from ar_torchrl.functional.losses import (
     LOG_RATIO_CLAMP,
     aggregate_loss,
@@ -40,6 +41,7 @@ from ar_torchrl.utils.checks import AGGREGATION_MODES, AggregationMode
 
 __all__ = [
     "AGGREGATION_MODES",
+    "KL_ESTIMATORS",
     "LOG_RATIO_CLAMP",
     "AggregationMode",
     "aggregate_loss",
@@ -51,6 +53,7 @@ __all__ = [
     "grpo_advantage",
     "rloo_advantage",
     "k3_kl",
+    "kl_penalty",
     "length_adaptive_lmbda",
     "loss_normalizer",
     "masked_log_ratio",

@@ -150,7 +150,11 @@ class TokenPPOLoss(ClipPPOLoss):
         clip_value: value-clip range around the anchor values (``None``: unclipped).
         entropy_coeff: weight of the entropy bonus (0 disables it and skips entropy computation).
         critic_coeff: weight of the value loss (``None`` or 0: no critic term).
-        kl_coeff: weight of the k3 KL to ``ref_log_prob`` (0: off; the key is then not needed).
+        kl_coeff: weight of the KL penalty to ``ref_log_prob`` (0: off; the key is then not needed).
+        kl_estimator: the penalty's estimator, ``"k3"`` (default: its gradient is that of the
+            *forward* KL(ref || pi)), ``"k2"`` or ``"k3_unbiased"`` (both the reverse KL(pi || ref);
+            ``k3_unbiased`` also off-policy, weighted by ``exp(log_prob - sample_log_prob)``), or
+            ``"k1"`` (no gradient as a loss); see :mod:`ar_torchrl.functional.kl`.
         loss_agg_mode: ``token_mean`` | ``seq_mean_token_mean`` | ``seq_mean_token_sum`` |
             ``seq_mean_token_sum_norm``.
         norm_length: the constant length for ``seq_mean_token_sum_norm`` (e.g. max_new_tokens).
@@ -279,6 +283,7 @@ class TokenPPOLoss(ClipPPOLoss):
         loss_agg_mode: AggregationMode = "token_mean",
         norm_length: int | None = None,
         tis_cap: float | None = None,
+        kl_estimator: str = "k3",
         **clip_ppo_kwargs: Any,
     ) -> None:
         _check_clip_ppo_kwargs(clip_ppo_kwargs)
@@ -293,6 +298,7 @@ class TokenPPOLoss(ClipPPOLoss):
             loss_agg_mode=loss_agg_mode,
             norm_length=norm_length,
             tis_cap=tis_cap,
+            kl_estimator=kl_estimator,
         )
         _check_actor(actor_critic, a["critic_coeff"])
         if a["entropy_coeff"] and not actor_critic.return_entropy:
@@ -310,6 +316,7 @@ class TokenPPOLoss(ClipPPOLoss):
         )
         self.dual_clip = a["dual_clip"]
         self.kl_coeff = a["kl_coeff"]
+        self.kl_estimator = a["kl_estimator"]
         self.loss_agg_mode = a["loss_agg_mode"]
         self.norm_length = a["norm_length"]
         self.tis_cap = a["tis_cap"]
@@ -536,9 +543,11 @@ class TokenPPOLoss(ClipPPOLoss):
                 k.ref_log_prob,
                 "reference log-probs: recompute_anchors(..., ref_actor=...)",
             )
-            kl = F.k3_kl(log_prob, ref, mask)
+            old = tensordict.get(k.sample_log_prob) if self.kl_estimator == "k3_unbiased" else None
+            kl = F.kl_penalty(log_prob, ref, mask, estimator=self.kl_estimator, old_log_prob=old)
             out["loss_kl"] = self.kl_coeff * self._agg(kl, mask, normalizer)
-            out["kl_ref"] = F.masked_mean(kl.detach(), mask)
+            k3 = kl if self.kl_estimator == "k3" else F.k3_kl(log_prob.detach(), ref, mask)
+            out["kl_ref"] = F.masked_mean(k3.detach(), mask)  # the k3 estimate, any estimator
         return TensorDict(out, batch_size=[])
 
     def _policy_terms(self, td, log_prob, mask, normalizer, out) -> None:

@@ -299,6 +299,7 @@ def check_ppo_loss_args(
     loss_agg_mode: Any = "token_mean",
     norm_length: Any = None,
     tis_cap: Any = None,
+    kl_estimator: Any = "k3",
 ) -> dict[str, Any]:
     """Arguments of :class:`~ar_torchrl.objectives.TokenPPOLoss`.
 
@@ -313,6 +314,7 @@ def check_ppo_loss_args(
         ValueError: TokenPPOLoss: clip_value must be > 0, got -0.2 (None disables value clipping)
     """
     check_choice(owner, "loss_agg_mode", loss_agg_mode, AGGREGATION_MODES)
+    check_choice(owner, "kl_estimator", kl_estimator, ("k1", "k2", "k3", "k3_unbiased"))
     norm_length = check_number(
         owner, "norm_length", norm_length, ge=1, integer=True, allow_none=True
     )
@@ -345,6 +347,7 @@ def check_ppo_loss_args(
         "loss_agg_mode": loss_agg_mode,
         "norm_length": norm_length,
         "tis_cap": _opt_float(check_number(owner, "tis_cap", tis_cap, gt=0, allow_none=True)),
+        "kl_estimator": kl_estimator,
     }
 
 

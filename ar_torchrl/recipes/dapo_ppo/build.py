@@ -183,6 +183,7 @@ def build_loss(cfg: Config, actor_critic: Any) -> TokenPPOLoss:
         entropy_coeff=a.entropy_coeff,
         critic_coeff=a.critic_coeff,
         kl_coeff=a.kl_coeff,
+        kl_estimator=a.kl_estimator,
         loss_agg_mode=a.loss_agg_mode,
         norm_length=cfg.rollout.max_new_tokens,
     )

@@ -82,6 +82,7 @@ class _AlgoKeys:
     entropy_coeff: float = 0.0
     critic_coeff: float = MISSING
     kl_coeff: float = MISSING
+    kl_estimator: str = "k3"
     loss_agg_mode: str = "token_mean"
     ppo_epochs: int = MISSING
     num_minibatches: int = 1
@@ -119,6 +120,7 @@ class _AlgoKeys:
             kl_coeff=self.kl_coeff,
             loss_agg_mode=self.loss_agg_mode,
             norm_length=norm_length,
+            kl_estimator=self.kl_estimator,
         )
         _count(p, "ppo_epochs", self.ppo_epochs)  # ppo_update's `epochs`
         check_ppo_update_args(p, num_minibatches=self.num_minibatches, grad_clip=self.grad_clip)
