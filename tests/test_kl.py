@@ -151,3 +151,77 @@ def test_token_ppo_loss_refuses_an_unknown_estimator():
 
     with pytest.raises(ValueError, match=r"kl_estimator='k4' is not one of \['k1', 'k2', 'k3'"):
         TokenPPOLoss(tiny_actor_critic(seed=0), kl_coeff=0.1, kl_estimator="k4")
+
+
+# ---------------------------------------------------------------------------- KL in the reward
+def test_kl_reward_shaping_against_a_loop_then_gae():
+    from reference import gae_loop
+    from tensordict import TensorDict
+
+    from ar_torchrl.objectives import KLRewardShaping, TokenGAE
+
+    g = torch.Generator().manual_seed(0)
+    B, L = 3, 6
+    mask = torch.rand(B, L, generator=g) > 0.3
+    old, ref = -torch.rand(B, L, generator=g) * 2, -torch.rand(B, L, generator=g) * 2
+    reward = torch.where(mask, torch.randn(B, L, generator=g), 0.0)
+    value = torch.randn(B, L, generator=g)
+    td = TensorDict(
+        {
+            "loss_mask": mask,
+            "sample_log_prob": old,
+            "ref_log_prob": ref,
+            "state_value": value.unsqueeze(-1),
+            "next": {"reward": reward.unsqueeze(-1).clone()},
+        },
+        [B, L],
+    )
+    shaping = KLRewardShaping(beta=0.2, estimator="k2")
+    shaping(td)
+    for b in range(B):
+        for t in range(L):
+            d = float(old[b, t] - ref[b, t])
+            want = float(reward[b, t]) - (0.2 * d * d / 2 if mask[b, t] else 0.0)
+            assert float(td["next", "reward"][b, t, 0]) == pytest.approx(want, rel=1e-6)
+    want_kl = float(torch.where(mask, 0.5 * (old - ref) ** 2, 0.0).sum() / mask.sum())
+    assert shaping.last_kl == pytest.approx(want_kl, rel=1e-6)
+    TokenGAE(gamma=1.0, lmbda=0.9, normalize_advantage=False)(td)
+    adv, _ = gae_loop(td["next", "reward"].squeeze(-1), value, mask, gamma=1.0, lmbda=0.9)
+    torch.testing.assert_close(td["advantage"].squeeze(-1).double(), adv, rtol=1e-5, atol=1e-6)
+
+
+def test_kl_reward_shaping_bad_inputs():
+    from tensordict import TensorDict
+
+    from ar_torchrl.objectives import KLRewardShaping
+
+    with pytest.raises(ValueError, match="KLRewardShaping: beta must be > 0, got 0"):
+        KLRewardShaping(beta=0)
+    with pytest.raises(ValueError, match=r"estimator='k3_unbiased' is not one of \['k1', 'k2'"):
+        KLRewardShaping(beta=0.1, estimator="k3_unbiased")
+    td = TensorDict(
+        {
+            "loss_mask": torch.ones(1, 2, dtype=torch.bool),
+            "sample_log_prob": torch.zeros(1, 2),
+            "next": {"reward": torch.zeros(1, 2, 1)},
+        },
+        [1, 2],
+    )
+    with pytest.raises(KeyError, match=r"missing key 'ref_log_prob' \(reference log-probs"):
+        KLRewardShaping(beta=0.1)(td)
+
+
+@pytest.mark.slow
+def test_recipe_kl_in_reward_runs_and_is_refused_for_grpo(tmp_path, cache_dir):
+    from test_recipe import run_recipe
+
+    keys = ["train.iterations=2", "train.eval_every=0", "train.plot=false"]
+    keys += ["algo.kl_coeff=0", "algo.kl_in_reward=0.05"]
+    _, history = run_recipe(tmp_path / "run", cache_dir, *keys)
+    steps = [h for h in history if "rollout/reward_mean" in h]
+    assert len(steps) == 2 and all(math.isfinite(h["train/kl_in_reward"]) for h in steps)
+    assert steps[0]["train/kl_in_reward"] == 0.0  # the first batch: policy == reference
+    assert steps[1]["train/kl_in_reward"] != 0.0 and "train/loss_kl" not in steps[1]
+    proc, _ = run_recipe(tmp_path / "grpo", cache_dir, *keys, "algo=grpo", check=False)
+    assert proc.returncode != 0
+    assert "algo.kl_in_reward=0.05 shapes the per-token rewards" in proc.stderr

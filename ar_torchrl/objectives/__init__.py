@@ -23,11 +23,13 @@ if TYPE_CHECKING:
     from ar_torchrl.objectives.anchors import recompute_anchors
     from ar_torchrl.objectives.gae import TokenGAE
     from ar_torchrl.objectives.grpo import GRPOAdvantage
+    from ar_torchrl.objectives.kl_reward import KLRewardShaping
     from ar_torchrl.objectives.ppo import TokenPPOLoss
     from ar_torchrl.objectives.rloo import RLOOAdvantage
 
 _LAZY = {
     "GRPOAdvantage": "grpo",
+    "KLRewardShaping": "kl_reward",
     "RLOOAdvantage": "rloo",
     "TokenGAE": "gae",
     "TokenPPOLoss": "ppo",
@@ -37,6 +39,7 @@ _LAZY = {
 __all__ = [
     "ADVANTAGES",
     "GRPOAdvantage",
+    "KLRewardShaping",
     "RLOOAdvantage",
     "TokenGAE",
     "TokenPPOLoss",

@@ -83,6 +83,7 @@ class _AlgoKeys:
     critic_coeff: float = MISSING
     kl_coeff: float = MISSING
     kl_estimator: str = "k3"
+    kl_in_reward: float = 0.0
     loss_agg_mode: str = "token_mean"
     ppo_epochs: int = MISSING
     num_minibatches: int = 1
@@ -122,6 +123,13 @@ class _AlgoKeys:
             norm_length=norm_length,
             kl_estimator=self.kl_estimator,
         )
+        check_number(p, "kl_in_reward", self.kl_in_reward, ge=0)
+        if self.kl_in_reward > 0 and not needs_critic(self.advantage_mode):
+            raise ValueError(
+                f"config: algo.kl_in_reward={self.kl_in_reward} shapes the per-token rewards that "
+                f"GAE turns into advantages; advantage_mode={self.advantage_mode} scores whole "
+                "episodes: use algo.kl_coeff (the KL as a loss term) there, or advantage_mode=gae"
+            )
         _count(p, "ppo_epochs", self.ppo_epochs)  # ppo_update's `epochs`
         check_ppo_update_args(p, num_minibatches=self.num_minibatches, grad_clip=self.grad_clip)
         check_optimizer_args(p, lr=self.lr, value_lr=self.value_lr, weight_decay=self.weight_decay)

@@ -61,6 +61,7 @@ class Run:
     logger: Any = None
     start: int = 0
     timer: StageTimer = field(default_factory=StageTimer)
+    kl_reward: Any = None  # KLRewardShaping when algo.kl_in_reward > 0 (before the advantage)
 
     @property
     def is_main(self) -> bool:
@@ -86,7 +87,7 @@ def setup(
     temperature = cfg.rollout.temperature or 1.0
     model, tokenizer, start_dir = strategy.build_policy(cfg.model, cfg.cache_dir)
     ref_actor = None
-    if cfg.algo.kl_coeff > 0:
+    if cfg.algo.kl_coeff > 0 or cfg.algo.kl_in_reward > 0:
         ref_actor = strategy.build_reference(model, start_dir, temperature)
     actor_critic = LMActorCritic(model, temperature=temperature)
     # 3. Rollouts (rank 0): backend -> LLMEnv -> WeightSyncCollector (async: next batch in the
@@ -134,6 +135,10 @@ def setup(
         torch.Generator().manual_seed(cfg.seed),
         ctx.broadcast_object(getattr(backend, "weight_dtype", None)),
     )
+    if cfg.algo.kl_in_reward > 0:  # the KL as a per-token reward (k1), before GAE
+        from ar_torchrl.objectives import KLRewardShaping
+
+        run.kl_reward = KLRewardShaping(cfg.algo.kl_in_reward)
     # 6. The engine's first weights (the one place that decides them): a checkpoint's, or the
     #    trainer's when the engine does not start with them (servers that were already running).
     starts_with_ours = ctx.broadcast_object(
@@ -198,6 +203,9 @@ def train(run: Run, stop: Any) -> int:
                 plan = anchors(run, td)
             # 3. Advantages (GAE, GRPO or RLOO), identical on every rank.
             with run.timer("advantage"):
+                if run.kl_reward is not None:  # -beta * k1 on every trained token, before GAE
+                    td = run.kl_reward(td)
+                    losses["train/kl_in_reward"] = run.kl_reward.last_kl
                 td = run.advantage(td)
             # 4. PPO epochs over mini-batches of micro-batches (critic warm-up: value head only).
             with run.timer("update"):
