@@ -68,11 +68,12 @@ def die_with_test() -> None:
 
 
 @contextlib.contextmanager
-def torchrun(run_dir: Path, cache: Path, *overrides: str):
+def torchrun(run_dir: Path, cache: Path, *overrides: str, config_name: str | None = None):
     """Start the recipe under torchrun (2 ranks); kill everything it started when the block ends."""
     marker = uuid.uuid4().hex
     env = {**recipe_env(cache), "AR_TORCHRL_TEST_LAUNCH": marker}
-    cmd = [*TORCHRUN, str(SCRIPT), f"hydra.run.dir={run_dir}", *overrides]
+    name = ["--config-name", config_name] if config_name else []
+    cmd = [*TORCHRUN, str(SCRIPT), *name, f"hydra.run.dir={run_dir}", *overrides]
     proc = subprocess.Popen(
         cmd,
         cwd=ROOT,
