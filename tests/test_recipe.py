@@ -212,6 +212,10 @@ def test_async_end_to_end_with_critic_warmup_resumes_exactly(tmp_path, cache_dir
     # batch k+1 is generated in the background while step k trains: it lags one version
     assert [h["rollout/policy_lag"] for h in steps] == [0.0, 1.0, 1.0, 1.0]
     assert all(math.isfinite(h["train/loss_objective"]) for h in steps)
+    # decoupled PPO by default: min(pi_old / pi_behaviour, 2) on each token's policy loss
+    # (weights 1 while the sampling policy equals the anchors' one: lag 0, then the critic-only
+    # warm-up leaves the policy as it was; step 4's batch was sampled before step 3's update)
+    assert [abs(h["train/tis_weight_mean"] - 1.0) < 1e-4 for h in steps] == [True] * 3 + [False]
     # critic-only warm-up: the policy stays the reference policy (KL exactly 0), then moves
     assert [h["train/kl_ref"] == 0.0 for h in steps] == [True, True, False, False]
     assert all(h["train/optimizer_steps"] == 2 for h in steps)

@@ -214,6 +214,9 @@ class TokenPPOLoss(ClipPPOLoss):
     ``min_ratio``                 ``min(r)``                                     ours
     ``kl_ref``                    mean k3 KL to ``ref_log_prob``                 ours
     ``rollout_log_prob_abs_diff`` ``mean(|log pi - rollout_log_prob|)``          ours
+    ``tis_weight_mean``           ``mean(min(w, tis_cap))``,                      ours
+                                  ``w = exp(sample_log_prob - rollout_log_prob)``
+    ``tis_weight_capped``         fraction of tokens with ``w > tis_cap``        ours
     ============================= ============================================== =================
 
     Where TorchRL's definitions are not met exactly: TorchRL does not clamp ``lr``, so its ratio
@@ -229,7 +232,8 @@ class TokenPPOLoss(ClipPPOLoss):
     ``entropy`` is present only when entropies are computed (``entropy_coeff > 0`` or the actor's
     ``return_entropy``), the critic metrics only with a critic, ``pg_clipfrac_lower`` only with
     ``dual_clip``, ``loss_kl``/``kl_ref`` only with ``kl_coeff > 0``,
-    ``rollout_log_prob_abs_diff`` only when the batch holds ``rollout_log_prob``. One name per
+    ``rollout_log_prob_abs_diff`` only when the batch holds ``rollout_log_prob``, the ``tis_*``
+    ones only with ``tis_cap``. One name per
     metric: there are no aliases.
 
     Inherited ``ClipPPOLoss`` settings TokenPPOLoss does not honour (``reduction``,
@@ -440,6 +444,8 @@ class TokenPPOLoss(ClipPPOLoss):
         if self.dual_clip is not None:
             keys += ["pg_clipfrac_lower"]
         keys += ["rollout_log_prob_abs_diff"]
+        if self.tis_cap is not None:
+            keys += ["tis_weight_mean", "tis_weight_capped"]
         return keys + ["entropy"] if self.actor_network.return_entropy else keys
 
     @out_keys.setter
@@ -581,8 +587,11 @@ class TokenPPOLoss(ClipPPOLoss):
                 raise KeyError(
                     f"{_OWNER}: tis_cap is set but {k.rollout_log_prob!r} is missing from the batch"
                 )
-            weight = torch.exp(F.masked_log_ratio(old, rollout, mask)).clamp(max=self.tis_cap)
-            loss = loss * weight.detach()
+            raw = torch.exp(F.masked_log_ratio(old, rollout, mask)).detach()
+            weight = raw.clamp(max=self.tis_cap)
+            loss = loss * weight
+            out["tis_weight_mean"] = F.masked_mean(weight, mask)
+            out["tis_weight_capped"] = F.masked_mean((raw > self.tis_cap).to(weight.dtype), mask)
         out["loss_objective"] = self._agg(loss, mask, normalizer)
         log_ratio = F.masked_log_ratio(log_prob.detach(), old, mask)
         out.update(_ratio_metrics(log_ratio, mask, self._clip_bounds))

@@ -8,6 +8,7 @@ the execution strategy (:mod:`ar_torchrl.recipes.strategy`) from the ``model`` o
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,8 @@ from ar_torchrl.envs import LLMEnv, ToolEnv
 from ar_torchrl.objectives import TokenPPOLoss, make_advantage
 from ar_torchrl.recipes.dapo_ppo.config import Config
 from ar_torchrl.rewards.registry import REWARDS, OverlongPenalty
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "build_advantage",
@@ -173,8 +176,33 @@ def build_advantage(cfg: Config) -> Any:
     return make_advantage(a.advantage_mode, critic=a.critic_coeff > 0, gamma=a.gamma, **kwargs)
 
 
+#: ``train.mode=async`` with ``train.async_correction=decoupled`` and no ``algo.tis_cap``: the cap
+#: of the behaviour-policy weight ``pi_old / pi_behaviour`` (verl's rollout-IS threshold default).
+DECOUPLED_TIS_CAP = 2.0
+
+
+def tis_cap(cfg: Config) -> float | None:
+    """The loss's ``tis_cap``: ``algo.tis_cap``, else in async mode the decoupled-PPO default.
+
+    In async mode the batch was sampled by the previous weights while the anchors (and so the
+    clip) come from the current ones: decoupled PPO (AReaL) weights each token's policy loss by
+    the truncated ``pi_old / pi_behaviour``. ``train.async_correction=none`` opts out, with a warning.
+    """
+    if cfg.algo.tis_cap is not None or cfg.train.mode != "async":
+        return cfg.algo.tis_cap
+    if cfg.train.async_correction == "none":
+        logger.warning(
+            "train.mode=async with train.async_correction=none: the batch was sampled by the "
+            "previous weights and nothing corrects for it (the clip is anchored to a policy that "
+            "did not generate the data); set train.async_correction=decoupled or algo.tis_cap"
+        )
+        return None
+    return DECOUPLED_TIS_CAP
+
+
 def build_loss(cfg: Config, actor_critic: Any) -> TokenPPOLoss:
-    """The clipped PPO loss of ``algo`` (``rollout.max_new_tokens`` as the length normaliser)."""
+    """The clipped PPO loss of ``algo`` (``rollout.max_new_tokens`` as the length normaliser;
+    ``tis_cap`` from :func:`tis_cap`)."""
     a = cfg.algo
     return TokenPPOLoss(
         actor_critic,
@@ -186,6 +214,7 @@ def build_loss(cfg: Config, actor_critic: Any) -> TokenPPOLoss:
         kl_estimator=a.kl_estimator,
         loss_agg_mode=a.loss_agg_mode,
         norm_length=cfg.rollout.max_new_tokens,
+        tis_cap=tis_cap(cfg),
     )
 
 

@@ -84,6 +84,7 @@ class _AlgoKeys:
     kl_coeff: float = MISSING
     kl_estimator: str = "k3"
     kl_in_reward: float = 0.0
+    tis_cap: Optional[float] = None
     loss_agg_mode: str = "token_mean"
     ppo_epochs: int = MISSING
     num_minibatches: int = 1
@@ -122,6 +123,7 @@ class _AlgoKeys:
             loss_agg_mode=self.loss_agg_mode,
             norm_length=norm_length,
             kl_estimator=self.kl_estimator,
+            tis_cap=self.tis_cap,
         )
         check_number(p, "kl_in_reward", self.kl_in_reward, ge=0)
         if self.kl_in_reward > 0 and not needs_critic(self.advantage_mode):
@@ -237,6 +239,7 @@ class TrainConfig:
 
     iterations: int = MISSING
     mode: str = "sync"
+    async_correction: str = "decoupled"
     eval_every: int = 0
     eval_prompts: int = 64
     checkpoint_every: int = 0
@@ -247,6 +250,7 @@ class TrainConfig:
     def check(self, prefix: str) -> None:
         _count(prefix, "iterations", self.iterations)
         check_choice(prefix, "mode", self.mode, ("sync", "async"))
+        check_choice(prefix, "async_correction", self.async_correction, ("decoupled", "none"))
         _count(prefix, "eval_every", self.eval_every, ge=0)  # 0 = off
         _count(prefix, "eval_prompts", self.eval_prompts)
         _count(prefix, "checkpoint_every", self.checkpoint_every, ge=0)  # 0 = only at the end
