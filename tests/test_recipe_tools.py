@@ -34,7 +34,8 @@ TOOLS = [
 def test_tool_episodes_async_dynamic_sampling_packing_resume_exactly(tmp_path, cache_dir):
     """Async mode (the next batch of episodes generated during the update), dynamic sampling and
     packed micro-batches on multi-turn rows; the step-2 checkpoint resumes to the same metrics
-    (the batch of episodes in flight at the checkpoint is not saved: it is regenerated)."""
+    (the checkpoint waits for the batch of episodes being generated in the background and stores
+    it: episodes in flight are restored, not regenerated)."""
     overrides = [
         *TOOLS,
         "train.mode=async",
