@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from test_recipe import read_history, run_recipe, same_runs
+from test_recipe import run_recipe, same_runs
 
 TOOLS = [
     "model.warm_start.steps=100",
@@ -23,9 +23,9 @@ TOOLS = [
     "rollout.tool_error_penalty=-0.1",
     "data.holdout=8",
     "train.eval_prompts=8",
-    "train.iterations=4",
+    "train.iterations=3",
     "train.checkpoint_every=2",
-    "train.eval_every=4",
+    "train.eval_every=3",
     "train.plot=false",
 ]
 
@@ -45,9 +45,9 @@ def test_tool_episodes_async_dynamic_sampling_packing_resume_exactly(tmp_path, c
     _, history = run_recipe(
         tmp_path / "straight", cache_dir, *overrides, config_name="tool_arithmetic"
     )
-    assert [h["step"] for h in history] == [0, 1, 2, 3, 4]
+    assert [h["step"] for h in history] == [0, 1, 2, 3]
     steps = history[1:]
-    assert [h["rollout/policy_lag"] for h in steps] == [0.0, 1.0, 1.0, 1.0]
+    assert [h["rollout/policy_lag"] for h in steps] == [0.0, 1.0, 1.0]
     # the short warm start calls (mostly garbled: errors come back as tool answers); the penalty
     # then teaches it to call less, so the calls are asserted over the run, not per iteration
     assert steps[0]["rollout/tool_calls"] > 0 and steps[0]["rollout/turns"] > 1.0
@@ -70,24 +70,3 @@ def test_tool_episodes_async_dynamic_sampling_packing_resume_exactly(tmp_path, c
         config_name="tool_arithmetic",
     )
     same_runs(history, resumed)
-
-
-@pytest.mark.slow
-def test_tool_episodes_under_torchrun_two_ranks(tmp_path, cache_dir):
-    """2 ranks (FSDP2, gloo): rank 0 plays the episodes, both train on them; the rollout copy on
-    rank 0 gets every update (drift < 1e-4 on the trained tokens of multi-turn rows)."""
-    from test_recipe_torchrun import finish, torchrun
-
-    run_dir = tmp_path / "run"
-    keys = [o for o in TOOLS if not o.startswith(("train.iterations", "train.checkpoint_every"))]
-    keys += ["train.iterations=2", "train.checkpoint_every=0", "train.eval_every=2"]
-    with torchrun(run_dir, cache_dir, *keys, config_name="tool_arithmetic") as proc:
-        out = finish(proc)
-    assert proc.returncode == 0, out[-4000:]
-    history = read_history(run_dir)
-    assert [h["step"] for h in history] == [0, 1, 2]
-    assert history[1]["rollout/tool_calls"] > 0 and history[1]["rollout/turns"] > 1.0
-    for h in history[1:]:
-        assert h["train/optimizer_steps"] == 2 and math.isfinite(h["train/loss_critic"])
-        assert h["rollout/logprob_drift"] < 1e-4
-    assert {"eval/accuracy", "eval/tool_call_rate"} <= set(history[-1])

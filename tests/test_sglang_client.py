@@ -314,8 +314,9 @@ def test_compare_backends_benchmark_quick(sglang_server, tmp_path):
 
 @pytest.mark.sglang
 @pytest.mark.slow
-def test_compare_backends_ppo_run_agrees(sglang_server, tmp_path):
-    """The README's backend comparison: 3 greedy rollouts + 1 PPO update each, trainside vs SGLang."""
+def test_compare_backends_ppo_run_agrees(sglang_server, tmp_path, cache_dir):
+    """The README's backend comparison: 3 greedy rollouts + 1 PPO update each, trainside vs SGLang
+    (the session's cache: the CPU default's warm start is computed once per session)."""
     script = ROOT / "benchmarks" / "compare_backends_ppo.py"
     out = tmp_path / "cmp.json"
     cmd = [
@@ -326,7 +327,7 @@ def test_compare_backends_ppo_run_agrees(sglang_server, tmp_path):
         "--out",
         str(out),
         "--cache",
-        str(tmp_path / "cache"),
+        str(cache_dir),
     ]
     proc = subprocess.run(
         cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}
