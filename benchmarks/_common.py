@@ -9,8 +9,11 @@ from __future__ import annotations
 import json
 import os
 import platform
+import subprocess
 from pathlib import Path
 from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def machine_info() -> dict[str, Any]:
@@ -31,6 +34,23 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
+
+
+def code_version() -> dict:
+    """The commit measured, and whether the library's files (``ar_torchrl/``) differ from it."""
+
+    def git(*cmd: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(ROOT), *cmd], capture_output=True, text=True, check=True
+        ).stdout.strip()
+
+    try:
+        return {
+            "commit": git("rev-parse", "HEAD"),
+            "dirty": bool(git("status", "--porcelain", "--", "ar_torchrl")),
+        }
+    except (OSError, subprocess.CalledProcessError) as err:
+        return {"commit": None, "dirty": None, "git_error": str(err)}
 
 
 def write_json(result: dict[str, Any], out: Path) -> None:

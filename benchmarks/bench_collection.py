@@ -45,7 +45,6 @@ import gc
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -54,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import machine_info, write_json
+from _common import code_version, machine_info, write_json
 
 from ar_torchrl.backends import Completion, GenerationBackend, SamplingParams, TransformersBackend
 from ar_torchrl.collectors import WeightSyncCollector
@@ -468,23 +467,6 @@ def report(result: dict, reps: int) -> str:
         f"check_prompts {1e3 * c['median']['check_s']:.1f} ms ({c['check_us_per_row']:.1f} us/row)",
     ]
     return "\n".join(lines) + "\n"
-
-
-def code_version() -> dict:
-    """The commit measured, and whether the library's files differ from it."""
-
-    def git(*cmd: str) -> str:
-        return subprocess.run(
-            ["git", "-C", str(ROOT), *cmd], capture_output=True, text=True, check=True
-        ).stdout.strip()
-
-    try:
-        return {
-            "commit": git("rev-parse", "HEAD"),
-            "dirty": bool(git("status", "--porcelain", "--", "ar_torchrl")),
-        }
-    except (OSError, subprocess.CalledProcessError) as err:
-        return {"commit": None, "dirty": None, "git_error": str(err)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -76,7 +76,6 @@ import io
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -85,7 +84,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import machine_info, write_json
+from _common import code_version, machine_info, write_json
 
 from ar_torchrl.backends import SamplingParams, TransformersBackend
 from ar_torchrl.models import build_char_tokenizer, build_tiny_qwen3
@@ -425,23 +424,6 @@ def report(result: dict, args) -> str:
         "submitted - cached; prefill s: the trainside model's prefill forwards, hooks)"
     )
     return "\n".join(lines) + "\n"
-
-
-def code_version() -> dict:
-    """The commit measured, and whether the library's files differ from it."""
-
-    def git(*cmd: str) -> str:
-        return subprocess.run(
-            ["git", "-C", str(ROOT), *cmd], capture_output=True, text=True, check=True
-        ).stdout.strip()
-
-    try:
-        return {
-            "commit": git("rev-parse", "HEAD"),
-            "dirty": bool(git("status", "--porcelain", "--", "ar_torchrl")),
-        }
-    except (OSError, subprocess.CalledProcessError) as err:
-        return {"commit": None, "dirty": None, "git_error": str(err)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -32,13 +32,12 @@ from torchrl.data import (
 from torchrl.envs import StepCounter
 from torchrl.envs.llm import DatasetChatEnv
 from torchrl.modules.llm import TransformersWrapper
-from trajectories import PAD, VOCAB, make_trajectory, tiny_actor_critic
+from trajectories import PAD, VOCAB, first_update_has_ratio_one, make_trajectory, tiny_actor_critic
 
 from ar_torchrl.data import pad_trajectories, plan_micro_batches
 from ar_torchrl.interop import TokenTrajectory, policy_state_dict, prompt_group_id
 from ar_torchrl.models import build_char_tokenizer, build_tiny_qwen3
 from ar_torchrl.modules import attach_value_head
-from ar_torchrl.objectives import TokenGAE, TokenPPOLoss, recompute_anchors
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "torchrl_llm_critic.py"
@@ -164,15 +163,8 @@ def test_the_converted_batch_trains_with_ratio_one(finished_batch):
     td = TokenTrajectory.from_policy(policy)(data)
     from ar_torchrl.modules import LMActorCritic
 
-    ac = LMActorCritic(policy.model)
     plan = plan_micro_batches(td, token_budget=2 * td.batch_size[1])
-    recompute_anchors(ac, td, plan)
-    TokenGAE(gamma=1.0, lmbda=0.95)(td)
-    loss = TokenPPOLoss(ac)
-    for mb in plan.micro_batches:
-        out = loss(plan.crop(td, mb))
-        assert out["min_ratio"].item() == out["max_ratio"].item() == 1.0
-        (out["loss_objective"] + out["loss_critic"]).backward()
+    first_update_has_ratio_one(LMActorCritic(policy.model), td, plan)
     assert policy.model.value_head.weight.grad.norm() > 0
 
 
@@ -405,12 +397,7 @@ def test_replay_buffer_of_several_batches():
     ac = tiny_actor_critic()
     plan = plan_micro_batches(sample, token_budget=200)
     assert len(plan.micro_batches) == 2
-    recompute_anchors(ac, sample, plan)
-    TokenGAE(gamma=1.0, lmbda=0.95)(sample)
-    loss = TokenPPOLoss(ac)
-    for mb in plan.micro_batches:
-        out = loss(plan.crop(sample, mb))
-        assert out["min_ratio"].item() == out["max_ratio"].item() == 1.0
+    first_update_has_ratio_one(ac, sample, plan)
 
 
 def test_llm_collector_fills_a_replay_buffer_of_token_trajectories():
@@ -453,13 +440,8 @@ def test_llm_collector_fills_a_replay_buffer_of_token_trajectories():
     assert sorted(set(sample["policy_version"][:, 0].tolist())) == [0, 1]
     from ar_torchrl.modules import LMActorCritic
 
-    ac = LMActorCritic(policy.model)
     plan = plan_micro_batches(sample, token_budget=4 * sample.batch_size[1])
-    recompute_anchors(ac, sample, plan)
-    TokenGAE(gamma=1.0, lmbda=0.95)(sample)
-    for mb in plan.micro_batches:
-        out = TokenPPOLoss(ac)(plan.crop(sample, mb))
-        assert out["min_ratio"].item() == out["max_ratio"].item() == 1.0
+    first_update_has_ratio_one(LMActorCritic(policy.model), sample, plan)
 
 
 # -- the example ----------------------------------------------------------------------------------

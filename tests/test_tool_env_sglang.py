@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from sglang_helpers import trainer_log_probs, trainer_with_value_head
+from trajectories import first_update_has_ratio_one
 
 from ar_torchrl.backends import SamplingParams
 from ar_torchrl.backends.sglang import SGLangBackend
@@ -24,7 +25,6 @@ from ar_torchrl.data.tasks import tool_arithmetic_rows
 from ar_torchrl.envs import ToolEnv
 from ar_torchrl.models import build_char_tokenizer
 from ar_torchrl.modules import LMActorCritic
-from ar_torchrl.objectives import TokenGAE, TokenPPOLoss, recompute_anchors
 from ar_torchrl.rewards.math import ArithmeticReward
 from ar_torchrl.tools import Toolbox, ToolCall
 from ar_torchrl.tools.template import tool_delta_ids
@@ -142,13 +142,6 @@ def test_real_server_multi_turn_episodes_are_token_in_token_out(sglang_server, m
         assert td[b]["next", "truncated"][real].any()  # cut by max_turns (it called on its last)
 
     # first PPO update on the trajectory: ratio exactly 1, the critic gets a gradient
-    ac = LMActorCritic(model)
     plan = plan_micro_batches(td, token_budget=2 * td.batch_size[1])
-    recompute_anchors(ac, td, plan)
-    TokenGAE(gamma=1.0, lmbda=0.95)(td)
-    loss = TokenPPOLoss(ac)
-    for mb in plan.micro_batches:
-        out = loss(plan.crop(td, mb))
-        assert out["min_ratio"].item() == out["max_ratio"].item() == 1.0
-        (out["loss_objective"] + out["loss_critic"]).backward()
+    first_update_has_ratio_one(LMActorCritic(model), td, plan)
     assert model.value_head.weight.grad.norm() > 0

@@ -57,3 +57,18 @@ def make_trajectory(
         },
         batch_size=[batch, length],
     )
+
+
+def first_update_has_ratio_one(ac: LMActorCritic, td: TensorDict, plan) -> None:
+    """Anchors over ``plan``, GAE, then the PPO loss on every micro-batch of ``plan``: the first
+    update's ratios are exactly 1 (min and max); each micro-batch's actor + critic loss is
+    backpropagated (the caller checks the gradients it cares about)."""
+    from ar_torchrl.objectives import TokenGAE, TokenPPOLoss, recompute_anchors
+
+    recompute_anchors(ac, td, plan)
+    TokenGAE(gamma=1.0, lmbda=0.95)(td)
+    loss = TokenPPOLoss(ac)
+    for mb in plan.micro_batches:
+        out = loss(plan.crop(td, mb))
+        assert out["min_ratio"].item() == out["max_ratio"].item() == 1.0
+        (out["loss_objective"] + out["loss_critic"]).backward()
