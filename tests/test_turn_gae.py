@@ -25,7 +25,7 @@ import random
 
 import pytest
 import torch
-from reference import grpo_loop, whiten_loop
+from reference import gae_loop, grpo_loop, whiten_loop
 from tensordict import TensorDict
 from trajectories import VOCAB, tiny_actor_critic
 
@@ -120,31 +120,13 @@ def _bootstrap_loop(ep):
 
 
 # ----------------------------------------------------------------------------- loop twins
+#: Token level, as section 3 words it (untrained tokens: prompt, tool, padding, are skipped and
+#: leave the carried V_next, A_next as they are): the repository's reference loop.
+token_loop = gae_loop
+
+
 def _lam(x, b):
     return float(x[b]) if torch.is_tensor(x) and x.ndim else float(x)
-
-
-def token_loop(reward, value, mask, gamma, lmbda, critic_lmbda=None, bootstrap=None):
-    """Token level, as section 3 words it: walk each row backwards; untrained tokens (prompt, tool,
-    padding) are skipped and leave the carried V_next, A_next as they are."""
-    B, L = reward.shape
-    adv = [[0.0] * L for _ in range(B)]
-    tgt = [[0.0] * L for _ in range(B)]
-    for b in range(B):
-        lam = _lam(lmbda, b)
-        clam = lam if critic_lmbda is None else _lam(critic_lmbda, b)
-        v_next = 0.0 if bootstrap is None else float(bootstrap[b])
-        a_next = c_next = 0.0
-        for t in reversed(range(L)):
-            if not mask[b, t]:
-                continue
-            r, v = float(reward[b, t]), float(value[b, t])
-            delta = r + gamma * v_next - v
-            a = delta + gamma * lam * a_next
-            c = delta + gamma * clam * c_next
-            adv[b][t], tgt[b][t] = a, c + v
-            v_next, a_next, c_next = v, a, c
-    return torch.tensor(adv, dtype=torch.float64), torch.tensor(tgt, dtype=torch.float64)
 
 
 def turns_of(mask_row, turn_row):
