@@ -75,11 +75,19 @@ def _minibatch_step(
     optimizer.zero_grad(set_to_none=True)
     real = [mb for mb, pad in micro if not pad]
     counts = [0.0 if pad else _mask_count(mb, mask_key) for mb, pad in micro]
-    norm, weights = normalizer(real), sum(counts)
+    weights = sum(counts)
+    if real:
+        norm = normalizer(real)
+    else:  # only padding passes on this rank: a zero of the normaliser's form (scalar or dict)
+        norm = _zero_like(normalizer([mb for mb, _ in micro]))
     sharded = plan.spans_ranks
-    if sharded:
-        total = plan.reduce({"norm": float(norm), "weights": weights})
-        norm, weights = total["norm"], total["weights"]
+    if sharded:  # a dict normaliser ({"policy": ..., "critic": ...}) is reduced per entry
+        parts = norm if isinstance(norm, dict) else {"": norm}
+        total = plan.reduce(
+            {**{f"norm/{key}": float(v) for key, v in parts.items()}, "weights": weights}
+        )
+        reduced = {key: total[f"norm/{key}"] for key in parts}
+        norm, weights = reduced if isinstance(norm, dict) else reduced[""], total["weights"]
     weights = weights or 1.0
     sums: dict[str, float] = {}
     finite = True
@@ -112,6 +120,12 @@ def _minibatch_step(
     optimizer.step()
     sums["grad_norm"] = grad_norm
     return sums, True
+
+
+def _zero_like(norm: object) -> object:
+    if isinstance(norm, dict):
+        return {key: 0.0 for key in norm}
+    return 0.0
 
 
 def _accumulate(sums: dict[str, float], out: TensorDictBase, weight: float, padding: bool) -> None:
@@ -236,4 +250,4 @@ def _default_normalizer(loss_fn: Callable) -> Callable[[list[TensorDictBase]], o
         raise TypeError(
             f"ppo_update: {type(loss_fn).__name__} has no global_normalizer(); pass normalizer="
         )
-    return lambda micro: sum(loss_fn.global_normalizer(mb) for mb in micro)
+    return lambda micro: loss_fn.global_normalizer(micro)

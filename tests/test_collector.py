@@ -246,7 +246,15 @@ def test_bad_arguments(tok):
 
 
 def scripted(
-    tok, *, wrong=lambda total: total % 2, mode="sync", rounds=4, prompts=4, dynamic=True, total=2
+    tok,
+    *,
+    wrong=lambda total: total % 2,
+    mode="sync",
+    rounds=4,
+    prompts=4,
+    dynamic=True,
+    total=2,
+    critic_flat_groups=False,
 ):
     def answer(a, b, j):  # sample j is off by j * wrong(a + b): groups with wrong() == 0 agree
         return a + b + j * wrong(a + b)
@@ -269,6 +277,7 @@ def scripted(
         mode=mode,
         dynamic_sampling=dynamic,
         max_sampling_rounds=rounds,
+        critic_flat_groups=critic_flat_groups,
     )
 
 
@@ -301,6 +310,29 @@ def test_dynamic_sampling_refills_with_groups_that_have_a_spread(tok):
         rewards.mean()
     )  # all-right groups were generated, then dropped
     assert first_stats["reward_mean"] == float(seq_rewards(first).mean())
+
+
+def test_zero_spread_groups_can_stay_for_the_critic_only(tok):
+    plain = scripted(tok, total=1)
+    (policy_only,) = list(plain)
+    collector = scripted(tok, total=1, critic_flat_groups=True)
+    (batch,) = list(collector)
+    stats = collector.last_batch_stats
+    rows = batch["policy_mask"].any(-1)
+    assert torch.equal(batch["policy_mask"], batch["loss_mask"] & rows.unsqueeze(-1))
+    rewards = seq_rewards(batch)
+    policy_groups, critic_groups = rewards[rows.view(-1, 2)[:, 0]], rewards[~rows.view(-1, 2)[:, 0]]
+    assert (policy_groups[:, 0] != policy_groups[:, 1]).all()  # the policy's: spread groups
+    assert (critic_groups[:, 0] == critic_groups[:, 1]).all() and len(critic_groups) > 0
+    assert stats["groups_critic_only"] == len(critic_groups) == stats["groups_zero_spread"]
+    assert (
+        stats["groups_kept"] == 4
+        and stats["groups_dropped"] == plain.last_batch_stats["groups_dropped"]
+    )
+    # the policy's rows are exactly the batch the plain collector gives (same draws)
+    torch.testing.assert_close(batch[:8]["tokens"], policy_only["tokens"][:, : batch.shape[1]])
+    with pytest.raises(ValueError, match="critic_flat_groups=True keeps the groups dynamic"):
+        scripted(tok, dynamic=False, critic_flat_groups=True)
 
 
 def test_dynamic_sampling_gives_up_after_max_rounds(tok, caplog):

@@ -454,7 +454,10 @@ def test_truncated_importance_sampling_weights_policy_loss():
     td["rollout_log_prob"] = td["sample_log_prob"] - 0.5  # weight exp(0.5) capped at 1.2
     tis = TokenPPOLoss(ac, critic_coeff=None, tis_cap=1.2)(td)["loss_objective"]
     assert tis.item() == pytest.approx(1.2 * plain.item(), rel=1e-5)
-    with pytest.raises(KeyError, match="tis_cap is set but 'rollout_log_prob' is missing"):
+    with pytest.raises(
+        KeyError,
+        match=r"rollout correction \(is_level='token', is_cap=1.2\) needs 'rollout_log_prob'",
+    ):
         TokenPPOLoss(ac, tis_cap=1.2)(td.exclude("rollout_log_prob"))
 
 
@@ -615,10 +618,19 @@ def test_loss_emits_torchrl_metric_names_and_lists_every_key_in_out_keys():
     for kwargs in configs:
         loss = TokenPPOLoss(ac, **kwargs)
         out = loss(td)
-        assert set(out.keys()) == set(loss.out_keys), kwargs
+        only_with_policy_mask = {"explained_variance_policy_rows"}
+        assert set(out.keys()) == set(loss.out_keys) - only_with_policy_mask, kwargs
         assert set(loss(td.exclude("rollout_log_prob")).keys()) == set(loss.out_keys) - {
-            "rollout_log_prob_abs_diff"
+            "rollout_log_prob_abs_diff",
+            "rollout_abs_log_ratio",
+            "rollout_token_mult_prob_error",
+            "rollout_seq_ratio",
+            "rollout_kl",
+            *only_with_policy_mask,
         }
+        with_policy = td.clone().set("policy_mask", td["loss_mask"].clone())
+        if kwargs.get("critic_coeff", 1.0):
+            assert set(loss(with_policy).keys()) == set(loss.out_keys), kwargs
     assert "entropy" in out.keys()  # entropy_coeff > 0 computes it; without, it is omitted
     assert "entropy" not in TokenPPOLoss(tiny_actor_critic(seed=1))(td).keys()
     # the metrics against plain loops over the trained tokens

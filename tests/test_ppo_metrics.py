@@ -105,7 +105,9 @@ def _entropies(ac, tokens, attn):
 def _loop_metrics(td, new, entropy):
     """Every metric from its docstring definition, in Python floats over the trained tokens."""
     lr, a, v, v_old, r_t, k3, drift, ent = [], [], [], [], [], [], [], []
+    mismatch, seq_ratio = [], []  # pi_old vs the rollout's log-probs
     for b in range(B):
+        row = []
         for t in range(L):
             if not td["loss_mask"][b, t]:
                 continue
@@ -118,7 +120,11 @@ def _loop_metrics(td, new, entropy):
             d = min(max(float(td["ref_log_prob"][b, t]) - lp, -20.0), 20.0)
             k3.append(min(max(math.exp(d) - d - 1.0, 0.0), 10.0))
             drift.append(abs(lp - float(td["rollout_log_prob"][b, t])))
+            row.append(min(max(old - float(td["rollout_log_prob"][b, t]), -20.0), 20.0))
             ent.append(float(entropy[b, t]))
+        mismatch += row
+        if row:
+            seq_ratio.append(math.exp(min(max(sum(row), -20.0), 20.0)))
     n = len(lr)
     r = [math.exp(x) for x in lr]
 
@@ -157,6 +163,10 @@ def _loop_metrics(td, new, entropy):
         "min_ratio": min(r),
         "kl_ref": mean(k3),
         "rollout_log_prob_abs_diff": mean(drift),
+        "rollout_abs_log_ratio": mean([abs(x) for x in mismatch]),
+        "rollout_token_mult_prob_error": mean([math.exp(abs(x)) for x in mismatch]),
+        "rollout_seq_ratio": mean(seq_ratio),
+        "rollout_kl": mean([-x for x in mismatch]),
     }
 
 
@@ -167,7 +177,7 @@ def test_every_metric_is_its_documented_definition_over_loss_mask_with_garbage_e
     want = _loop_metrics(td, new, entropy)
     loss = _loss(ac, kl_coeff=0.1)
     out = loss(_with_garbage(td, finite=False))  # NaN / inf where loss_mask is False
-    assert set(out.keys()) == set(loss.out_keys)
+    assert set(out.keys()) == set(loss.out_keys) - {"explained_variance_policy_rows"}
     metrics = {k for k in out.keys() if not k.startswith("loss_")}
     assert metrics == set(want), "every metric is checked, and only metrics"
     for key, value in want.items():

@@ -86,7 +86,7 @@ def episode_stats(samples: list) -> dict[str, float]:
 
 
 def gather_batch(
-    env: LLMEnv, *, dynamic: bool = False, max_rounds: int = 4
+    env: LLMEnv, *, dynamic: bool = False, max_rounds: int = 4, critic_flat_groups: bool = False
 ) -> tuple[TensorDict, dict[str, float]]:
     """A token-trajectory batch of ``env.prompts_per_batch`` groups, and stats over all samples.
 
@@ -94,6 +94,10 @@ def gather_batch(
         env: the environment (its backend generates every round with one weight version).
         dynamic: keep only groups with reward spread, sampling more rounds to refill.
         max_rounds: most rounds when ``dynamic`` (>= 1).
+        critic_flat_groups: with ``dynamic``, the zero-spread groups of every round stay in the
+            batch for the critic only: the batch then has ``policy_mask`` (bool ``[B, L]``,
+            ``loss_mask`` on the policy's rows, False on theirs) and ``stats["groups_critic_only"]``
+            counts them (they still count as dropped for the policy).
 
     Returns:
         ``(batch, stats)``: ``batch`` is ``[B, L]`` with ``B = groups_kept * num_samples`` (fewer rows
@@ -108,7 +112,7 @@ def gather_batch(
     counts = dict.fromkeys(
         ("groups_generated", "groups_zero_spread", "groups_kept", "sampling_rounds"), 0
     )
-    kept, rewards, scored, raw = [], [], [], None
+    kept, flat_rows, rewards, scored, raw = [], [], [], [], None
     while counts["sampling_rounds"] < rounds and counts["groups_kept"] < target:
         raw, seq = _one_round(env)
         rewards.append(seq["next", "reward"].reshape(-1))
@@ -117,7 +121,10 @@ def gather_batch(
         take = (spread if dynamic else list(dict.fromkeys(seq["prompt_id"].tolist())))[
             : target - counts["groups_kept"]
         ]
+        in_spread = torch.isin(seq["prompt_id"], torch.tensor(spread, dtype=torch.long))
         kept.append(seq[torch.isin(seq["prompt_id"], torch.tensor(take, dtype=torch.long))])
+        if dynamic and critic_flat_groups:
+            flat_rows.append(seq[~in_spread])
         counts["groups_generated"] += target
         counts["groups_zero_spread"] += flat
         counts["groups_kept"] += len(take)
@@ -133,5 +140,14 @@ def gather_batch(
             rounds,
         )
     rows = torch.cat(kept) if kept else raw[:0]
+    n_policy = rows.shape[0]
+    if flat_rows:
+        critic = torch.cat(flat_rows)
+        counts["groups_critic_only"] = len(dict.fromkeys(critic["prompt_id"].tolist()))
+        rows = torch.cat([rows, critic]) if critic.shape[0] else rows
     batch = env.to_token_trajectory(rows) if rows.shape[0] else env.to_token_trajectory(raw)[:0]
+    if dynamic and critic_flat_groups:
+        policy_row = torch.arange(batch.shape[0]) < n_policy
+        batch["policy_mask"] = batch["loss_mask"] & policy_row.unsqueeze(-1)
+        counts.setdefault("groups_critic_only", 0)
     return batch, _summary(rewards, scored, counts)

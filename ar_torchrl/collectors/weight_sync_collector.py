@@ -60,6 +60,8 @@ class WeightSyncCollector(BaseCollector):
         dynamic_sampling: keep only groups with a reward spread, refilling over several rounds.
         max_sampling_rounds: most rounds per batch with ``dynamic_sampling`` (then the batch holds
             fewer groups, possibly none: ``batch.shape[0] == 0``; skip the update).
+        critic_flat_groups: with ``dynamic_sampling``, keep the zero-spread groups for the value
+            loss only (the batch's ``policy_mask``; see :func:`gather_batch`).
 
     Example:
         >>> from ar_torchrl.models.tiny import build_char_tokenizer, build_tiny_qwen3
@@ -87,12 +89,19 @@ class WeightSyncCollector(BaseCollector):
         max_policy_lag: int = 1,
         dynamic_sampling: bool = False,
         max_sampling_rounds: int = 4,
+        critic_flat_groups: bool = False,
     ) -> None:
         super().__init__()
         _check_args(env, mode, max_policy_lag, total_batches, max_sampling_rounds)
         self.env, self.policy_model = env, policy_model
         self.total_batches, self.mode, self.max_policy_lag = total_batches, mode, max_policy_lag
         self.dynamic_sampling, self.max_sampling_rounds = dynamic_sampling, max_sampling_rounds
+        if critic_flat_groups and not dynamic_sampling:
+            raise ValueError(
+                "WeightSyncCollector: critic_flat_groups=True keeps the groups dynamic sampling "
+                "drops for the critic; without dynamic_sampling=True no group is dropped"
+            )
+        self.critic_flat_groups = critic_flat_groups
         self.batches_yielded = self.stale_batches_dropped = self.last_policy_lag = 0
         self.last_batch_stats: dict[str, float] = {}
         self.frames_per_batch = self.requested_frames_per_batch = int(env.batch_size[0])
@@ -111,7 +120,10 @@ class WeightSyncCollector(BaseCollector):
     # ------------------------------------------------------------------ batches
     def _gather(self) -> tuple[TensorDictBase, dict]:
         return gather_batch(
-            self.env, dynamic=self.dynamic_sampling, max_rounds=self.max_sampling_rounds
+            self.env,
+            dynamic=self.dynamic_sampling,
+            max_rounds=self.max_sampling_rounds,
+            critic_flat_groups=self.critic_flat_groups,
         )
 
     def _collect(self) -> tuple[TensorDictBase, dict]:

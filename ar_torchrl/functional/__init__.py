@@ -15,6 +15,9 @@ References:
     Dr.GRPO (no std scaling, constant length normaliser): Liu et al. 2025, https://arxiv.org/abs/2503.20783
     VAPO (decoupled / length-adaptive lambda): Yue et al. 2025, https://arxiv.org/abs/2504.05118
     Dual-clip PPO: Ye et al. 2020, https://arxiv.org/abs/1912.09729
+    GSPO: Zheng et al. 2025, https://arxiv.org/abs/2507.18071
+    CISPO: MiniMax-M1, 2025, https://arxiv.org/abs/2506.13585
+    Rollout correction: verl's docs/algo/rollout_corr.md; IcePop (Ring-1T, 2025)
 """
 
 from __future__ import annotations
@@ -35,7 +38,14 @@ from ar_torchrl.functional.losses import (
     loss_normalizer,
     masked_log_ratio,
 )
+from ar_torchrl.functional.policy_losses import cispo_surrogate, gspo_surrogate
 from ar_torchrl.functional.reductions import explained_variance, masked_mean, masked_whiten
+from ar_torchrl.functional.rollout_correction import (
+    ROLLOUT_IS_LEVELS,
+    ROLLOUT_MASK_MODES,
+    rollout_correction,
+    rollout_mismatch_metrics,
+)
 from ar_torchrl.functional.turns import count_turns, turn_gae
 from ar_torchrl.utils.checks import AGGREGATION_MODES, AggregationMode
 
@@ -43,14 +53,18 @@ __all__ = [
     "AGGREGATION_MODES",
     "KL_ESTIMATORS",
     "LOG_RATIO_CLAMP",
+    "ROLLOUT_IS_LEVELS",
+    "ROLLOUT_MASK_MODES",
     "AggregationMode",
     "aggregate_loss",
     "check_finite_reward",
+    "cispo_surrogate",
     "clipped_surrogate",
     "clipped_value_loss",
     "count_turns",
     "explained_variance",
     "grpo_advantage",
+    "gspo_surrogate",
     "rloo_advantage",
     "k3_kl",
     "kl_penalty",
@@ -58,6 +72,8 @@ __all__ = [
     "loss_normalizer",
     "masked_log_ratio",
     "masked_mean",
+    "rollout_correction",
+    "rollout_mismatch_metrics",
     "masked_whiten",
     "token_gae",
     "turn_gae",

@@ -3,7 +3,7 @@
 The estimator registry (:mod:`ar_torchrl.objectives.registry`, with the built-in schemas in
 :mod:`ar_torchrl.objectives.config`) imports nothing heavy; the classes below are imported on first
 access (PEP 562), so ``import ar_torchrl.objectives.registry`` does not import torch (the recipe
-checks ``algo.advantage_mode`` before it loads the training stack).
+checks ``algo.advantage_mode``, ``algo.policy_loss`` and ``algo.rollout_correction`` before it loads the training stack).
 """
 
 from __future__ import annotations
@@ -11,6 +11,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ar_torchrl._lazy import lazy_exports
+from ar_torchrl.objectives.policy_loss import (
+    POLICY_LOSSES,
+    ROLLOUT_CORRECTION_PRESETS,
+    RolloutCorrection,
+    make_policy_loss,
+    policy_loss_names,
+    register_policy_loss,
+)
 from ar_torchrl.objectives.registry import (
     ADVANTAGES,
     advantage_names,
@@ -38,6 +46,9 @@ _LAZY = {
 
 __all__ = [
     "ADVANTAGES",
+    "POLICY_LOSSES",
+    "ROLLOUT_CORRECTION_PRESETS",
+    "RolloutCorrection",
     "GRPOAdvantage",
     "KLRewardShaping",
     "RLOOAdvantage",
@@ -45,9 +56,12 @@ __all__ = [
     "TokenPPOLoss",
     "advantage_names",
     "make_advantage",
+    "make_policy_loss",
     "needs_critic",
+    "policy_loss_names",
     "recompute_anchors",
     "register_advantage",
+    "register_policy_loss",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -52,7 +52,9 @@ class TokenGAE(ValueEstimatorBase):
         critic_lmbda: lambda for ``value_target`` (VAPO's decoupled GAE uses 1.0); default ``lmbda``.
         adaptive_lmbda_alpha: if set, the advantage lambda of each row is VAPO's
             ``1 - 1 / (alpha * length)`` (``lmbda`` is then ignored).
-        normalize_advantage: whiten the advantage over all trained tokens of the batch.
+        normalize_advantage: whiten the advantage over all trained tokens of the batch (over
+            ``loss_mask & policy_mask`` when the batch has a ``policy_mask``: rows kept for the
+            critic only do not shift the policy's advantages).
         bootstrap_truncated: for rows whose episode was cut (``("next", "terminated")`` False at
             the last trained token: by length, ``max_turns`` or ``max_total_tokens``), the step
             after the last one (token or turn) is valued at ``("next", "state_value")`` of the
@@ -100,6 +102,7 @@ class TokenGAE(ValueEstimatorBase):
         loss_mask: NestedKey = "loss_mask"
         turn_id: NestedKey = "turn_id"
         attention_mask: NestedKey = "attention_mask"
+        policy_mask: NestedKey = "policy_mask"
 
     default_keys = _AcceptedKeys
 
@@ -261,8 +264,8 @@ class TokenGAE(ValueEstimatorBase):
             adv, target = token_gae(reward, value.detach(), mask, **hyper)
         else:
             adv, target = turn_gae(reward, value.detach(), mask, turn_id, **hyper)
-        if self.normalize_advantage:
-            adv = masked_whiten(adv, mask)
+        if self.normalize_advantage:  # over the policy's tokens (critic-only rows excluded)
+            adv = masked_whiten(adv, _policy_mask(tensordict, keys.policy_mask, mask))
         tensordict.set(keys.advantage, adv.unsqueeze(-1))
         tensordict.set(keys.value_target, target.unsqueeze(-1))
         return tensordict
@@ -272,3 +275,17 @@ class TokenGAE(ValueEstimatorBase):
     ):
         """``value_target`` ``[B, L, 1]`` (TorchRL's ``value_estimate`` contract)."""
         return self.forward(tensordict.copy()).get(self.tensor_keys.value_target)
+
+
+def _policy_mask(td: TensorDictBase, key: NestedKey, mask: torch.Tensor) -> torch.Tensor:
+    """``loss_mask & policy_mask`` when the batch has a ``policy_mask`` (rows kept for the critic
+    only, e.g. ``gather_batch(critic_flat_groups=True)``), else ``loss_mask``."""
+    policy = td.get(key, None)
+    if policy is None:
+        return mask
+    if policy.dtype != torch.bool or policy.shape != mask.shape:
+        raise ValueError(
+            f"{key!r} must be bool with loss_mask's shape {tuple(mask.shape)}, got "
+            f"{policy.dtype} {tuple(policy.shape)}"
+        )
+    return mask & policy

@@ -15,6 +15,7 @@ Departures from ``torchrl.objectives.ClipPPOLoss`` (docs/design.md section 8 lis
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ from ar_torchrl.functional import AggregationMode
 from ar_torchrl.modules import LMActorCritic
 from ar_torchrl.objectives._keys import require_key, squeeze_feature
 from ar_torchrl.objectives.gae import TokenGAE
+from ar_torchrl.objectives.policy_loss import RolloutCorrection, make_policy_loss
 from ar_torchrl.utils.checks import check_number, check_ppo_loss_args
 
 __all__ = ["UNSUPPORTED_CLIP_PPO_SETTINGS", "TokenPPOLoss"]
@@ -159,11 +161,25 @@ class TokenPPOLoss(ClipPPOLoss):
             ``seq_mean_token_sum_norm``.
         norm_length: the constant length for ``seq_mean_token_sum_norm`` (e.g. max_new_tokens).
         tis_cap: truncated importance sampling cap: per-token policy losses are weighted by
-            ``min(exp(sample_log_prob - rollout_log_prob), tis_cap)`` (``None``: off).
+            ``min(exp(sample_log_prob - rollout_log_prob), tis_cap)`` (``None``: off); the
+            shorthand of ``rollout_correction=RolloutCorrection(is_level="token", is_cap=tis_cap)``.
+        policy_loss: a name of :data:`~ar_torchrl.objectives.POLICY_LOSSES`: ``"clip"`` (PPO's
+            clipped surrogate over ``clip_epsilon``, the default), ``"gspo"``, ``"gspo_token"``,
+            ``"cispo"`` (:mod:`ar_torchrl.functional.policy_losses`), or one registered with
+            :func:`~ar_torchrl.objectives.register_policy_loss`.
+        policy_loss_options: that loss's options (a dict or its schema: ``GSPOConfig``'s
+            ``clip_low``/``clip_high``, ``CISPOConfig``'s ``weight_max``/``weight_min``).
+        rollout_correction: IS weights and rejection masks of ``sample_log_prob`` vs
+            ``rollout_log_prob`` (a :class:`~ar_torchrl.objectives.RolloutCorrection` or a dict of
+            its fields, e.g. ``{"preset": "icepop"}``); they multiply the per-token policy loss only
+            (the value, entropy and KL terms are neither weighted nor masked).
 
     Reads ``sample_log_prob``, ``state_value``, ``advantage`` (computed with the value estimator,
     :class:`TokenGAE` by default, when missing), ``value_target``, ``loss_mask`` and the actor's
-    ``tokens``/``attention_mask``; optionally ``ref_log_prob`` and ``rollout_log_prob``. Keys are
+    ``tokens``/``attention_mask``; optionally ``ref_log_prob``, ``rollout_log_prob`` and
+    ``policy_mask`` (bool ``[B, L]``: with it the policy terms and their metrics are reduced over
+    ``loss_mask & policy_mask`` and the value loss over ``loss_mask``, so rows kept for the critic
+    only, such as dynamic sampling's zero-spread groups, teach the critic and not the policy). Keys are
     changed with :meth:`set_keys` (TorchRL's mechanism; the value estimator follows).
 
     Output (every entry listed in :attr:`out_keys`): the summed terms ``loss_objective``,
@@ -217,7 +233,24 @@ class TokenPPOLoss(ClipPPOLoss):
     ``tis_weight_mean``           ``mean(min(w, tis_cap))``,                      ours
                                   ``w = exp(sample_log_prob - rollout_log_prob)``
     ``tis_weight_capped``         fraction of tokens with ``w > tis_cap``        ours
+    ``rollout_masked_tokens``,    (a rejection mask) fraction of trained tokens  ours (as verl's
+    ``rollout_masked_seqs``       rejected; of rows with a rejected token        ``rollout_rs_*``)
+    ``rollout_abs_log_ratio``     ``mean(|log pi_old - rollout_log_prob|)``      ours
+    ``rollout_token_mult_prob_    ``mean(exp(|log pi_old - rollout_log_prob|))`` NeMo-RL
+    error``
+    ``rollout_seq_ratio``         mean over rows of ``exp(sum(log pi_old -       ours
+                                  rollout_log_prob))``
+    ``explained_variance_policy_  (with a ``policy_mask``) ``explained_variance``  ours
+    rows``                        over ``loss_mask & policy_mask``
+    ``rollout_kl``                ``mean(rollout_log_prob - log pi_old)``        verl
+                                                                                 (``rollout_corr/kl``)
     ============================= ============================================== =================
+
+    With a ``policy_loss`` other than ``clip``, ``pg_clipfrac`` is the fraction of trained tokens
+    whose gradient the loss's clip changed (GSPO: the clipped branch is taken, verl's definition;
+    CISPO: the weight was clamped), and the ratio metrics still describe the token ratio
+    ``pi / pi_old``. The tis_* weights are those of ``tis_cap`` or of the rollout correction's
+    ``is_level`` (``token`` or ``sequence``).
 
     Where TorchRL's definitions are not met exactly: TorchRL does not clamp ``lr``, so its ratio
     statistics differ once a trained token has ``|lr| > 20`` (its ``max_ratio`` then overflows to
@@ -232,8 +265,9 @@ class TokenPPOLoss(ClipPPOLoss):
     ``entropy`` is present only when entropies are computed (``entropy_coeff > 0`` or the actor's
     ``return_entropy``), the critic metrics only with a critic, ``pg_clipfrac_lower`` only with
     ``dual_clip``, ``loss_kl``/``kl_ref`` only with ``kl_coeff > 0``,
-    ``rollout_log_prob_abs_diff`` only when the batch holds ``rollout_log_prob``, the ``tis_*``
-    ones only with ``tis_cap``. One name per
+    ``rollout_log_prob_abs_diff`` and the ``rollout_*`` mismatch metrics only when the batch holds
+    ``rollout_log_prob``, the ``tis_*`` ones only with an IS weight, ``rollout_masked_*`` only with
+    a rejection mask. One name per
     metric: there are no aliases.
 
     Inherited ``ClipPPOLoss`` settings TokenPPOLoss does not honour (``reduction``,
@@ -262,11 +296,13 @@ class TokenPPOLoss(ClipPPOLoss):
 
     @dataclass
     class _AcceptedKeys(ClipPPOLoss._AcceptedKeys):
-        """TorchRL's PPO keys plus ``loss_mask``, ``rollout_log_prob`` and ``ref_log_prob``."""
+        """TorchRL's PPO keys plus ``loss_mask``, ``rollout_log_prob``, ``ref_log_prob`` and
+        ``policy_mask`` (optional: rows whose tokens train the critic only)."""
 
         loss_mask: NestedKey = "loss_mask"
         rollout_log_prob: NestedKey = "rollout_log_prob"
         ref_log_prob: NestedKey = "ref_log_prob"
+        policy_mask: NestedKey = "policy_mask"
 
         def __post_init__(self):
             if self.sample_log_prob is None:
@@ -288,6 +324,9 @@ class TokenPPOLoss(ClipPPOLoss):
         norm_length: int | None = None,
         tis_cap: float | None = None,
         kl_estimator: str = "k3",
+        policy_loss: str = "clip",
+        policy_loss_options: Any = None,
+        rollout_correction: RolloutCorrection | dict | None = None,
         **clip_ppo_kwargs: Any,
     ) -> None:
         _check_clip_ppo_kwargs(clip_ppo_kwargs)
@@ -324,6 +363,16 @@ class TokenPPOLoss(ClipPPOLoss):
         self.loss_agg_mode = a["loss_agg_mode"]
         self.norm_length = a["norm_length"]
         self.tis_cap = a["tis_cap"]
+        self.policy_loss = policy_loss
+        low, high = (
+            (float(self.clip_epsilon_low), float(self.clip_epsilon_high))
+            if self._asymmetric_clip
+            else (float(self.clip_epsilon),) * 2
+        )
+        self._policy_loss_fn = make_policy_loss(
+            policy_loss, policy_loss_options, clip_low=low, clip_high=high, dual_clip=self.dual_clip
+        )
+        self.rollout_correction = _rollout_correction(rollout_correction, self.tis_cap)
         self._settings_frozen = True  # from here on, __setattr__ guards ClipPPOLoss's settings
 
     # ------------------------------------------------------------------ inherited settings
@@ -435,7 +484,7 @@ class TokenPPOLoss(ClipPPOLoss):
         """Every key the output may hold for this configuration (see the class docstring)."""
         keys = ["loss_objective"]
         if self._has_critic:
-            keys += ["loss_critic", *_CRITIC_METRICS]
+            keys += ["loss_critic", *_CRITIC_METRICS, "explained_variance_policy_rows"]
         if self.entropy_bonus:
             keys += ["loss_entropy"]
         if self.kl_coeff:
@@ -443,9 +492,12 @@ class TokenPPOLoss(ClipPPOLoss):
         keys += list(_POLICY_METRICS)
         if self.dual_clip is not None:
             keys += ["pg_clipfrac_lower"]
-        keys += ["rollout_log_prob_abs_diff"]
-        if self.tis_cap is not None:
+        keys += ["rollout_log_prob_abs_diff", *_MISMATCH_METRICS]
+        rc = self.rollout_correction
+        if rc is not None and rc.is_level is not None:
             keys += ["tis_weight_mean", "tis_weight_capped"]
+        if rc is not None and rc.mask_mode is not None:
+            keys += ["rollout_masked_tokens", "rollout_masked_seqs"]
         return keys + ["entropy"] if self.actor_network.return_entropy else keys
 
     @out_keys.setter
@@ -494,20 +546,50 @@ class TokenPPOLoss(ClipPPOLoss):
         self._in_keys = keys + [k.value_target] if self._has_critic else keys
 
     # ------------------------------------------------------------------ loss
-    def global_normalizer(self, tensordicts: TensorDictBase | list[TensorDictBase]) -> torch.Tensor:
+    def global_normalizer(
+        self, tensordicts: TensorDictBase | list[TensorDictBase]
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
         """Sum of the default normalisers of ``tensordicts`` (e.g. all micro-batches of a mini-batch).
 
         Pass it as ``loss(mb, normalizer=...)`` to every micro-batch so that the accumulated
-        gradient equals the gradient of one forward over their union.
+        gradient equals the gradient of one forward over their union. When a batch has a
+        ``policy_mask`` (rows for the critic only), it is ``{"policy": n_policy, "critic":
+        n_critic}``: the policy terms are normalised over ``loss_mask & policy_mask``, the value
+        loss over ``loss_mask``.
         """
         tds = [tensordicts] if isinstance(tensordicts, TensorDictBase) else list(tensordicts)
-        key = self.tensor_keys.loss_mask
-        return sum(
-            F.loss_normalizer(
-                require_key(td, key, _OWNER, "bool [B, L]").bool(), self.loss_agg_mode
-            )
-            for td in tds
+        k = self.tensor_keys
+        masks = [require_key(td, k.loss_mask, _OWNER, "bool [B, L]").bool() for td in tds]
+        critic = sum(F.loss_normalizer(m, self.loss_agg_mode) for m in masks)
+        if not any(td.get(k.policy_mask, None) is not None for td in tds):
+            return critic
+        policy = sum(
+            F.loss_normalizer(self._policy_mask(td, m), self.loss_agg_mode)
+            for td, m in zip(tds, masks)
         )
+        return {"policy": policy, "critic": critic}
+
+    def _policy_mask(self, td: TensorDictBase, mask: torch.Tensor) -> torch.Tensor:
+        key = self.tensor_keys.policy_mask
+        policy = td.get(key, None)
+        if policy is None:
+            return mask
+        policy = squeeze_feature(policy, key, td.batch_size, _OWNER)
+        if policy.dtype != torch.bool:
+            raise TypeError(f"{_OWNER}: {key!r} must be bool, got {policy.dtype}")
+        return mask & policy
+
+    def _split_normalizer(self, normalizer, has_policy_mask: bool):
+        if isinstance(normalizer, dict):
+            return normalizer["policy"], normalizer["critic"]
+        if has_policy_mask and normalizer is not None:
+            raise ValueError(
+                f"{_OWNER}: the batch has {self.tensor_keys.policy_mask!r} (rows for the critic "
+                "only), so the policy and the value terms have different normalisers: pass "
+                "normalizer=loss.global_normalizer(micro_batches) (a dict 'policy', 'critic'), "
+                f"got {normalizer!r}"
+            )
+        return normalizer, normalizer
 
     def _agg(self, x: torch.Tensor, mask: torch.Tensor, normalizer) -> torch.Tensor:
         return F.aggregate_loss(
@@ -530,14 +612,23 @@ class TokenPPOLoss(ClipPPOLoss):
             raise TypeError(f"{_OWNER}: {k.loss_mask!r} must be bool, got {mask.dtype}")
         if tensordict.get(k.advantage, None) is None:
             self.value_estimator(tensordict)
+        critic_mask = mask
+        mask = self._policy_mask(tensordict, critic_mask)  # the policy's tokens
+        normalizer, critic_normalizer = self._split_normalizer(
+            normalizer, tensordict.get(k.policy_mask, None) is not None
+        )
         new = self.actor_network(self.actor_network.select_inputs(tensordict))
         out: dict[str, torch.Tensor] = {}
         log_prob = new.get(self.actor_network.log_prob_key)
         self._policy_terms(tensordict, log_prob, mask, normalizer, out)
         if self._has_critic:
-            self._critic_terms(
-                tensordict, new.get(self.actor_network.value_key).squeeze(-1), mask, normalizer, out
-            )
+            value = new.get(self.actor_network.value_key).squeeze(-1)
+            self._critic_terms(tensordict, value, critic_mask, critic_normalizer, out)
+            if tensordict.get(k.policy_mask, None) is not None:  # the policy's rows alone
+                target = self._get(tensordict, k.value_target, "value_target [B, L, 1]")
+                out["explained_variance_policy_rows"] = _torchrl_explained_variance(
+                    value.detach(), target, mask
+                )
         if self.entropy_bonus or self.actor_network.return_entropy:
             entropy = new.get(self.actor_network.entropy_key)
             out["entropy"] = F.masked_mean(entropy.detach(), mask)
@@ -567,39 +658,56 @@ class TokenPPOLoss(ClipPPOLoss):
             if self._asymmetric_clip
             else (self.clip_epsilon,) * 2
         )
-        loss, ratio, _ = F.clipped_surrogate(
-            log_prob,
-            old,
-            adv,
-            mask,
-            clip_low=float(low),
-            clip_high=float(high),
-            dual_clip=self.dual_clip,
-        )
+        if self.policy_loss == "clip":  # the clip range read now: it may be scheduled
+            loss, ratio, clipped = F.clipped_surrogate(
+                log_prob,
+                old,
+                adv,
+                mask,
+                clip_low=float(low),
+                clip_high=float(high),
+                dual_clip=self.dual_clip,
+            )
+        else:
+            loss, ratio, clipped = self._policy_loss_fn(log_prob, old, adv, mask)
         rollout = td.get(k.rollout_log_prob, None)
         if rollout is not None:
             rollout = squeeze_feature(rollout, k.rollout_log_prob, td.batch_size, _OWNER)
             out["rollout_log_prob_abs_diff"] = F.masked_mean(
                 (log_prob.detach() - rollout).abs(), mask
             )
-        if self.tis_cap is not None:
+            out.update(F.rollout_mismatch_metrics(old, rollout, mask))
+        rc = self.rollout_correction
+        if rc is not None:
             if rollout is None:
                 raise KeyError(
-                    f"{_OWNER}: tis_cap is set but {k.rollout_log_prob!r} is missing from the batch"
+                    f"{_OWNER}: the rollout correction ({_describe_rc(rc)}) needs "
+                    f"{k.rollout_log_prob!r} (the engine's log-probs of the sampled tokens), "
+                    "missing from the batch"
                 )
-            raw = torch.exp(F.masked_log_ratio(old, rollout, mask)).detach()
-            weight = raw.clamp(max=self.tis_cap)
-            loss = loss * weight
-            out["tis_weight_mean"] = F.masked_mean(weight, mask)
-            out["tis_weight_capped"] = F.masked_mean((raw > self.tis_cap).to(weight.dtype), mask)
+            weight, keep, metrics = F.rollout_correction(
+                old,
+                rollout,
+                mask,
+                is_level=rc.is_level,
+                is_cap=rc.is_cap or 2.0,
+                mask_mode=rc.mask_mode,
+                mask_low=rc.mask_low,
+                mask_high=rc.mask_high,
+            )
+            loss = torch.where(keep, loss * weight, torch.zeros((), dtype=loss.dtype))
+            out.update(metrics)
         out["loss_objective"] = self._agg(loss, mask, normalizer)
         log_ratio = F.masked_log_ratio(log_prob.detach(), old, mask)
         out.update(_ratio_metrics(log_ratio, mask, self._clip_bounds))
-        out.update(
-            _verl_policy_clip_fractions(
-                ratio.detach(), adv, mask, float(low), float(high), self.dual_clip
+        if self.policy_loss == "clip":
+            out.update(
+                _verl_policy_clip_fractions(
+                    ratio.detach(), adv, mask, float(low), float(high), self.dual_clip
+                )
             )
-        )
+        else:
+            out["pg_clipfrac"] = _fraction(clipped, mask)
 
     def _critic_terms(self, td, value, mask, normalizer, out) -> None:
         k = self.tensor_keys
@@ -644,6 +752,53 @@ _POLICY_METRICS = (
     "approx_kl",
     "min_ratio",
 )
+
+#: ``pi_old`` vs ``pi_rollout`` (:func:`~ar_torchrl.functional.rollout_mismatch_metrics`), logged
+#: whenever the batch holds ``rollout_log_prob``.
+_MISMATCH_METRICS = (
+    "rollout_abs_log_ratio",
+    "rollout_token_mult_prob_error",
+    "rollout_seq_ratio",
+    "rollout_kl",
+)
+
+
+def _rollout_correction(
+    value: RolloutCorrection | dict | None, tis_cap: float | None
+) -> RolloutCorrection | None:
+    """The resolved correction of ``TokenPPOLoss(rollout_correction=..., tis_cap=...)`` (``None``:
+    off); ``tis_cap`` is the token-level IS weight ``RolloutCorrection(is_level="token", is_cap=...)``."""
+    if value is None:
+        rc = RolloutCorrection()
+    elif isinstance(value, RolloutCorrection):
+        rc = value
+    elif isinstance(value, dict):
+        rc = RolloutCorrection(**value)
+    else:
+        raise TypeError(
+            f"{_OWNER}(rollout_correction=...) takes a RolloutCorrection or a dict of its fields, "
+            f"got {type(value).__name__}"
+        )
+    rc.check(f"{_OWNER}: rollout_correction.")
+    rc = rc.resolved()
+    if tis_cap is not None:
+        if rc.is_level is not None:
+            raise ValueError(
+                f"{_OWNER}: tis_cap={tis_cap} and rollout_correction (is_level={rc.is_level!r}) "
+                "both set an importance weight: use one (tis_cap is "
+                "RolloutCorrection(is_level='token', is_cap=tis_cap))"
+            )
+        rc = dataclasses.replace(rc, is_level="token", is_cap=tis_cap)
+    return rc if rc.active else None
+
+
+def _describe_rc(rc: RolloutCorrection) -> str:
+    return ", ".join(
+        f"{f.name}={getattr(rc, f.name)!r}"
+        for f in dataclasses.fields(rc)
+        if getattr(rc, f.name) is not None and not (f.name == "preset" and rc.preset == "none")
+    )
+
 
 #: Critic metrics (with a critic), in ``out_keys`` order (TorchRL's, verl's, then ours).
 _CRITIC_METRICS = (

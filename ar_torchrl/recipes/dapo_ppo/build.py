@@ -190,6 +190,8 @@ def tis_cap(cfg: Config) -> float | None:
     """
     if cfg.algo.tis_cap is not None or cfg.train.mode != "async":
         return cfg.algo.tis_cap
+    if cfg.algo.rollout_correction.resolved().is_level is not None:
+        return None  # the rollout correction's IS weight is the behaviour-policy correction
     if cfg.train.async_correction == "none":
         logger.warning(
             "train.mode=async with train.async_correction=none: the batch was sampled by the "
@@ -201,8 +203,9 @@ def tis_cap(cfg: Config) -> float | None:
 
 
 def build_loss(cfg: Config, actor_critic: Any) -> TokenPPOLoss:
-    """The clipped PPO loss of ``algo`` (``rollout.max_new_tokens`` as the length normaliser;
-    ``tis_cap`` from :func:`tis_cap`)."""
+    """The PPO loss of ``algo``: its ``policy_loss`` (with the ``algo.<policy_loss>`` options) and
+    ``rollout_correction``, ``rollout.max_new_tokens`` as the length normaliser, ``tis_cap`` from
+    :func:`tis_cap`."""
     a = cfg.algo
     return TokenPPOLoss(
         actor_critic,
@@ -215,6 +218,9 @@ def build_loss(cfg: Config, actor_critic: Any) -> TokenPPOLoss:
         loss_agg_mode=a.loss_agg_mode,
         norm_length=cfg.rollout.max_new_tokens,
         tis_cap=tis_cap(cfg),
+        policy_loss=a.policy_loss,
+        policy_loss_options=a.policy_loss_options(),
+        rollout_correction=a.rollout_correction,
     )
 
 

@@ -24,6 +24,7 @@ from omegaconf import MISSING, DictConfig
 from ar_torchrl.backends.registry import BACKENDS
 from ar_torchrl.data.registry import TASKS
 from ar_torchrl.models.config import MODELS
+from ar_torchrl.objectives.policy_loss import POLICY_LOSSES, RolloutCorrection
 from ar_torchrl.objectives.registry import ADVANTAGES, needs_critic
 from ar_torchrl.recipes import config as recipe_config
 from ar_torchrl.recipes.run import world_size
@@ -85,6 +86,8 @@ class _AlgoKeys:
     kl_estimator: str = "k3"
     kl_in_reward: float = 0.0
     tis_cap: Optional[float] = None
+    policy_loss: str = "clip"
+    rollout_correction: RolloutCorrection = field(default_factory=RolloutCorrection)
     loss_agg_mode: str = "token_mean"
     ppo_epochs: int = MISSING
     num_minibatches: int = 1
@@ -98,9 +101,23 @@ class _AlgoKeys:
         """The selected estimator's options: its ``algo.<advantage_mode>`` section."""
         return getattr(self, self.advantage_mode, None)
 
+    def policy_loss_options(self) -> Any:
+        """The selected policy loss's options: its ``algo.<policy_loss>`` section."""
+        return getattr(self, self.policy_loss, None)
+
     def check(self, *, norm_length: int) -> None:
         """Ranges of the library's own checks; ``norm_length`` is the recipe's max_new_tokens."""
         p = "config: algo."
+        check_choice(p, "policy_loss", self.policy_loss, POLICY_LOSSES.names())
+        for entry in POLICY_LOSSES.entries():
+            POLICY_LOSSES.options(entry.name, getattr(self, entry.name), prefix=f"{p}{entry.name}.")
+        self.rollout_correction.check(f"{p}rollout_correction.")
+        if self.tis_cap is not None and self.rollout_correction.resolved().is_level is not None:
+            raise ValueError(
+                f"config: algo.tis_cap={self.tis_cap} and algo.rollout_correction (is_level="
+                f"{self.rollout_correction.resolved().is_level!r}) both set an importance weight: "
+                "keep one (tis_cap is rollout_correction.is_level=token with is_cap=tis_cap)"
+            )
         check_choice(p, "advantage_mode", self.advantage_mode, ADVANTAGES.names())
         if needs_critic(self.advantage_mode) and not self.critic_coeff > 0:
             raise ValueError(
@@ -144,12 +161,14 @@ class _AlgoKeys:
 
 
 #: ``algo``: :class:`_AlgoKeys` plus one section per registered estimator with options
-#: (``algo.gae``, ``algo.grpo``, ``algo.rloo``): registering an estimator adds its section.
+#: (``algo.gae``, ``algo.grpo``, ``algo.rloo``) and per registered policy loss (``algo.clip``,
+#: ``algo.gspo``, ``algo.gspo_token``, ``algo.cispo``): registering one adds its section.
 AlgoConfig = make_dataclass(
     "AlgoConfig",
     [
         (e.name, e.config, field(default_factory=e.config))
-        for e in ADVANTAGES.entries()
+        for registry in (ADVANTAGES, POLICY_LOSSES)
+        for e in registry.entries()
         if e.config is not None
     ],
     bases=(_AlgoKeys,),
@@ -186,6 +205,7 @@ class RolloutConfig:
     overlong_penalty: float = 1.0
     dynamic_sampling: bool = False  # DAPO: keep groups whose rewards differ, refill (the collector)
     max_sampling_rounds: int = 4
+    critic_flat_groups: bool = False  # dynamic sampling: zero-spread groups train the critic only
     max_turns: int = 1  # model turns per episode (> 1 needs `tools`: the multi-turn ToolEnv)
     max_total_tokens: Optional[int] = None  # multi-turn: tokens per episode (None: the context)
     tool_error_penalty: float = 0.0  # multi-turn: reward added per failed tool call of a turn
@@ -308,6 +328,15 @@ class Config:
                 "continues after a tool answer): set tools (e.g. --config-name tool_arithmetic)"
             )
         self.algo.check(norm_length=self.rollout.max_new_tokens)
+        if self.rollout.critic_flat_groups and not (
+            self.rollout.dynamic_sampling and self.algo.critic_coeff > 0
+        ):
+            raise ValueError(
+                "config: rollout.critic_flat_groups=true keeps the groups dynamic sampling drops "
+                "for the value loss: it needs rollout.dynamic_sampling=true and a value head "
+                f"(algo.critic_coeff > 0); got dynamic_sampling={self.rollout.dynamic_sampling}, "
+                f"critic_coeff={self.algo.critic_coeff}"
+            )
         _count("config", "seed", self.seed, ge=0)
         check_number("config", "seed", self.seed, le=2**32 - 1, integer=True)
         _count("config", "num_threads", self.num_threads)

@@ -115,6 +115,7 @@ def setup(
             max_policy_lag=1,
             dynamic_sampling=r.dynamic_sampling,
             max_sampling_rounds=r.max_sampling_rounds,
+            critic_flat_groups=r.critic_flat_groups,
         )
         stack.callback(collector.shutdown)  # also on errors: waits for an in-flight batch
     # 4. Wrap for training (FSDP2 under torchrun or bf16 compute; activation checkpointing).
