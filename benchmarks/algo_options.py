@@ -101,6 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runs", type=Path, default=ROOT / "outputs" / "algo_options")
     p.add_argument("--quick", action="store_true", help="4 iterations, 1 seed, a temporary dir")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--write-readme", action="store_true", help="replace the README's table block")
     args = p.parse_args(argv)
     if args.quick:
         args.iterations, args.seeds = 4, 1
@@ -221,11 +222,36 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+BEGIN, END = "<!-- algo_options:begin -->", "<!-- algo_options:end -->"
+
+
+def readme_block(result: dict) -> str:
+    """The README block: the table and where it comes from."""
+    m = result["machine"]
+    return (
+        f"{BEGIN}\n{table(result)}\n\n{result['iterations']} iterations per run (the CI version of "
+        "the CPU default), mean [min, max] over the seeds; written by `OMP_NUM_THREADS=1 "
+        ".venv/bin/python benchmarks/algo_options.py --jobs 2 --write-readme` "
+        f"(`benchmarks/results/algo_options.json`; torch {m['torch']}, {m['cpu_count']} cores)."
+        f"\n{END}"
+    )
+
+
+def write_readme(block: str, readme: Path = ROOT / "README.md") -> None:
+    text = readme.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{readme} has no {BEGIN} ... {END} block to replace")
+    head, rest = text.split(BEGIN, 1)
+    readme.write_text(head + block + rest.split(END, 1)[1])
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     result = measure(args)
     write_json(result, args.out)
     print(table(result))
+    if args.write_readme:
+        write_readme(readme_block(result))
     print(f"\nwrote {args.out}", file=sys.stderr)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -270,17 +271,20 @@ def test_resume_from_names_the_damaged_checkpoint_and_a_run_dir_falls_back(tmp_p
 # ----------------------------------------------------------------------------- end to end
 @pytest.mark.slow
 def test_recipe_resumes_from_the_intact_checkpoint_before_a_damaged_one(tmp_path, cache_dir):
-    """4 iterations, one byte of step_4.pt flipped, rerun to 6: the run resumes from step_2.pt
-    (naming the damaged step_4.pt) and continues exactly as an uninterrupted 6-iteration run."""
-    common = [*COMMON, "train.keep_checkpoints=null"]
-    run = tmp_path / "run"
-    run_recipe(run, cache_dir, *common)
+    """A 6-iteration run (checkpoints at 2, 4, 6), copied back to its state after step 4 (step_6.pt
+    removed) with one byte of step_4.pt flipped, rerun to 6: it resumes from step_2.pt (naming the
+    damaged step_4.pt) and continues exactly as the uninterrupted run (two launches, not three)."""
+    common = [*COMMON, "train.keep_checkpoints=null", "train.iterations=6"]
+    straight_dir, run = tmp_path / "straight", tmp_path / "run"
+    _, straight = run_recipe(straight_dir, cache_dir, *common)
+    shutil.copytree(straight_dir, run)
+    for path in (run / "checkpoints").glob("step_6*"):
+        path.unlink()
     flip_byte(run / "checkpoints" / "step_4.pt")
-    proc, resumed = run_recipe(run, cache_dir, *common, "train.iterations=6")
+    proc, resumed = run_recipe(run, cache_dir, *common)
     output = proc.stdout + proc.stderr  # hydra logs to stdout
     assert f"checkpoint {run / 'checkpoints' / 'step_4.pt'} is unusable (step_4.pt does" in output
     assert f"resumed from {run / 'checkpoints' / 'step_2.pt'} (step 2)" in output
-    _, straight = run_recipe(tmp_path / "straight", cache_dir, *common, "train.iterations=6")
     assert [h["step"] for h in resumed] == list(range(7))
     same_runs([h for h in straight if h["step"] >= 3], [h for h in resumed if h["step"] >= 3])
     same_runs(straight, resumed)  # steps 0-2 come from the first run's history

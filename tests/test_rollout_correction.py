@@ -263,3 +263,42 @@ def test_errors_name_what_to_fix():
         TokenPPOLoss(ac, tis_cap=2.0, rollout_correction={"preset": "seq_is"})
     with pytest.raises(TypeError, match="takes a RolloutCorrection or a dict"):
         TokenPPOLoss(ac, rollout_correction="icepop")
+
+
+# ----------------------------------------------------------------------------- the recipe
+def test_the_recipe_selects_policy_loss_and_correction_from_the_config():
+    from recipe_helpers import typed
+    from trajectories import tiny_actor_critic
+
+    from ar_torchrl.recipes.dapo_ppo import build
+
+    ac = tiny_actor_critic(0)
+    cfg = typed(
+        [
+            "algo.policy_loss=cispo",
+            "algo.cispo.weight_max=3.0",
+            "algo.rollout_correction.preset=icepop",
+            "algo.rollout_correction.mask_low=0.3",
+        ]
+    )
+    loss = build.build_loss(cfg, ac)
+    rc = loss.rollout_correction
+    assert loss.policy_loss == "cispo" and loss._policy_loss_fn.keywords["weight_max"] == 3.0
+    assert (rc.mask_mode, rc.mask_low, rc.mask_high, rc.is_level) == ("token", 0.3, 5.0, None)
+    # async: a preset with an IS weight is the behaviour correction; one without keeps the default
+    seq = build.build_loss(
+        typed(["train.mode=async", "algo.rollout_correction.preset=seq_is_mis"]), ac
+    )
+    assert seq.rollout_correction.is_level == "sequence" and seq.tis_cap is None
+    ice = build.build_loss(typed(["train.mode=async", "algo.rollout_correction.preset=icepop"]), ac)
+    assert (ice.rollout_correction.is_level, ice.rollout_correction.is_cap) == ("token", 2.0)
+    with pytest.raises(ValueError, match=r"config: algo.rollout_correction.preset='ice' is not"):
+        typed(["algo.rollout_correction.preset=ice"])
+    with pytest.raises(ValueError, match=r"config: algo.policy_loss='gpso' is not one of"):
+        typed(["algo.policy_loss=gpso"])
+    with pytest.raises(ValueError, match=r"config: algo.tis_cap=2.0 and algo.rollout_correction"):
+        typed(["algo.tis_cap=2.0", "algo.rollout_correction.preset=seq_is"])
+    with pytest.raises(ValueError, match=r"config: algo.gspo.clip_low must be"):
+        typed(["algo.gspo.clip_low=1.5"])
+    with pytest.raises(ValueError, match="rollout.critic_flat_groups=true keeps the groups"):
+        typed(["rollout.critic_flat_groups=true"])

@@ -228,36 +228,76 @@ def tool_problems(num: int, *, digits: int = 2, seed: int = 0) -> list[tuple[int
     return [(rng.randint(low, high), rng.randint(low, high)) for _ in range(num)]
 
 
+def tool_shot(a: int, b: int) -> list[dict]:
+    """One solved tool-use exchange as chat messages: the question, the assistant's calculator
+    call, the tool's answer (role ``"tool"``) and the assistant's final answer.
+
+    Example:
+        >>> [m["role"] for m in tool_shot(12, 34)], tool_shot(12, 34)[1]["content"]
+        (['user', 'assistant', 'tool', 'assistant'], '<tool name="calculator">12*34</tool>')
+    """
+    return [
+        {"role": "user", "content": TOOL_TEMPLATE.format(a=a, b=b)},
+        {"role": "assistant", "content": f'<tool name="calculator">{a}*{b}</tool>'},
+        {"role": "tool", "content": str(a * b)},
+        {"role": "assistant", "content": f"Answer: {a * b}"},
+    ]
+
+
 def tool_arithmetic_rows(
     num_rows: int,
     *,
     digits: int = 2,
     seed: int = 0,
     problems: Sequence[tuple[int, int]] | None = None,
+    shots: int = 0,
+    shot_pool: Sequence[tuple[int, int]] | None = None,
 ) -> MathDataset:
     """Rows of the tool task: multiply two multi-digit numbers (a tiny model cannot in its head,
     with the calculator it can). DAPO's schema, plus ``extra_info.problem`` (``"37 * 58"``).
+
+    ``shots`` solved exchanges (:func:`tool_shot`, drawn seeded from ``shot_pool``, never the row's
+    own problem) lead the prompt: a pretrained chat model copies the call format from them (as
+    ``fewshot_arithmetic`` does for plain answers).
 
     Example:
         >>> rows = tool_arithmetic_rows(2, seed=0)
         >>> rows.messages(0)[0]["content"][:16], rows.ground_truth(0), rows[0]["extra_info"]["problem"]
         ('Compute 59 * 63.', '3717', '59 * 63')
+        >>> shot = tool_arithmetic_rows(1, problems=[(59, 63)], shots=1, shot_pool=[(12, 34)])
+        >>> [m["role"] for m in shot.messages(0)]
+        ['user', 'assistant', 'tool', 'assistant', 'user']
     """
     pairs = (
         list(problems)
         if problems is not None
         else tool_problems(num_rows, digits=digits, seed=seed)
     )
-    rows = [
-        {
-            "data_source": "tool_arithmetic",
-            "prompt": [{"role": "user", "content": TOOL_TEMPLATE.format(a=a, b=b)}],
-            "ability": "MATH",
-            "reward_model": {"ground_truth": str(a * b), "style": "rule"},
-            "extra_info": {"index": i, "problem": f"{a} * {b}"},
-        }
-        for i, (a, b) in enumerate(pairs)
-    ]
+    if shots < 0:
+        raise ValueError(f"tool_arithmetic_rows: shots must be >= 0, got {shots}")
+    rng = random.Random(seed + 1)
+    rows = []
+    for i, (a, b) in enumerate(pairs):
+        messages: list[dict] = []
+        if shots:
+            pool = [p for p in (shot_pool or pairs) if p != (a, b)]
+            if len(pool) < shots:
+                raise ValueError(
+                    f"tool_arithmetic_rows: the shot pool has {len(pool)} problems other than "
+                    f"{a} * {b}, need shots={shots}"
+                )
+            for x, y in rng.sample(pool, shots):
+                messages += tool_shot(x, y)
+        messages.append({"role": "user", "content": TOOL_TEMPLATE.format(a=a, b=b)})
+        rows.append(
+            {
+                "data_source": "tool_arithmetic",
+                "prompt": messages,
+                "ability": "MATH",
+                "reward_model": {"ground_truth": str(a * b), "style": "rule"},
+                "extra_info": {"index": i, "problem": f"{a} * {b}"},
+            }
+        )
     return MathDataset(rows, name="tool_arithmetic")
 
 
@@ -273,9 +313,11 @@ class ToolArithmeticDataConfig:
     digits: int = 2  # digits of each operand
     holdout: int = 64  # held-out problems (one evaluation row each)
     seed: int = 0  # problem seed
+    shots: int = 0  # solved tool-use exchanges before the question (pretrained chat models)
 
     def check(self, prefix: str) -> None:
         check_generated_rows(prefix, self.num_rows)
+        check_number(prefix, "shots", self.shots, ge=0, le=8, integer=True)
         check_number(prefix, "digits", self.digits, ge=1, le=6, integer=True)
         check_number(prefix, "holdout", self.holdout, ge=1, integer=True)
         space = (9 * 10 ** (self.digits - 1)) ** 2
@@ -297,7 +339,11 @@ class ToolArithmeticDataConfig:
             pair = (rng.randint(low, high), rng.randint(low, high))
             if pair not in seen:
                 train.append(pair)
-        return (
-            tool_arithmetic_rows(len(train), problems=train),
-            tool_arithmetic_rows(len(held), problems=held),
+        return (  # shots come from the training problems only
+            tool_arithmetic_rows(
+                len(train), problems=train, shots=self.shots, shot_pool=train, seed=self.seed
+            ),
+            tool_arithmetic_rows(
+                len(held), problems=held, shots=self.shots, shot_pool=train, seed=self.seed + 7
+            ),
         )
