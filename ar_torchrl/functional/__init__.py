@@ -18,6 +18,7 @@ References:
     GSPO: Zheng et al. 2025, https://arxiv.org/abs/2507.18071
     CISPO: MiniMax-M1, 2025, https://arxiv.org/abs/2506.13585
     Rollout correction: verl's docs/algo/rollout_corr.md; IcePop (Ring-1T, 2025)
+    PopArt: van Hasselt et al. 2016, https://arxiv.org/abs/1602.07714 (functional/popart.py)
 """
 
 from __future__ import annotations

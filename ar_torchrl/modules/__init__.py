@@ -15,6 +15,7 @@ from ar_torchrl.modules.packing import (
 )
 from ar_torchrl.modules.value_head import (
     VALUE_HEAD_FILE,
+    PopArtValueHead,
     ValueHead,
     attach_value_head,
     load_value_head,
@@ -28,6 +29,7 @@ __all__ = [
     "VALUE_HEAD_FILE",
     "LMActorCritic",
     "PackedLayout",
+    "PopArtValueHead",
     "ValueHead",
     "attach_value_head",
     "chunk_tokens_for_budget",

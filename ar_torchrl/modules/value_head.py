@@ -17,6 +17,7 @@ from torch import nn
 
 __all__ = [
     "VALUE_HEAD_FILE",
+    "PopArtValueHead",
     "ValueHead",
     "attach_value_head",
     "load_value_head",
@@ -53,6 +54,74 @@ class ValueHead(nn.Linear):
         return out.clone() if out._is_view() else out
 
 
+class PopArtValueHead(ValueHead):
+    """A :class:`ValueHead` whose linear layer predicts *normalised* values (PopArt).
+
+    ``forward`` returns ``V = sigma * (w . h + b) + mu`` (the value in return units: GAE and every
+    metric see it), with ``mu``/``sigma`` running statistics of the value targets (buffers, saved
+    with the model). :meth:`update_statistics` moves them with a batch of targets and rescales the
+    layer so that every prediction is preserved (:mod:`ar_torchrl.functional.popart`);
+    :meth:`normalize` maps values and targets to the layer's scale, where
+    :class:`~ar_torchrl.objectives.TokenPPOLoss` computes the value loss.
+
+    Args:
+        hidden_size: the backbone's hidden size.
+        beta: the statistics' step size per update (the first update takes the batch's moments).
+
+    Example:
+        >>> head = PopArtValueHead(4, beta=0.5)
+        >>> with torch.no_grad():
+        ...     _ = head.weight.fill_(0.5)
+        >>> h = torch.ones(2, 4)
+        >>> before = head(h)
+        >>> head.update_statistics(torch.tensor([10.0, 30.0]))
+        >>> round(head.mu.item(), 3), round(head.sigma.item(), 3), torch.allclose(head(h), before)
+        (20.0, 10.0, True)
+    """
+
+    def __init__(self, hidden_size: int, *, beta: float = 0.1, eps: float = 1e-4) -> None:
+        super().__init__(hidden_size)
+        if not 0 < beta <= 1:
+            raise ValueError(f"PopArtValueHead: beta must be in (0, 1], got {beta}")
+        self.beta, self.eps = float(beta), float(eps)
+        self.register_buffer("mu", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("nu", torch.ones((), dtype=torch.float64))
+        self.register_buffer("updates", torch.zeros((), dtype=torch.int64))
+
+    @property
+    def sigma(self) -> torch.Tensor:
+        from ar_torchrl.functional.popart import popart_sigma
+
+        return popart_sigma(self.mu, self.nu, eps=self.eps)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        normalised = super().forward(hidden)
+        # sigma * n + mu in float64: mu and sigma can be far larger than V (cancellation)
+        value = normalised.double() * self.sigma + self.mu
+        return value.to(normalised.dtype)
+
+    def normalize(self, value: torch.Tensor) -> torch.Tensor:
+        """``(value - mu) / sigma`` in ``value``'s dtype (the layer's own output scale)."""
+        return (value - self.mu.to(value.dtype)) / self.sigma.to(value.dtype)
+
+    @torch.no_grad()
+    def update_statistics(self, targets: torch.Tensor) -> None:
+        """Move ``mu``/``sigma`` with ``targets`` (``[N]``, the trained tokens' value targets) and
+        rescale the layer so that ``forward`` gives the same values as before."""
+        from ar_torchrl.functional.popart import popart_scale_shift, popart_statistics
+
+        mu, sigma = self.mu.clone(), self.sigma
+        new_mu, new_nu = popart_statistics(
+            self.mu, self.nu, targets.reshape(-1), beta=self.beta, first=int(self.updates) == 0
+        )
+        self.mu.copy_(new_mu)
+        self.nu.copy_(new_nu)
+        self.updates.add_(1)
+        scale, shift = popart_scale_shift(mu, sigma, self.mu, self.sigma)
+        self.weight.mul_(scale)  # floats: in place on plain and FSDP2-sharded parameters alike
+        self.bias.mul_(scale).add_(shift)
+
+
 def _hidden_size(model: nn.Module) -> int:
     config = getattr(model, "config", None)
     size = getattr(config, "hidden_size", None)
@@ -66,7 +135,9 @@ def _hidden_size(model: nn.Module) -> int:
     return int(size)
 
 
-def attach_value_head(model: nn.Module, path: str | Path | None = None) -> nn.Module:
+def attach_value_head(
+    model: nn.Module, path: str | Path | None = None, *, popart_beta: float | None = None
+) -> nn.Module:
     """Attach a zero-initialised :class:`ValueHead` as ``model.value_head`` (in place; returns model).
 
     Calling it on a model that already has a head keeps the existing head. With ``path`` (a
@@ -75,6 +146,8 @@ def attach_value_head(model: nn.Module, path: str | Path | None = None) -> nn.Mo
     Args:
         model: an HF causal LM with ``config.hidden_size``.
         path: optional saved head to load.
+        popart_beta: attach a :class:`PopArtValueHead` (normalised value targets) with this step
+            size instead.
 
     Example:
         >>> from ar_torchrl.models.tiny import build_tiny_qwen3
@@ -84,9 +157,17 @@ def attach_value_head(model: nn.Module, path: str | Path | None = None) -> nn.Mo
     """
     if not isinstance(getattr(model, "value_head", None), nn.Module):
         device = next(model.parameters()).device
-        model.value_head = ValueHead(_hidden_size(model)).to(device)
+        size = _hidden_size(model)
+        head = ValueHead(size) if popart_beta is None else PopArtValueHead(size, beta=popart_beta)
+        model.value_head = head.to(device)
+    elif popart_beta is not None and not isinstance(model.value_head, PopArtValueHead):
+        raise ValueError(
+            "attach_value_head(popart_beta=...): the model already has a plain ValueHead; "
+            "attach the PopArt head before training (its layer predicts normalised values)"
+        )
     ignore = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
-    model._keys_to_ignore_on_save = ignore | set(_HEAD_KEYS)
+    head_keys = {f"value_head.{k}" for k in model.value_head.state_dict()}  # PopArt: + buffers
+    model._keys_to_ignore_on_save = ignore | set(_HEAD_KEYS) | head_keys
     if path is not None:
         load_value_head(model, path)
     return model
@@ -125,8 +206,13 @@ def load_value_head(model: nn.Module, path: str | Path) -> nn.Module:
     if missing:
         raise KeyError(f"load_value_head: {file} lacks {sorted(missing)}; it holds {sorted(state)}")
     device = model.value_head.weight.device
-    model.value_head.load_state_dict(
-        {k.removeprefix("value_head."): v.to(device, torch.float32) for k, v in state.items()}
+    model.value_head.load_state_dict(  # the layer in fp32; PopArt's statistics keep their dtype
+        {
+            k.removeprefix("value_head."): v.to(device, torch.float32)
+            if k in _HEAD_KEYS
+            else v.to(device)
+            for k, v in state.items()
+        }
     )
     return model
 

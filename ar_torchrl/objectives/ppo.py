@@ -8,7 +8,8 @@ Departures from ``torchrl.objectives.ClipPPOLoss`` (docs/design.md section 8 lis
   aggregation mode of :func:`ar_torchrl.functional.aggregate_loss` and an optional global normaliser
   (``loss(td, normalizer=...)``) so gradient accumulation over micro-batches equals one big batch;
 - the value loss is ``0.5 * max((V - R)^2, (V_clip - R)^2)`` anchored at the recomputed
-  ``state_value``; optional dual-clip, k3 KL to a reference policy and truncated importance sampling
+  ``state_value`` (on the normalised scale ``(x - mu) / sigma`` with a
+  :class:`~ar_torchrl.modules.PopArtValueHead`); optional dual-clip, k3 KL to a reference policy and truncated importance sampling
   against ``rollout_log_prob`` (Yao et al. 2025, "Your efficient RL framework secretly brings you
   off-policy RL training").
 """
@@ -29,7 +30,7 @@ from torchrl.objectives.value import ValueEstimatorBase
 
 from ar_torchrl import functional as F
 from ar_torchrl.functional import AggregationMode
-from ar_torchrl.modules import LMActorCritic
+from ar_torchrl.modules import LMActorCritic, PopArtValueHead
 from ar_torchrl.objectives._keys import require_key, squeeze_feature
 from ar_torchrl.objectives.gae import TokenGAE
 from ar_torchrl.objectives.policy_loss import RolloutCorrection, make_policy_loss
@@ -720,6 +721,9 @@ class TokenPPOLoss(ClipPPOLoss):
             "without a critic: TokenPPOLoss(critic_coeff=0)",
         )
         clip = None if self.clip_value is None else float(self.clip_value)
+        head = getattr(self.actor_network.model, "value_head", None)
+        if isinstance(head, PopArtValueHead):  # the loss (and its clip) in the layer's own scale
+            value, old, target = (head.normalize(x) for x in (value, old, target))
         loss, _ = F.clipped_value_loss(value, old, target, mask, clip_value=clip)
         out["loss_critic"] = self.critic_coeff * self._agg(loss, mask, normalizer)
         out.update(_critic_metrics(value.detach(), old, target, mask, clip))

@@ -224,6 +224,29 @@ def build_loss(cfg: Config, actor_critic: Any) -> TokenPPOLoss:
     )
 
 
+def use_popart(model: torch.nn.Module, beta: float) -> None:
+    """``algo.value_norm=popart``: replace the value head by a :class:`PopArtValueHead` holding
+    its weights (with ``mu = 0, sigma = 1`` it computes the same values; the statistics move from
+    the first update on)."""
+    from ar_torchrl.modules import PopArtValueHead, attach_value_head
+
+    head = model.value_head
+    if isinstance(head, PopArtValueHead):
+        return
+    if head.weight.is_meta:
+        raise ValueError(
+            "algo.value_norm=popart: the value head is still on the meta device (a model loaded "
+            "from model.path under FSDP2); PopArt is not supported on that path yet: use "
+            "algo.value_norm=none"
+        )
+    popart = PopArtValueHead(head.in_features, beta=beta).to(head.weight.device)
+    with torch.no_grad():
+        popart.weight.copy_(head.weight)
+        popart.bias.copy_(head.bias)
+    model.value_head = popart
+    attach_value_head(model)  # refresh the keys save_pretrained leaves out (the buffers too)
+
+
 def build_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
     """AdamW with its own param group (learning rate) for the value head."""
     a = cfg.algo

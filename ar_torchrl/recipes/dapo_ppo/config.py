@@ -96,6 +96,8 @@ class _AlgoKeys:
     weight_decay: float = 0.0
     grad_clip: Optional[float] = 1.0
     critic_warmup_iters: int = 0
+    value_norm: str = "none"
+    popart_beta: float = 0.1
 
     def advantage_options(self) -> Any:
         """The selected estimator's options: its ``algo.<advantage_mode>`` section."""
@@ -153,6 +155,14 @@ class _AlgoKeys:
         check_ppo_update_args(p, num_minibatches=self.num_minibatches, grad_clip=self.grad_clip)
         check_optimizer_args(p, lr=self.lr, value_lr=self.value_lr, weight_decay=self.weight_decay)
         _count(p, "critic_warmup_iters", self.critic_warmup_iters, ge=0)
+        check_choice(p, "value_norm", self.value_norm, ("none", "popart"))
+        check_number(p, "popart_beta", self.popart_beta, gt=0, le=1)
+        if self.value_norm != "none" and not self.critic_coeff > 0:
+            raise ValueError(
+                f"config: algo.value_norm={self.value_norm} normalises the value head's targets; "
+                f"algo.critic_coeff={self.critic_coeff} trains no value head: set critic_coeff > 0 "
+                "or value_norm=none"
+            )
         if self.critic_warmup_iters and not self.critic_coeff > 0:
             raise ValueError(
                 f"config: algo.critic_warmup_iters={self.critic_warmup_iters} trains only the value "

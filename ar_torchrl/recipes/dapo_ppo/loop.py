@@ -86,6 +86,8 @@ def setup(
     #    Log-probs are those of the sampling distribution (temperature-scaled; greedy: T = 1).
     temperature = cfg.rollout.temperature or 1.0
     model, tokenizer, start_dir = strategy.build_policy(cfg.model, cfg.cache_dir)
+    if cfg.algo.value_norm == "popart":  # normalised value targets (before FSDP2 shards the head)
+        build.use_popart(model, cfg.algo.popart_beta)
     ref_actor = None
     if cfg.algo.kl_coeff > 0 or cfg.algo.kl_in_reward > 0:
         ref_actor = strategy.build_reference(model, start_dir, temperature)
@@ -208,6 +210,11 @@ def train(run: Run, stop: Any) -> int:
                     td = run.kl_reward(td)
                     losses["train/kl_in_reward"] = run.kl_reward.last_kl
                 td = run.advantage(td)
+                if cfg.algo.value_norm == "popart":  # the same full batch on every rank
+                    head = run.model.value_head
+                    head.update_statistics(td["value_target"][td["loss_mask"]])
+                    losses["train/value_norm_mu"] = float(head.mu)
+                    losses["train/value_norm_sigma"] = float(head.sigma)
             # 4. PPO epochs over mini-batches of micro-batches (critic warm-up: value head only).
             with run.timer("update"):
                 losses.update(
