@@ -111,13 +111,14 @@ def test_the_value_loss_is_computed_on_the_normalised_scale():
 
 
 @pytest.mark.slow
-def test_recipe_with_popart(tmp_path, cache_dir):
+def test_recipe_with_popart_and_critic_epochs(tmp_path, cache_dir):
     from test_recipe import run_recipe
 
     _, history = run_recipe(
         tmp_path / "run",
         cache_dir,
         "algo.value_norm=popart",
+        "algo.critic_epochs=2",  # and one more value-head pass per actor pass
         "train.iterations=2",
         "train.eval_every=0",
         "train.checkpoint_every=0",
@@ -128,3 +129,7 @@ def test_recipe_with_popart(tmp_path, cache_dir):
     assert len(steps) == 2
     assert all(math.isfinite(v) for h in steps for v in h.values() if isinstance(v, float))
     assert steps[0]["train/value_norm_sigma"] != 1.0 and "train/loss_critic" in steps[-1]
+    # algo.critic_epochs=2: as many extra value-head-only optimizer steps as joint ones
+    assert all(
+        h["train/critic_extra/optimizer_steps"] == h["train/optimizer_steps"] > 0 for h in steps
+    )

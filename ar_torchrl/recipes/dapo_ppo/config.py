@@ -98,6 +98,7 @@ class _AlgoKeys:
     critic_warmup_iters: int = 0
     value_norm: str = "none"
     popart_beta: float = 0.1
+    critic_epochs: int = 1
 
     def advantage_options(self) -> Any:
         """The selected estimator's options: its ``algo.<advantage_mode>`` section."""
@@ -155,6 +156,12 @@ class _AlgoKeys:
         check_ppo_update_args(p, num_minibatches=self.num_minibatches, grad_clip=self.grad_clip)
         check_optimizer_args(p, lr=self.lr, value_lr=self.value_lr, weight_decay=self.weight_decay)
         _count(p, "critic_warmup_iters", self.critic_warmup_iters, ge=0)
+        _count(p, "critic_epochs", self.critic_epochs)
+        if self.critic_epochs > 1 and not self.critic_coeff > 0:
+            raise ValueError(
+                f"config: algo.critic_epochs={self.critic_epochs} adds value-loss passes; "
+                f"algo.critic_coeff={self.critic_coeff} trains no value head: set critic_coeff > 0"
+            )
         check_choice(p, "value_norm", self.value_norm, ("none", "popart"))
         check_number(p, "popart_beta", self.popart_beta, gt=0, le=1)
         if self.value_norm != "none" and not self.critic_coeff > 0:

@@ -273,7 +273,7 @@ def update(run: Run, td, plan, *, critic_only: bool) -> dict[str, float]:
             len(plan),
             len(plan),
         )
-    return ppo_update(
+    out = ppo_update(
         run.loss_fn,
         run.optimizer,
         td,
@@ -285,6 +285,25 @@ def update(run: Run, td, plan, *, critic_only: bool) -> dict[str, float]:
         trainable=head if critic_only else None,
         generator=run.shuffle_rng,
     )
+    if a.critic_epochs > 1 and not critic_only:
+        # algo.critic_epochs = K: K - 1 more value-loss passes per actor pass, after the joint
+        # ones, on the value head only (the shared trunk stays the policy's).
+        extra = ppo_update(
+            run.loss_fn,
+            run.optimizer,
+            td,
+            plan,
+            epochs=(a.critic_epochs - 1) * a.ppo_epochs,
+            num_minibatches=min(a.num_minibatches, len(plan)),
+            grad_clip=a.grad_clip,
+            loss_keys=("loss_critic",),
+            trainable=head,
+            generator=run.shuffle_rng,
+        )
+        for key in ("loss_critic", "explained_variance", "optimizer_steps"):
+            if f"train/{key}" in extra:
+                out[f"train/critic_extra/{key}"] = extra[f"train/{key}"]
+    return out
 
 
 def rollout_metrics(run: Run, td) -> dict[str, float]:
