@@ -17,6 +17,7 @@ __all__ = [
     "k3_kl",
     "loss_normalizer",
     "masked_log_ratio",
+    "pessimistic_clip",
 ]
 
 #: Log-ratios ``log pi - log pi_old`` are clamped to ``[-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP]`` before
@@ -123,6 +124,33 @@ def masked_log_ratio(log_prob: Tensor, old_log_prob: Tensor, mask: Tensor) -> Te
     return diff.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
+def pessimistic_clip(
+    ratio: Tensor, advantage: Tensor, mask: Tensor, *, clip_low: float, clip_high: float
+) -> tuple[Tensor, Tensor]:
+    """PPO's pessimistic bound ``max(-r A, -clamp(r, 1 - clip_low, 1 + clip_high) A)`` per token.
+
+    The core of :func:`clipped_surrogate` and of GSPO
+    (:func:`~ar_torchrl.functional.gspo_surrogate`, with a sequence ratio); no masking of the
+    loss itself (the callers zero masked positions).
+
+    Args:
+        ratio, advantage: ``[B, L]`` float; mask: ``[B, L]`` bool.
+
+    Returns:
+        ``(loss [B, L], clipped [B, L] bool)``: ``clipped`` marks trained tokens where the clipped
+        term is the larger loss (their gradient through ``r`` is 0).
+
+    Example:
+        >>> loss, clipped = pessimistic_clip(torch.tensor([[1.5, 1.0]]), torch.ones(1, 2),
+        ...                                  torch.ones(1, 2, dtype=torch.bool), clip_low=0.2, clip_high=0.2)
+        >>> loss.tolist(), clipped.tolist()
+        ([[-1.2000000476837158, -1.0]], [[True, False]])
+    """
+    surr = -ratio * advantage
+    surr_clipped = -ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantage
+    return torch.maximum(surr, surr_clipped), (surr_clipped > surr) & mask
+
+
 def clipped_surrogate(
     log_prob: Tensor,
     old_log_prob: Tensor,
@@ -164,10 +192,7 @@ def clipped_surrogate(
     zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
     adv = torch.where(mask, advantage, zero)
     ratio = torch.exp(masked_log_ratio(log_prob, old_log_prob, mask))
-    surr = -ratio * adv
-    surr_clipped = -ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
-    loss = torch.maximum(surr, surr_clipped)
-    clipped = (surr_clipped > surr) & mask
+    loss, clipped = pessimistic_clip(ratio, adv, mask, clip_low=clip_low, clip_high=clip_high)
     if dual_clip is not None:
         dual = torch.minimum(loss, -dual_clip * adv)
         clipped = clipped | ((adv < 0) & (dual < loss) & mask)

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from ar_torchrl.functional._shapes import _check_mask, _check_same_shape
-from ar_torchrl.functional.losses import LOG_RATIO_CLAMP, masked_log_ratio
+from ar_torchrl.functional.losses import LOG_RATIO_CLAMP, masked_log_ratio, pessimistic_clip
 
 __all__ = ["cispo_surrogate", "gspo_surrogate"]
 
@@ -108,10 +108,7 @@ def gspo_surrogate(
     else:
         adv = (adv.sum(-1, keepdim=True) / n).expand_as(adv)
         ratio = torch.where(mask, torch.exp(seq_log_ratio).expand_as(adv), zero + 1.0)
-    surr = -ratio * adv
-    surr_clipped = -ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
-    loss = torch.maximum(surr, surr_clipped)
-    clipped = (surr_clipped > surr) & mask
+    loss, clipped = pessimistic_clip(ratio, adv, mask, clip_low=clip_low, clip_high=clip_high)
     return torch.where(mask, loss, zero), ratio, clipped
 
 
