@@ -280,6 +280,12 @@ def trl_loss(per_token_logps, old_per_token_logps, advantages, mask, loss_type, 
     return ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
 
 
+def same_loss_and_gradient(ours, theirs, lp) -> None:
+    """Our aggregated loss equals the peer's, and so does its gradient w.r.t. the log-probs."""
+    torch.testing.assert_close(ours, theirs, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(grad_of(ours, lp), grad_of(theirs, lp), atol=1e-12, rtol=1e-10)
+
+
 def peer_batch(seed: int):
     lp, old, adv, mask = batch(seed, spread=0.2)
     mask[1, :3] = True  # TRL averages over every row: give each row trained tokens
@@ -292,8 +298,7 @@ def test_gspo_token_matches_verl(seed):
     theirs = verl_gspo(old, lp, adv, mask.to(F64), 0.01, 0.02)
     loss, _, _ = gspo_surrogate(lp, old, adv, mask, clip_low=0.01, clip_high=0.02, token_level=True)
     ours = aggregate_loss(loss, mask, "seq_mean_token_mean")
-    torch.testing.assert_close(ours, theirs, atol=1e-12, rtol=1e-10)
-    torch.testing.assert_close(grad_of(ours, lp), grad_of(theirs, lp), atol=1e-12, rtol=1e-10)
+    same_loss_and_gradient(ours, theirs, lp)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -302,14 +307,12 @@ def test_cispo_matches_verl_and_trl(seed):
     theirs = verl_cispo(old, lp, adv, mask.to(F64), 0.2, 0.28)
     loss, _, _ = cispo_surrogate(lp, old, adv, mask, weight_max=1.28, weight_min=0.8)
     ours = aggregate_loss(loss, mask, "token_mean")
-    torch.testing.assert_close(ours, theirs, atol=1e-12, rtol=1e-10)
-    torch.testing.assert_close(grad_of(ours, lp), grad_of(theirs, lp), atol=1e-12, rtol=1e-10)
+    same_loss_and_gradient(ours, theirs, lp)
     row_adv = adv[:, 0]
     theirs = trl_loss(lp, old, row_adv, mask.to(F64), "cispo", "token", (0.2, 1.1))
     loss, _, _ = cispo_surrogate(lp, old, adv, mask, weight_max=1.1)
     ours = aggregate_loss(loss, mask, "token_mean")
-    torch.testing.assert_close(ours, theirs, atol=1e-12, rtol=1e-10)
-    torch.testing.assert_close(grad_of(ours, lp), grad_of(theirs, lp), atol=1e-12, rtol=1e-10)
+    same_loss_and_gradient(ours, theirs, lp)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -319,8 +322,7 @@ def test_gspo_sequence_and_clip_match_trl(seed):
     theirs = trl_loss(lp, old, row_adv, mask.to(F64), "grpo", "sequence", (0.01, 0.02))
     loss, _, _ = gspo_surrogate(lp, old, adv, mask, clip_low=0.01, clip_high=0.02)
     ours = aggregate_loss(loss, mask, "seq_mean_token_mean")
-    torch.testing.assert_close(ours, theirs, atol=1e-12, rtol=1e-10)
-    torch.testing.assert_close(grad_of(ours, lp), grad_of(theirs, lp), atol=1e-12, rtol=1e-10)
+    same_loss_and_gradient(ours, theirs, lp)
     theirs = trl_loss(lp, old, row_adv, mask.to(F64), "grpo", "token", (0.2, 0.28))
     loss, _, _ = make_policy_loss("clip", clip_low=0.2, clip_high=0.28)(lp, old, adv, mask)
     ours = aggregate_loss(loss, mask, "seq_mean_token_mean")
