@@ -62,16 +62,7 @@ def test_every_preset_against_a_plain_loop(seed, preset):
     rc = RolloutCorrection(preset=preset).resolved()
     if preset.startswith("geo"):  # the geometric band is +-0.1 %: make the mismatch that small
         roll = old + (roll - old) * 4e-3
-    weight, keep, metrics = rollout_correction(
-        old,
-        roll,
-        mask,
-        is_level=rc.is_level,
-        is_cap=rc.is_cap or 2.0,
-        mask_mode=rc.mask_mode,
-        mask_low=rc.mask_low,
-        mask_high=rc.mask_high,
-    )
+    weight, keep, metrics = rollout_correction(old, roll, mask, **rc.arguments())
     w, k, capped = loop(
         old, roll, mask, rc.is_level, rc.is_cap, rc.mask_mode, rc.mask_low, rc.mask_high
     )
@@ -153,10 +144,7 @@ def test_presets_match_verl(seed, preset):
     if preset == "geo_mask":
         roll = old + (roll - old) * 4e-3
     rc = RolloutCorrection(preset=preset).resolved()
-    weight, keep, _ = rollout_correction(
-        old, roll, mask, is_level=rc.is_level, is_cap=rc.is_cap or 2.0,
-        mask_mode=rc.mask_mode, mask_low=rc.mask_low, mask_high=rc.mask_high,
-    )  # fmt: skip
+    weight, keep, _ = rollout_correction(old, roll, mask, **rc.arguments())
     m = mask.to(F64)
     log_ratio = torch.where(mask, old - roll, 0.0)
     if rc.is_level is not None:
@@ -205,10 +193,8 @@ def test_the_correction_weights_the_policy_term_only(preset):
     rc = corrected.rollout_correction
     mask = td["loss_mask"]
     w, keep, _ = rollout_correction(
-        td["sample_log_prob"], td["rollout_log_prob"], mask, is_level=rc.is_level,
-        is_cap=rc.is_cap or 2.0, mask_mode=rc.mask_mode, mask_low=rc.mask_low,
-        mask_high=rc.mask_high,
-    )  # fmt: skip
+        td["sample_log_prob"], td["rollout_log_prob"], mask, **rc.arguments()
+    )
     lp = ac(td.select(*ac.in_keys))["log_prob"].detach()
     from ar_torchrl.functional import aggregate_loss, clipped_surrogate
 

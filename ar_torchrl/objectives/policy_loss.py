@@ -249,6 +249,23 @@ class RolloutCorrection:
             values["is_cap"] = 2.0
         return RolloutCorrection(preset=self.preset, **values)
 
+    def arguments(self) -> dict[str, Any]:
+        """The resolved fields as the keyword arguments of
+        :func:`ar_torchrl.functional.rollout_correction.rollout_correction`.
+
+        Example:
+            >>> RolloutCorrection(preset="mis").arguments()["mask_mode"]
+            'sequence'
+        """
+        r = self.resolved()
+        return {
+            "is_level": r.is_level,
+            "is_cap": 2.0 if r.is_cap is None else r.is_cap,
+            "mask_mode": r.mask_mode,
+            "mask_low": r.mask_low,
+            "mask_high": r.mask_high,
+        }
+
     @property
     def active(self) -> bool:
         r = self.resolved()

@@ -686,16 +686,7 @@ class TokenPPOLoss(ClipPPOLoss):
                     f"{k.rollout_log_prob!r} (the engine's log-probs of the sampled tokens), "
                     "missing from the batch"
                 )
-            weight, keep, metrics = F.rollout_correction(
-                old,
-                rollout,
-                mask,
-                is_level=rc.is_level,
-                is_cap=rc.is_cap or 2.0,
-                mask_mode=rc.mask_mode,
-                mask_low=rc.mask_low,
-                mask_high=rc.mask_high,
-            )
+            weight, keep, metrics = F.rollout_correction(old, rollout, mask, **rc.arguments())
             loss = torch.where(keep, loss * weight, torch.zeros((), dtype=loss.dtype))
             out.update(metrics)
         out["loss_objective"] = self._agg(loss, mask, normalizer)
