@@ -6,7 +6,7 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 
-__all__ = ["MissingKeyError", "require_key", "squeeze_feature"]
+__all__ = ["MissingKeyError", "policy_tokens", "require_key", "squeeze_feature"]
 
 
 class MissingKeyError(KeyError):
@@ -39,3 +39,17 @@ def squeeze_feature(
         f"{owner}: {key!r} has shape {tuple(x.shape)}; expected {tuple(batch_shape)} or "
         f"{(*tuple(batch_shape), 1)} (the token-trajectory layout [B, L])"
     )
+
+
+def policy_tokens(
+    td: TensorDictBase, key: NestedKey, mask: torch.Tensor, owner: str
+) -> torch.Tensor:
+    """``mask & td[key]`` when the batch has the optional ``policy_mask`` entry ``key`` (bool
+    ``[B, L]`` or ``[B, L, 1]``: rows kept for the critic only), else ``mask``."""
+    policy = td.get(key, None)
+    if policy is None:
+        return mask
+    policy = squeeze_feature(policy, key, td.batch_size, owner)
+    if policy.dtype != torch.bool:
+        raise TypeError(f"{owner}: {key!r} must be bool, got {policy.dtype}")
+    return mask & policy

@@ -19,7 +19,12 @@ from ar_torchrl.functional import (
     token_gae,
     turn_gae,
 )
-from ar_torchrl.objectives._keys import MissingKeyError, require_key, squeeze_feature
+from ar_torchrl.objectives._keys import (
+    MissingKeyError,
+    policy_tokens,
+    require_key,
+    squeeze_feature,
+)
 from ar_torchrl.utils.checks import GAETimestep, check_gae_args
 
 __all__ = ["MissingKeyError", "TokenGAE"]
@@ -265,7 +270,7 @@ class TokenGAE(ValueEstimatorBase):
         else:
             adv, target = turn_gae(reward, value.detach(), mask, turn_id, **hyper)
         if self.normalize_advantage:  # over the policy's tokens (critic-only rows excluded)
-            adv = masked_whiten(adv, _policy_mask(tensordict, keys.policy_mask, mask))
+            adv = masked_whiten(adv, policy_tokens(tensordict, keys.policy_mask, mask, "TokenGAE"))
         tensordict.set(keys.advantage, adv.unsqueeze(-1))
         tensordict.set(keys.value_target, target.unsqueeze(-1))
         return tensordict
@@ -275,17 +280,3 @@ class TokenGAE(ValueEstimatorBase):
     ):
         """``value_target`` ``[B, L, 1]`` (TorchRL's ``value_estimate`` contract)."""
         return self.forward(tensordict.copy()).get(self.tensor_keys.value_target)
-
-
-def _policy_mask(td: TensorDictBase, key: NestedKey, mask: torch.Tensor) -> torch.Tensor:
-    """``loss_mask & policy_mask`` when the batch has a ``policy_mask`` (rows kept for the critic
-    only, e.g. ``gather_batch(critic_flat_groups=True)``), else ``loss_mask``."""
-    policy = td.get(key, None)
-    if policy is None:
-        return mask
-    if policy.dtype != torch.bool or policy.shape != mask.shape:
-        raise ValueError(
-            f"{key!r} must be bool with loss_mask's shape {tuple(mask.shape)}, got "
-            f"{policy.dtype} {tuple(policy.shape)}"
-        )
-    return mask & policy

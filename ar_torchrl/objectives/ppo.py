@@ -31,7 +31,7 @@ from torchrl.objectives.value import ValueEstimatorBase
 from ar_torchrl import functional as F
 from ar_torchrl.functional import AggregationMode
 from ar_torchrl.modules import LMActorCritic, PopArtValueHead
-from ar_torchrl.objectives._keys import require_key, squeeze_feature
+from ar_torchrl.objectives._keys import policy_tokens, require_key, squeeze_feature
 from ar_torchrl.objectives.gae import TokenGAE
 from ar_torchrl.objectives.policy_loss import RolloutCorrection, make_policy_loss
 from ar_torchrl.utils.checks import check_number, check_ppo_loss_args
@@ -571,14 +571,7 @@ class TokenPPOLoss(ClipPPOLoss):
         return {"policy": policy, "critic": critic}
 
     def _policy_mask(self, td: TensorDictBase, mask: torch.Tensor) -> torch.Tensor:
-        key = self.tensor_keys.policy_mask
-        policy = td.get(key, None)
-        if policy is None:
-            return mask
-        policy = squeeze_feature(policy, key, td.batch_size, _OWNER)
-        if policy.dtype != torch.bool:
-            raise TypeError(f"{_OWNER}: {key!r} must be bool, got {policy.dtype}")
-        return mask & policy
+        return policy_tokens(td, self.tensor_keys.policy_mask, mask, _OWNER)
 
     def _split_normalizer(self, normalizer, has_policy_mask: bool):
         if isinstance(normalizer, dict):
@@ -615,9 +608,8 @@ class TokenPPOLoss(ClipPPOLoss):
             self.value_estimator(tensordict)
         critic_mask = mask
         mask = self._policy_mask(tensordict, critic_mask)  # the policy's tokens
-        normalizer, critic_normalizer = self._split_normalizer(
-            normalizer, tensordict.get(k.policy_mask, None) is not None
-        )
+        has_policy_mask = tensordict.get(k.policy_mask, None) is not None
+        normalizer, critic_normalizer = self._split_normalizer(normalizer, has_policy_mask)
         new = self.actor_network(self.actor_network.select_inputs(tensordict))
         out: dict[str, torch.Tensor] = {}
         log_prob = new.get(self.actor_network.log_prob_key)
@@ -625,7 +617,7 @@ class TokenPPOLoss(ClipPPOLoss):
         if self._has_critic:
             value = new.get(self.actor_network.value_key).squeeze(-1)
             self._critic_terms(tensordict, value, critic_mask, critic_normalizer, out)
-            if tensordict.get(k.policy_mask, None) is not None:  # the policy's rows alone
+            if has_policy_mask:  # the policy's rows alone
                 target = self._get(tensordict, k.value_target, "value_target [B, L, 1]")
                 out["explained_variance_policy_rows"] = _torchrl_explained_variance(
                     value.detach(), target, mask
