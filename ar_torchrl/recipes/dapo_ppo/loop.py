@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -273,33 +274,22 @@ def update(run: Run, td, plan, *, critic_only: bool) -> dict[str, float]:
             len(plan),
             len(plan),
         )
-    out = ppo_update(
+    passes = partial(
+        ppo_update,
         run.loss_fn,
         run.optimizer,
         td,
         plan,
-        epochs=a.ppo_epochs,
         num_minibatches=min(a.num_minibatches, len(plan)),
         grad_clip=a.grad_clip,
-        loss_keys=("loss_critic",) if critic_only else None,
-        trainable=head if critic_only else None,
         generator=run.shuffle_rng,
     )
+    value_head_only = {"loss_keys": ("loss_critic",), "trainable": head}
+    out = passes(epochs=a.ppo_epochs, **(value_head_only if critic_only else {}))
     if a.critic_epochs > 1 and not critic_only:
         # algo.critic_epochs = K: K - 1 more value-loss passes per actor pass, after the joint
         # ones, on the value head only (the shared trunk stays the policy's).
-        extra = ppo_update(
-            run.loss_fn,
-            run.optimizer,
-            td,
-            plan,
-            epochs=(a.critic_epochs - 1) * a.ppo_epochs,
-            num_minibatches=min(a.num_minibatches, len(plan)),
-            grad_clip=a.grad_clip,
-            loss_keys=("loss_critic",),
-            trainable=head,
-            generator=run.shuffle_rng,
-        )
+        extra = passes(epochs=(a.critic_epochs - 1) * a.ppo_epochs, **value_head_only)
         for key in ("loss_critic", "explained_variance", "optimizer_steps"):
             if f"train/{key}" in extra:
                 out[f"train/critic_extra/{key}"] = extra[f"train/{key}"]
