@@ -121,10 +121,11 @@ def gather_batch(
         take = (spread if dynamic else list(dict.fromkeys(seq["prompt_id"].tolist())))[
             : target - counts["groups_kept"]
         ]
-        in_spread = torch.isin(seq["prompt_id"], torch.tensor(spread, dtype=torch.long))
         kept.append(seq[torch.isin(seq["prompt_id"], torch.tensor(take, dtype=torch.long))])
         if dynamic and critic_flat_groups:
-            flat_rows.append(seq[~in_spread])
+            flat_rows.append(
+                seq[~torch.isin(seq["prompt_id"], torch.tensor(spread, dtype=torch.long))]
+            )
         counts["groups_generated"] += target
         counts["groups_zero_spread"] += flat
         counts["groups_kept"] += len(take)

@@ -113,7 +113,8 @@ def rollout_correction(
         )
     lr = masked_log_ratio(old_log_prob, rollout_log_prob, mask).detach()
     n = mask.sum(-1, keepdim=True)
-    seq_sum = lr.sum(-1, keepdim=True).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    row_sum = lr.sum(-1, keepdim=True)
+    seq_sum = row_sum.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     rows = mask.any(-1)
     metrics: dict[str, Tensor] = {}
     one = torch.ones_like(lr)
@@ -130,7 +131,7 @@ def rollout_correction(
         elif mask_mode == "sequence":
             stat = seq_sum.expand_as(lr)
         else:
-            stat = (lr.sum(-1, keepdim=True) / n.clamp_min(1)).expand_as(lr)
+            stat = (row_sum / n.clamp_min(1)).expand_as(lr)
         keep = mask & _in_band(stat, mask_low, mask_high)
         rejected = mask & ~keep
         metrics["rollout_masked_tokens"] = _masked_mean(rejected.to(lr.dtype), mask)
