@@ -701,6 +701,6 @@ def test_actor_only_module_as_reference_and_critic_errors():
     out = TokenPPOLoss(actor_only, critic_coeff=None)(GRPOAdvantage()(td2))
     assert torch.isfinite(out["loss_objective"]) and "loss_critic" not in out.keys()
     with pytest.raises(
-        ValueError, match=r"critic_coeff=1.0 needs an LMActorCritic with a value head"
+        ValueError, match=r"critic_coeff=1.0 needs a critic: an LMActorCritic with a value head"
     ):
         TokenPPOLoss(actor_only)

@@ -332,7 +332,11 @@ def _hint(name):
         ("normalize_advantage", True, r"TokenGAE\(normalize_advantage=True\)"),
         ("normalize_advantage_exclude_dims", (-1,), r"whiten them in the advantage module"),
         ("advantage_norm", object(), r"whiten them in the advantage module"),
-        ("separate_losses", True, r"one LMActorCritic \(one backbone forward\)"),
+        (
+            "separate_losses",
+            True,
+            r"one LMActorCritic, one backbone forward\) the value loss trains",
+        ),
         ("samples_mc_entropy", 1, r"the entropy is exact over the vocabulary"),
         ("log_explained_variance", False, r"always logged with a critic"),
         ("delay_actor", True, r"the proximal policy is sample_log_prob"),
@@ -386,8 +390,8 @@ def test_every_unhonoured_setting_reads_as_what_the_loss_does_or_raises():
     ("kwargs", "message"),
     [
         (
-            {"critic_network": None},
-            r"TokenPPOLoss\(critic_network=None\) is not supported: the critic is actor_critic's value head",
+            {"critic": None},
+            r"TokenPPOLoss\(critic=None\) is not supported: pass the critic as critic_network",
         ),
         (
             {"entropy_bonus": True},
@@ -436,7 +440,7 @@ def test_inherited_methods_and_schedulable_settings_are_honoured_or_raise():
     with pytest.raises(NotImplementedError, match=r"loss_critic\(td\) is ClipPPOLoss's unmasked"):
         loss.loss_critic(td)
     with pytest.raises(
-        ValueError, match=r"critic_network cannot be replaced: the values come from"
+        ValueError, match=r"critic_network cannot be replaced \(the anchors, the value estimator"
     ):
         loss.critic_network = tiny_actor_critic(seed=2)
     loss.critic_network = ac  # the same module: nothing changes

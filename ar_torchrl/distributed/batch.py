@@ -16,7 +16,7 @@ from torchrl.objectives import ClipPPOLoss
 from ar_torchrl.distributed.context import DistContext
 from ar_torchrl.distributed.fsdp import reshard
 from ar_torchrl.distributed.plan import ShardedPlan
-from ar_torchrl.modules import LMActorCritic
+from ar_torchrl.modules import LMActorCritic, LMCritic
 from ar_torchrl.objectives.anchors import _anchor_keys, recompute_anchors
 
 __all__ = ["broadcast_batch", "recompute_sharded_anchors"]
@@ -51,6 +51,7 @@ def recompute_sharded_anchors(
     *,
     ref_actor: LMActorCritic | None = None,
     loss: ClipPPOLoss | None = None,
+    critic: LMCritic | None = None,
 ) -> TensorDictBase:
     """:func:`~ar_torchrl.objectives.recompute_anchors` over this rank's micro-batches, then summed.
 
@@ -60,10 +61,14 @@ def recompute_sharded_anchors(
     Afterwards the FSDP roots are resharded (FSDP2 keeps a root gathered after a forward without
     backward, which would also hide the fp32 shards from an optimizer built now).
     """
-    recompute_anchors(actor_critic, td, sharded.local_plan, ref_actor=ref_actor, loss=loss)
-    for key in _anchor_keys(actor_critic, ref_actor, loss):
+    if critic is None and getattr(loss, "separate_critic", False):
+        critic = loss.critic_network
+    recompute_anchors(
+        actor_critic, td, sharded.local_plan, ref_actor=ref_actor, loss=loss, critic=critic
+    )
+    for key in _anchor_keys(actor_critic, ref_actor, loss, critic):
         sharded.all_reduce_(td.get(key))
-    for module in (actor_critic, ref_actor):
+    for module in (actor_critic, ref_actor, critic):
         if module is not None:
             reshard(module)
     return td

@@ -1,6 +1,7 @@
 """Value head and the LM actor-critic module."""
 
 from ar_torchrl.modules.actor_critic import LMActorCritic
+from ar_torchrl.modules.critic import LMCritic, build_separate_critic, check_same_tokenizer
 from ar_torchrl.modules.log_probs import (
     LOGITS_MEMORY_BUDGET,
     chunk_tokens_for_budget,
@@ -28,10 +29,13 @@ __all__ = [
     "PACKED_KEY",
     "VALUE_HEAD_FILE",
     "LMActorCritic",
+    "LMCritic",
     "PackedLayout",
     "PopArtValueHead",
     "ValueHead",
     "attach_value_head",
+    "build_separate_critic",
+    "check_same_tokenizer",
     "chunk_tokens_for_budget",
     "is_varlen",
     "load_value_head",

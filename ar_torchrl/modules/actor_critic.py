@@ -30,7 +30,7 @@ from ar_torchrl.modules.log_probs import (
     chunk_tokens_for_budget,
     token_log_probs,
 )
-from ar_torchrl.modules.packing import PACKED_KEY, is_varlen, packed_layout
+from ar_torchrl.modules.packing import PACKED_KEY, PackedLayout, is_varlen, packed_layout
 from ar_torchrl.utils.checks import check_actor_args
 
 __all__ = ["LMActorCritic", "token_log_probs"]
@@ -170,12 +170,7 @@ class LMActorCritic(TensorDictModuleBase):
 
     def hidden_states(self, tokens: Tensor, attention_mask: Tensor) -> Tensor:
         """Final hidden states ``[B, L, H]`` of the backbone (position ids from the mask)."""
-        mask = attention_mask.long()
-        position_ids = (mask.cumsum(-1) - 1).clamp_min(0)
-        out = self.model.get_decoder()(
-            input_ids=tokens, attention_mask=mask, position_ids=position_ids, use_cache=False
-        )
-        return out.last_hidden_state
+        return backbone_hidden_states(self.model, tokens, attention_mask)
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         tokens = tensordict.get(self.tokens_key)
@@ -215,22 +210,14 @@ class LMActorCritic(TensorDictModuleBase):
         )
         if not self.critic:
             return log_prob, None, None, entropy
-        next_value = self.model.value_head(hidden)
-        value = torch.cat(
-            [next_value.new_zeros(next_value.shape[0], 1, 1), next_value[:, :-1]], dim=1
-        )
+        value, next_value = shifted_values(self.model.value_head, hidden)
         return log_prob, value, next_value, entropy
 
     def _packed(self, tokens: Tensor, attention_mask: Tensor) -> tuple[Tensor | None, ...]:
         """Padding-free forward; outputs in the ``[b, w]`` layout, 0 where nothing is defined
         (padding, and each row's first real token for ``log_prob``/``state_value``/``entropy``)."""
-        implementation = getattr(self.model.config, "_attn_implementation", None)
-        layout = packed_layout(tokens, attention_mask, varlen=is_varlen(implementation))
-        out = self.model.get_decoder()(
-            input_ids=layout.input_ids, position_ids=layout.position_ids, use_cache=False
-        )
-        hidden = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])
-        mask, prev = attention_mask.bool(), layout.previous
+        hidden, layout = packed_hidden_states(self.model, tokens, attention_mask)
+        prev = layout.previous
         here = layout.index[prev]  # packed position of each token that has a log-prob
         lp, ent = _chunked_log_probs(
             hidden[here - 1],
@@ -245,7 +232,51 @@ class LMActorCritic(TensorDictModuleBase):
         entropy = zeros.masked_scatter(prev, ent) if ent is not None else None
         if not self.critic:
             return zeros.masked_scatter(prev, lp), None, None, entropy
-        values = self.model.value_head(hidden)  # [N, 1]: V(h) at every packed position
-        next_value = zeros.unsqueeze(-1).masked_scatter(mask[..., None], values[layout.index[mask]])
-        value = zeros.unsqueeze(-1).masked_scatter(prev[..., None], values[here - 1])
+        value, next_value = packed_values(self.model.value_head, hidden, layout, attention_mask)
         return zeros.masked_scatter(prev, lp), value, next_value, entropy
+
+
+# --------------------------------------------------------------------------- shared with LMCritic
+def backbone_hidden_states(model: nn.Module, tokens: Tensor, attention_mask: Tensor) -> Tensor:
+    """Final hidden states ``[B, L, H]`` of an HF causal LM's backbone (``get_decoder()``), with
+    position ids ``cumsum(attention_mask) - 1`` so left padding never shifts positions."""
+    mask = attention_mask.long()
+    position_ids = (mask.cumsum(-1) - 1).clamp_min(0)
+    out = model.get_decoder()(
+        input_ids=tokens, attention_mask=mask, position_ids=position_ids, use_cache=False
+    )
+    return out.last_hidden_state
+
+
+def shifted_values(head: nn.Module, hidden: Tensor) -> tuple[Tensor, Tensor]:
+    """``(state_value, next_state_value)``, both ``[B, L, 1]``, from hidden states ``[B, L, H]``:
+    ``next[t] = V(h[t])`` and ``value[t] = V(h[t - 1])`` (0 at ``t = 0``)."""
+    next_value = head(hidden)
+    value = torch.cat([next_value.new_zeros(next_value.shape[0], 1, 1), next_value[:, :-1]], dim=1)
+    return value, next_value
+
+
+def packed_hidden_states(
+    model: nn.Module, tokens: Tensor, attention_mask: Tensor
+) -> tuple[Tensor, PackedLayout]:
+    """The backbone over the rows' real tokens packed into shared sequences: hidden states
+    ``[N, H]`` (one per packed position) and the :class:`PackedLayout` that maps them back."""
+    implementation = getattr(model.config, "_attn_implementation", None)
+    layout = packed_layout(tokens, attention_mask, varlen=is_varlen(implementation))
+    out = model.get_decoder()(
+        input_ids=layout.input_ids, position_ids=layout.position_ids, use_cache=False
+    )
+    return out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1]), layout
+
+
+def packed_values(
+    head: nn.Module, hidden: Tensor, layout: PackedLayout, attention_mask: Tensor
+) -> tuple[Tensor, Tensor]:
+    """:func:`shifted_values` of a packed forward, in the crop's ``[b, w, 1]`` layout: 0 on
+    padding (and, for ``state_value``, on each row's first real token)."""
+    mask, prev = attention_mask.bool(), layout.previous
+    values = head(hidden)  # [N, 1]: V(h) at every packed position
+    zeros = torch.zeros((*attention_mask.shape, 1), dtype=values.dtype, device=values.device)
+    next_value = zeros.masked_scatter(mask[..., None], values[layout.index[mask]])
+    value = zeros.masked_scatter(prev[..., None], values[layout.index[prev] - 1])
+    return value, next_value

@@ -8,7 +8,7 @@ from tensordict.utils import NestedKey
 from torchrl.objectives import ClipPPOLoss
 
 from ar_torchrl.data.micro_batch import MicroBatchPlan
-from ar_torchrl.modules import LMActorCritic
+from ar_torchrl.modules import LMActorCritic, LMCritic
 
 __all__ = ["recompute_anchors"]
 
@@ -21,21 +21,24 @@ def recompute_anchors(
     *,
     ref_actor: LMActorCritic | None = None,
     loss: ClipPPOLoss | None = None,
+    critic: LMCritic | None = None,
 ) -> TensorDictBase:
     """Fill the PPO anchors of ``td`` in place (no grad), one forward per micro-batch of ``plan``.
 
     Writes the old log-probs ``sample_log_prob`` ``[B, L]``, and when ``actor_critic`` has a critic
-    the old values ``state_value`` ``[B, L, 1]`` and ``("next", "state_value")`` ``[B, L, 1]``
-    (bootstrap values); with ``ref_actor`` (an actor, ``critic=False`` is enough) the reference
+    (or a separate ``critic`` is given) the old values ``state_value`` ``[B, L, 1]`` and
+    ``("next", "state_value")`` ``[B, L, 1]`` (bootstrap values), from the same crops; with ``ref_actor`` (an actor, ``critic=False`` is enough) the reference
     policy's ``ref_log_prob`` ``[B, L]``. Each micro-batch is cropped exactly as ``plan.split`` crops
     it for training, so at unchanged weights the training forward reproduces these numbers bit for
     bit (ratio exactly 1). Positions outside every crop (padding) get 0.
 
-    Keys: the modules' own. Values go to ``actor_critic``'s ``value``/``next_value`` keys; the
+    Keys: the modules' own. Values go to the critic's (``actor_critic``'s or ``critic``'s)
+    ``value``/``next_value`` keys; the
     log-prob anchors to ``loss.tensor_keys.sample_log_prob`` / ``ref_log_prob`` when ``loss`` (the
     :class:`~ar_torchrl.objectives.TokenPPOLoss` that will read them) is given, else to TorchRL's
     default names ``"sample_log_prob"`` and ``"ref_log_prob"``. With ``loss``, the values go to its
-    ``value`` key and ``("next", *value)`` (where the loss and its :class:`TokenGAE` read them).
+    ``value`` key and ``("next", *value)`` (where the loss and its :class:`TokenGAE` read them), and
+    a loss built with a separate ``critic_network`` is the default ``critic``.
 
     Example:
         >>> from tensordict import TensorDict
@@ -49,12 +52,15 @@ def recompute_anchors(
         >>> td["sample_log_prob"].shape, td["state_value"].shape
         (torch.Size([3, 5]), torch.Size([3, 5, 1]))
     """
-    outputs = _anchor_keys(actor_critic, ref_actor, loss)
+    if critic is None and getattr(loss, "separate_critic", False):
+        critic = loss.critic_network  # the loss's own separate critic
+    outputs = _anchor_keys(actor_critic, ref_actor, loss, critic)
     full: dict[NestedKey, torch.Tensor | None] = {key: None for key in outputs}
     for mb, sub in zip(plan.micro_batches, plan.split(td)):
         results = {id(actor_critic): actor_critic(actor_critic.select_inputs(sub))}
-        if ref_actor is not None:
-            results[id(ref_actor)] = ref_actor(ref_actor.select_inputs(sub))
+        for module in (ref_actor, critic):
+            if module is not None:
+                results[id(module)] = module(module.select_inputs(sub))
         for key, (module, out_key) in outputs.items():
             values = results[id(module)].get(out_key)
             if full[key] is None:
@@ -66,21 +72,32 @@ def recompute_anchors(
 
 
 def _anchor_keys(
-    actor_critic: LMActorCritic, ref_actor: LMActorCritic | None, loss: ClipPPOLoss | None
-) -> dict[NestedKey, tuple[LMActorCritic, NestedKey]]:
+    actor_critic: LMActorCritic,
+    ref_actor: LMActorCritic | None,
+    loss: ClipPPOLoss | None,
+    critic: LMCritic | None = None,
+) -> dict[NestedKey, tuple[LMActorCritic | LMCritic, NestedKey]]:
     """Destination key -> (module, the module's output key)."""
+    if critic is not None and actor_critic.critic:
+        raise ValueError(
+            "recompute_anchors: a separate critic was given but actor_critic computes values too "
+            "(its value head); pass the actor as LMActorCritic(model, critic=False)"
+        )
     k = actor_critic.tensor_keys
+    values = critic if critic is not None else actor_critic if actor_critic.critic else None
     lp_key, ref_key = "sample_log_prob", "ref_log_prob"
-    value_key, next_key = k.value, k.next_value
+    value_key = next_key = None
+    if values is not None:
+        value_key, next_key = values.tensor_keys.value, values.tensor_keys.next_value
     if loss is not None:
         lk = loss.tensor_keys
         lp_key, ref_key = lk.sample_log_prob, getattr(lk, "ref_log_prob", ref_key)
         value_key = lk.value
         next_key = ("next", *((value_key,) if isinstance(value_key, str) else value_key))
     outputs = {lp_key: (actor_critic, k.log_prob)}
-    if actor_critic.critic:
-        outputs[value_key] = (actor_critic, k.value)
-        outputs[next_key] = (actor_critic, k.next_value)
+    if values is not None:
+        outputs[value_key] = (values, values.tensor_keys.value)
+        outputs[next_key] = (values, values.tensor_keys.next_value)
     if ref_actor is not None:
         outputs[ref_key] = (ref_actor, ref_actor.tensor_keys.log_prob)
     return outputs

@@ -3,7 +3,9 @@
 Departures from ``torchrl.objectives.ClipPPOLoss`` (docs/design.md section 8 lists why):
 
 - one backbone forward of an :class:`~ar_torchrl.modules.LMActorCritic` gives new log-probs *and*
-  values (the actor and critic are one module);
+  values (the actor and critic are one module, the value head on the policy), or, as TorchRL's
+  ``ClipPPOLoss(actor_network, critic_network)``, an actor and a separate
+  :class:`~ar_torchrl.modules.LMCritic` (a second model: its own forward, disjoint parameters);
 - every ``loss_*`` term **and every metric** is reduced over ``loss_mask`` only, with the
   aggregation mode of :func:`ar_torchrl.functional.aggregate_loss` and an optional global normaliser
   (``loss(td, normalizer=...)``) so gradient accumulation over micro-batches equals one big batch;
@@ -30,7 +32,7 @@ from torchrl.objectives.value import ValueEstimatorBase
 
 from ar_torchrl import functional as F
 from ar_torchrl.functional import AggregationMode
-from ar_torchrl.modules import LMActorCritic, PopArtValueHead
+from ar_torchrl.modules import LMActorCritic, LMCritic, PopArtValueHead
 from ar_torchrl.objectives._keys import policy_tokens, require_key, squeeze_feature
 from ar_torchrl.objectives.gae import TokenGAE
 from ar_torchrl.objectives.policy_loss import RolloutCorrection, make_policy_loss
@@ -48,7 +50,8 @@ _WHITEN = (
     "(TokenGAE(normalize_advantage=True); GRPOAdvantage scales per group)"
 )
 _CRITIC = (
-    "the critic is actor_critic's value head (LMActorCritic(critic=True)); pass only actor_critic"
+    "pass the critic as critic_network (an LMCritic over a separate model), or use actor_critic's "
+    "value head (LMActorCritic(critic=True)) and pass only actor_critic"
 )
 
 #: ``ClipPPOLoss``/``PPOLoss`` settings TokenPPOLoss does not have, ``name -> (value, hint)``:
@@ -72,9 +75,9 @@ UNSUPPORTED_CLIP_PPO_SETTINGS: dict[str, tuple[Any, str]] = {
     "advantage_norm": (None, _WHITEN),
     "separate_losses": (
         False,
-        "actor and critic are one LMActorCritic (one backbone forward), so the value loss trains "
-        "the shared backbone; weight it with critic_coeff, or train without a critic "
-        "(critic_coeff=None)",
+        "with the value head on the policy (one LMActorCritic, one backbone forward) the value "
+        "loss trains the shared backbone; for disjoint parameters pass a separate critic "
+        "(critic_network=LMCritic(...)); weight the value loss with critic_coeff",
     ),
     "samples_mc_entropy": (
         _NO_VALUE,
@@ -107,7 +110,6 @@ UNSUPPORTED_CLIP_PPO_SETTINGS: dict[str, tuple[Any, str]] = {
 
 #: ``ClipPPOLoss`` constructor arguments that are not settings of TokenPPOLoss: ``name -> hint``.
 _CLIP_PPO_ONLY_ARGS: dict[str, str] = {
-    "critic_network": _CRITIC,
     "critic": _CRITIC,
     "entropy_bonus": "set entropy_coeff (0 switches the entropy bonus off)",
     "gamma": "the discount is the value estimator's: loss.make_value_estimator(gamma=...), or "
@@ -147,7 +149,12 @@ class TokenPPOLoss(ClipPPOLoss):
     """Clipped PPO (actor) + clipped value (critic) loss over the trained tokens of a trajectory.
 
     Args:
-        actor_critic: the :class:`~ar_torchrl.modules.LMActorCritic` being trained.
+        actor_critic: the :class:`~ar_torchrl.modules.LMActorCritic` being trained: the policy and,
+            without ``critic_network``, its value head (one forward gives both).
+        critic_network: a separate critic (:class:`~ar_torchrl.modules.LMCritic`: a second model
+            with its own value head), as TorchRL's ``ClipPPOLoss(actor_network, critic_network)``;
+            ``actor_critic`` is then an actor only (``LMActorCritic(critic=False)``). The value loss
+            trains the critic's parameters only, the policy terms the actor's only.
         clip_epsilon: ``eps`` or ``(eps_low, eps_high)`` (DAPO clip-higher).
         dual_clip: dual-clip constant ``c > 1`` for negative advantages (``None``: off).
         clip_value: value-clip range around the anchor values (``None``: unclipped).
@@ -314,6 +321,7 @@ class TokenPPOLoss(ClipPPOLoss):
     def __init__(
         self,
         actor_critic: LMActorCritic,
+        critic_network: LMCritic | None = None,
         *,
         clip_epsilon: float | tuple[float, float] = 0.2,
         dual_clip: float | None = None,
@@ -344,13 +352,15 @@ class TokenPPOLoss(ClipPPOLoss):
             tis_cap=tis_cap,
             kl_estimator=kl_estimator,
         )
-        _check_actor(actor_critic, a["critic_coeff"])
+        _check_actor(actor_critic, a["critic_coeff"], critic_network)
         if a["entropy_coeff"] and not actor_critic.return_entropy:
             actor_critic.return_entropy = True
             actor_critic._refresh_keys()
+        if critic_network is None and a["critic_coeff"]:
+            critic_network = actor_critic  # the value head on the policy: one forward
         super().__init__(
             actor_critic,
-            actor_critic if a["critic_coeff"] else None,
+            critic_network,
             clip_epsilon=a["clip_epsilon"],
             entropy_bonus=bool(a["entropy_coeff"]),
             entropy_coeff=a["entropy_coeff"],
@@ -401,8 +411,9 @@ class TokenPPOLoss(ClipPPOLoss):
         number = isinstance(value, numbers.Real)  # bool included: check_number rejects it
         if name == "critic_network" and value is not self.critic_network:
             raise ValueError(
-                f"{_OWNER}.critic_network cannot be replaced: the values come from actor_critic's "
-                "value head in the same forward; build a new TokenPPOLoss with another actor_critic"
+                f"{_OWNER}.critic_network cannot be replaced (the anchors, the value estimator and "
+                "the optimizer were built for it): build a new TokenPPOLoss(actor_critic, "
+                "critic_network=...)"
             )
         if name == "critic_coeff" and not self._has_critic:
             raise ValueError(
@@ -481,6 +492,11 @@ class TokenPPOLoss(ClipPPOLoss):
         return self.actor_network
 
     @property
+    def separate_critic(self) -> bool:
+        """Whether the values come from a separate critic model (``critic_network``)."""
+        return self._has_critic and self.critic_network is not self.actor_network
+
+    @property
     def out_keys(self) -> list[NestedKey]:
         """Every key the output may hold for this configuration (see the class docstring)."""
         keys = ["loss_objective"]
@@ -516,7 +532,8 @@ class TokenPPOLoss(ClipPPOLoss):
         if isinstance(value_type, ValueEstimatorBase):
             self._value_estimator = value_type
         elif value_type in (None, ValueEstimators.GAE, TokenGAE):
-            self._value_estimator = TokenGAE(value_network=self.actor_network, **hyperparams)
+            network = self.critic_network if self._has_critic else self.actor_network
+            self._value_estimator = TokenGAE(value_network=network, **hyperparams)
         else:
             raise ValueError(
                 f"{_OWNER}.make_value_estimator: unsupported value_type {value_type!r}; use TokenGAE "
@@ -615,7 +632,9 @@ class TokenPPOLoss(ClipPPOLoss):
         log_prob = new.get(self.actor_network.log_prob_key)
         self._policy_terms(tensordict, log_prob, mask, normalizer, out)
         if self._has_critic:
-            value = new.get(self.actor_network.value_key).squeeze(-1)
+            critic = self.critic_network
+            values = critic(critic.select_inputs(tensordict)) if self.separate_critic else new
+            value = values.get(critic.value_key).squeeze(-1)
             self._critic_terms(tensordict, value, critic_mask, critic_normalizer, out)
             if has_policy_mask:  # the policy's rows alone
                 target = self._get(tensordict, k.value_target, "value_target [B, L, 1]")
@@ -704,7 +723,7 @@ class TokenPPOLoss(ClipPPOLoss):
             "without a critic: TokenPPOLoss(critic_coeff=0)",
         )
         clip = None if self.clip_value is None else float(self.clip_value)
-        head = getattr(self.actor_network.model, "value_head", None)
+        head = getattr(self.critic_network.model, "value_head", None)
         if isinstance(head, PopArtValueHead):  # the loss (and its clip) in the layer's own scale
             value, old, target = (head.normalize(x) for x in (value, old, target))
         loss, _ = F.clipped_value_loss(value, old, target, mask, clip_value=clip)
@@ -889,11 +908,30 @@ def _torchrl_explained_variance(
     return 1.0 - resid / (torch.var(tgt, correction=0) + eps)
 
 
-def _check_actor(actor_critic, critic_coeff: float | None) -> None:
+def _check_actor(actor_critic, critic_coeff: float | None, critic_network) -> None:
     if not isinstance(actor_critic, LMActorCritic):
         raise TypeError(f"{_OWNER} needs an LMActorCritic, got {type(actor_critic).__name__}")
+    if critic_network is not None:
+        if not isinstance(critic_network, LMCritic):
+            raise TypeError(
+                f"{_OWNER}(critic_network=...) takes an LMCritic (a separate model with a value "
+                f"head), got {type(critic_network).__name__}"
+            )
+        if actor_critic.critic:
+            raise ValueError(
+                f"{_OWNER}: critic_network was given but actor_critic computes values too (its "
+                "value head); with a separate critic pass the actor as LMActorCritic(model, "
+                "critic=False)"
+            )
+        if not critic_coeff:
+            raise ValueError(
+                f"{_OWNER}: critic_network was given with critic_coeff={critic_coeff}: the critic "
+                "would never be trained; set critic_coeff > 0 or drop critic_network"
+            )
+        return
     if critic_coeff and not actor_critic.critic:
         raise ValueError(
-            f"{_OWNER}: critic_coeff={critic_coeff} needs an LMActorCritic with a value head "
-            "(critic=True); pass critic_coeff=None (or 0) for an actor-only loss such as GRPO"
+            f"{_OWNER}: critic_coeff={critic_coeff} needs a critic: an LMActorCritic with a value "
+            "head (critic=True) or a separate critic_network=LMCritic(...); pass critic_coeff=None "
+            "(or 0) for an actor-only loss such as GRPO"
         )
