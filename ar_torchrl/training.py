@@ -23,7 +23,7 @@ from torch import nn
 from ar_torchrl.data.micro_batch import Plan
 from ar_torchrl.utils.checks import check_ppo_update_args
 
-__all__ = ["ppo_update", "total_loss"]
+__all__ = ["lr_schedule_factor", "ppo_update", "total_loss"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,39 @@ def total_loss(out: TensorDictBase, loss_keys: Sequence[str] | None = None) -> t
     return sum(out[k] for k in keys)
 
 
+def lr_schedule_factor(
+    step: int,
+    total: int,
+    *,
+    schedule: str = "constant",
+    warmup: int = 0,
+    min_ratio: float = 0.0,
+) -> float:
+    """The learning-rate factor at iteration ``step`` (1-based) of ``total``, a function of the
+    step alone (a resumed run continues it exactly).
+
+    Warm-up: ``step / warmup`` for ``step <= warmup``. Then, with ``p`` going from 0 at
+    ``step = warmup + 1`` to 1 at ``step = total``: ``constant`` 1, ``linear``
+    ``1 - (1 - min_ratio) p``, ``cosine`` ``min_ratio + (1 - min_ratio) (1 + cos(pi p)) / 2``.
+
+    Example:
+        >>> [round(lr_schedule_factor(s, 5, schedule="linear", warmup=2), 3) for s in range(1, 6)]
+        [0.5, 1.0, 1.0, 0.5, 0.0]
+    """
+    if schedule not in ("constant", "linear", "cosine"):
+        raise ValueError(
+            f"lr_schedule_factor: schedule must be constant, linear or cosine, got {schedule!r}"
+        )
+    if warmup and step <= warmup:
+        return step / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min(max((step - warmup - 1) / max(total - warmup - 1, 1), 0.0), 1.0)
+    if schedule == "linear":
+        return 1.0 - (1.0 - min_ratio) * progress
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
 def _mask_count(td: TensorDictBase, mask_key: NestedKey) -> float:
     return float(td.get(mask_key).sum())
 
@@ -59,7 +92,7 @@ def _minibatch_step(
     micro: list[tuple[TensorDictBase, bool]],
     *,
     normalizer: Callable[[list[TensorDictBase]], object],
-    params: list[nn.Parameter],
+    params: dict[str, list[nn.Parameter]],
     trainable: set[int] | None,
     grad_clip: float | None,
     loss_keys: Sequence[str] | None,
@@ -110,15 +143,16 @@ def _minibatch_step(
         optimizer.zero_grad(set_to_none=True)
         return {}, False
     if trainable is not None:
-        for p in params:
+        for p in (p for group in params.values() for p in group):
             if id(p) not in trainable:
                 p.grad = None
-    grad_norm = _grad_norm(params, grad_clip)
-    if not math.isfinite(grad_norm):
+    norms = {name: _grad_norm(group, grad_clip) for name, group in params.items()}
+    if not all(math.isfinite(norm) for norm in norms.values()):
         optimizer.zero_grad(set_to_none=True)
         return {}, False
     optimizer.step()
-    sums["grad_norm"] = grad_norm
+    for name, norm in norms.items():
+        sums[f"grad_norm_{name}" if name else "grad_norm"] = norm
     return sums, True
 
 
@@ -178,6 +212,9 @@ def ppo_update(
         num_minibatches: optimizer steps per epoch (:meth:`MicroBatchPlan.minibatches`: the
             micro-batches are shuffled, then dealt into groups).
         grad_clip: max global gradient norm (``None``: no clipping, the norm is still reported).
+            Parameter groups of ``optimizer`` with a ``"clip_group"`` name are clipped on their
+            own (e.g. a separate critic, as verl clips actor and critic apart), reported as
+            ``train/grad_norm_<name>``; the others together as ``train/grad_norm``.
         normalizer: maps a mini-batch's micro-batches to the ``normalizer`` argument of
             ``loss_fn`` (default: ``loss_fn.global_normalizer`` of the concatenated mini-batch).
         loss_keys: which ``loss_*`` terms to optimise (default all; ``("loss_critic",)`` together
@@ -217,7 +254,9 @@ def ppo_update(
             f"ppo_update: plan was made for batch size {plan.batch_size}, got {tuple(td.batch_size)}"
         )
     normalizer = normalizer or _default_normalizer(loss_fn)
-    params = [p for g in optimizer.param_groups for p in g["params"]]
+    params: dict[str, list[nn.Parameter]] = {}
+    for group in optimizer.param_groups:
+        params.setdefault(group.get("clip_group", ""), []).extend(group["params"])
     keep = None if trainable is None else {id(p) for p in trainable}
     totals: dict[str, float] = {}
     steps = skipped = 0

@@ -29,6 +29,7 @@ from ar_torchrl.distributed import (
     init_distributed,
     latest_distributed_checkpoint,
     load_distributed_checkpoint,
+    load_distributed_critic,
     load_pretrained_weights,
     push_weights,
     recompute_sharded_anchors,
@@ -38,7 +39,7 @@ from ar_torchrl.distributed import (
     shard_plan,
 )
 from ar_torchrl.models.tiny import build_tiny_qwen3
-from ar_torchrl.modules import LMActorCritic, attach_value_head, save_policy
+from ar_torchrl.modules import LMActorCritic, LMCritic, attach_value_head, save_policy
 from ar_torchrl.objectives import TokenGAE, TokenPPOLoss, recompute_anchors
 from ar_torchrl.training import ppo_update
 
@@ -59,8 +60,32 @@ def batch(seed: int = 0):
     return make_trajectory(PROMPTS, RESPONSES, seed=seed)
 
 
-def ppo_loss(ac: LMActorCritic, mode: str = "token_mean") -> TokenPPOLoss:
-    return TokenPPOLoss(ac, clip_epsilon=(0.2, 0.28), clip_value=0.2, loss_agg_mode=mode)
+def ppo_loss(ac: LMActorCritic, mode: str = "token_mean", critic=None) -> TokenPPOLoss:
+    return TokenPPOLoss(ac, critic, clip_epsilon=(0.2, 0.28), clip_value=0.2, loss_agg_mode=mode)
+
+
+def actor_and_critic(seed: int) -> tuple[LMActorCritic, LMCritic]:
+    """An actor (no value head) and a separate critic over another tiny Qwen3 (non-zero head)."""
+    actor = LMActorCritic(
+        build_tiny_qwen3(VOCAB, hidden_size=32, num_heads=2, seed=seed), critic=False
+    )
+    critic_model = attach_value_head(
+        build_tiny_qwen3(VOCAB, hidden_size=32, num_heads=2, seed=seed + 50)
+    )
+    torch.manual_seed(seed)
+    torch.nn.init.normal_(critic_model.value_head.weight, std=0.5)
+    return actor, LMCritic(critic_model)
+
+
+def separate_optimizer(actor, critic, lr: float = 0.05) -> torch.optim.Optimizer:
+    """SGD with the critic in its own, separately clipped group (as the recipe builds AdamW)."""
+    return torch.optim.SGD(
+        [
+            {"params": list(actor.parameters()), "name": "policy"},
+            {"params": list(critic.parameters()), "name": "critic", "clip_group": "critic"},
+        ],
+        lr=lr,
+    )
 
 
 def prepare(ac, td, plan, sharded=None):
@@ -353,8 +378,114 @@ def resume_checks(ctx, out: Path) -> None:
     )
 
 
+def _separate_steps(actor, critic, opt, ctx, steps, gen, ckpt=None, save_at=()):
+    """PPO steps with a separate critic on 2 ranks (batches from rank 0's RNG)."""
+    metrics = []
+    for step in steps:
+        td = None
+        if ctx.is_main:
+            lengths = torch.randint(1, 6, (2, 6))
+            td = make_trajectory(lengths[0].tolist(), lengths[1].tolist(), seed=int(lengths.sum()))
+        td = broadcast_batch(td, ctx)
+        sharded = shard_plan(plan_micro_batches(td, 16), td, rank=ctx.rank, world_size=2)
+        loss = ppo_loss(actor, critic=critic)
+        recompute_sharded_anchors(actor, td, sharded, loss=loss)
+        td = TokenGAE(gamma=1.0, lmbda=0.95, normalize_advantage=True)(td)
+        metrics.append(ppo_update(loss, opt, td, sharded, epochs=2, grad_clip=1.0, generator=gen))
+        if step in save_at:
+            both = torch.nn.ModuleDict({"policy": actor, "critic": critic})
+            save_distributed_checkpoint(
+                ckpt, step=step, model=both, optimizer=opt, ctx=ctx, extra={"g": gen.get_state()}
+            )
+    return metrics
+
+
+def separate_critic_checks(ctx, out: Path) -> None:
+    """critic=separate on 2 ranks: one ppo_update equals one process (the test computes it);
+    3 steps straight vs resumed from the step-1 checkpoint of both models; the critic of that
+    checkpoint loaded alone (warm start) equals the saved one."""
+    actor, critic = actor_and_critic(seed=7)
+    actor = shard_actor_critic(actor, ctx, compute_dtype="float32")
+    critic = shard_actor_critic(critic, ctx, compute_dtype="float32")
+    opt = separate_optimizer(actor, critic)
+    td = broadcast_batch(batch(seed=3) if ctx.is_main else None, ctx)
+    sharded = shard_plan(plan_micro_batches(td, BUDGET), td, rank=ctx.rank, world_size=2)
+    loss = ppo_loss(actor, critic=critic)
+    recompute_sharded_anchors(actor, td, sharded, loss=loss)
+    td = TokenGAE(gamma=1.0, lmbda=0.95, normalize_advantage=True)(td)
+    metrics = ppo_update(
+        loss, opt, td, sharded, epochs=2, grad_clip=0.05, generator=torch.Generator().manual_seed(0)
+    )
+    state = {f"actor.{k}": v for k, v in full_state(actor.model).items()}
+    state.update({f"critic.{k}": v for k, v in full_state(critic.model).items()})
+    _save(ctx, out, "separate_equal", state, {"metrics": metrics})
+
+    ckpt = out / "separate_ckpt"
+    torch.manual_seed(200)
+    actor, critic = (
+        shard_actor_critic(m, ctx, compute_dtype="float32") for m in actor_and_critic(8)
+    )
+    opt = torch.optim.AdamW(
+        [
+            {"params": list(actor.parameters())},
+            {"params": list(critic.parameters()), "clip_group": "critic"},
+        ],
+        lr=1e-3,
+    )
+    gen = torch.Generator().manual_seed(0)
+    straight = _separate_steps(actor, critic, opt, ctx, range(1, 4), gen, ckpt, save_at=(1,))
+    final = {
+        **full_state(actor.model),
+        **{f"c.{k}": v for k, v in full_state(critic.model).items()},
+    }
+    saved_critic = None
+    torch.manual_seed(201)
+    actor2, critic2 = (
+        shard_actor_critic(m, ctx, compute_dtype="float32") for m in actor_and_critic(9)
+    )
+    opt2 = torch.optim.AdamW(
+        [
+            {"params": list(actor2.parameters())},
+            {"params": list(critic2.parameters()), "clip_group": "critic"},
+        ],
+        lr=1e-3,
+    )
+    path = ckpt / "step_1"
+    loaded = load_distributed_checkpoint(
+        path,
+        model=torch.nn.ModuleDict({"policy": actor2, "critic": critic2}),
+        optimizer=opt2,
+        ctx=ctx,
+    )
+    saved_critic = full_state(critic2.model)
+    gen2 = torch.Generator()
+    gen2.set_state(loaded["extra"]["g"])
+    resumed = _separate_steps(actor2, critic2, opt2, ctx, range(2, 4), gen2)
+    again = {
+        **full_state(actor2.model),
+        **{f"c.{k}": v for k, v in full_state(critic2.model).items()},
+    }
+    _, fresh = actor_and_critic(10)
+    fresh = shard_actor_critic(fresh, ctx, compute_dtype="float32")
+    what = load_distributed_critic(path, critic=fresh, policy=None, ctx=ctx)
+    warm = full_state(fresh.model)
+    _save(
+        ctx,
+        out,
+        "separate_resume",
+        data={
+            "straight": straight,
+            "resumed": resumed,
+            "same_params": all(torch.equal(final[k], again[k]) for k in final),
+            "warm_start_equal": all(torch.equal(saved_critic[k], warm[k]) for k in saved_critic),
+            "warm_start_what": what,
+        },
+    )
+
+
 def all_checks(ctx, out: Path) -> None:
     """Every multi-process check in one spawn (each spawn costs seconds of imports per rank)."""
     train_checks(ctx, out)
     load_checks(ctx, out)
     resume_checks(ctx, out)
+    separate_critic_checks(ctx, out)

@@ -10,12 +10,23 @@ import json
 
 import pytest
 import torch
-from dist_workers import BUDGET, actor_critic, all_checks, batch, ppo_loss, prepare, spawn
+from dist_workers import (
+    BUDGET,
+    actor_and_critic,
+    actor_critic,
+    all_checks,
+    batch,
+    ppo_loss,
+    prepare,
+    separate_optimizer,
+    spawn,
+)
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from ar_torchrl.data import plan_micro_batches
 from ar_torchrl.modules import attach_value_head
+from ar_torchrl.objectives import TokenGAE, recompute_anchors
 from ar_torchrl.training import ppo_update
 
 torch.set_num_threads(1)
@@ -140,3 +151,40 @@ def test_resume_from_two_rank_checkpoint_reproduces_the_run(two_ranks):
     ), info["warnings"]
     assert info["resumed"] == info["straight"][2:]
     assert info["same_params"]
+
+
+@pytest.mark.slow  # a multi-process run: full tier only
+def test_two_ranks_with_a_separate_critic_train_like_one_process(two_ranks):
+    """critic=separate under FSDP2 (both models sharded, the critic clipped on its own): 2 ranks
+    give one process's update of both models."""
+    got = load_file(str(two_ranks / "separate_equal.safetensors"))
+    metrics = _json(two_ranks, "separate_equal")["metrics"]
+    actor, critic = actor_and_critic(seed=7)
+    td = batch(seed=3)
+    plan = plan_micro_batches(td, BUDGET)
+    loss = ppo_loss(actor, critic=critic)
+    recompute_anchors(actor, td, plan, loss=loss)
+    td = TokenGAE(gamma=1.0, lmbda=0.95, normalize_advantage=True)(td)
+    want = ppo_update(
+        loss,
+        separate_optimizer(actor, critic),
+        td,
+        plan,
+        epochs=2,
+        grad_clip=0.05,
+        generator=torch.Generator().manual_seed(0),
+    )
+    assert want["train/grad_norm"] > 0.05 and want["train/grad_norm_critic"] > 0.05  # both clip
+    for key in ("loss_objective", "loss_critic", "grad_norm", "grad_norm_critic", "mean_ratio"):
+        assert metrics[f"train/{key}"] == pytest.approx(want[f"train/{key}"], rel=1e-5, abs=1e-6)
+    for prefix, model in (("actor", actor.model), ("critic", critic.model)):
+        for name, param in model.state_dict().items():
+            torch.testing.assert_close(got[f"{prefix}.{name}"], param, atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.slow  # a multi-process run: full tier only
+def test_two_ranks_with_a_separate_critic_resume_exactly_and_warm_start_the_critic(two_ranks):
+    info = _json(two_ranks, "separate_resume")
+    assert info["same_params"], "resumed policy and critic differ from the uninterrupted run"
+    assert info["resumed"] == info["straight"][1:]  # every metric of steps 2-3, exactly
+    assert info["warm_start_equal"] and info["warm_start_what"] == "the separate critic of step_1"

@@ -36,6 +36,7 @@ _EXPORTS = {
     "push_weights": "weights",
     "latest_distributed_checkpoint": "checkpoint",
     "load_distributed_checkpoint": "checkpoint",
+    "load_distributed_critic": "checkpoint",
     "save_distributed_checkpoint": "checkpoint",
     "verify_checkpoint": "checkpoint",
 }

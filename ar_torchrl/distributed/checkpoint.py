@@ -33,7 +33,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from ar_torchrl.distributed._safe_io import (
     SafeReader,
@@ -51,6 +57,7 @@ from ar_torchrl.utils.files import file_sha256
 __all__ = [
     "latest_distributed_checkpoint",
     "load_distributed_checkpoint",
+    "load_distributed_critic",
     "save_distributed_checkpoint",
     "verify_checkpoint",
 ]
@@ -312,6 +319,58 @@ def load_distributed_checkpoint(
         )
     logger.info("loaded distributed checkpoint %s (step %d)", path, meta["step"])
     return {"step": meta["step"], "extra": decode(meta["extra"]), "path": path}
+
+
+def load_distributed_critic(
+    path: str | os.PathLike, *, critic: nn.Module | None, policy: nn.Module, ctx: DistContext
+) -> str:
+    """Every rank: warm-start a critic from an earlier run's distributed checkpoint (weights only,
+    no optimizer state); returns what was loaded.
+
+    ``critic`` (a separate critic, an FSDP root) gets the checkpoint's separate critic
+    (``critic.*`` tensors), or from a run whose critic was the value head that run's policy with
+    its head. Without ``critic`` the value head of ``policy`` (the policy's ``LMActorCritic`` root)
+    gets the checkpoint's head; a separate critic's head is refused (it sat on its own trunk).
+    """
+    path = Path(path)
+    problem = ctx.broadcast_object(verify_checkpoint(path) if ctx.is_main else None)
+    if problem is not None:
+        raise ValueError(f"critic.init_from: {path} is unusable: {problem}")
+    reader = SafeReader(path)
+    stored = reader.read_metadata().state_dict_metadata
+    separate = any(key.startswith("model.critic.") for key in stored)
+    name = path.name
+    if critic is not None:
+        target, keep, prefix = critic, None, "critic." if separate else ""
+        what = (
+            f"the separate critic of {name}"
+            if separate
+            else (f"the policy and value head of {name} (a shared critic)")
+        )
+    elif separate:
+        raise ValueError(
+            f"critic.init_from: {path} holds a separate critic, whose value head was trained on "
+            "its own trunk; load it with critic=separate (the shared head cannot take it)"
+        )
+    else:
+        target, keep, prefix = policy, "model.value_head.", ""
+        what = f"the value head of {name}"
+    reshard(target)
+    state = get_model_state_dict(target)
+    if keep is not None:
+        state = {k: v for k, v in state.items() if k.startswith(keep)}
+    missing = sorted(k for k in state if f"model.{prefix}{k}" not in stored)
+    if missing:
+        raise ValueError(
+            f"critic.init_from: {what} does not fit this run's critic: {path} has no "
+            f"{[prefix + k for k in missing[:4]]} ({len(missing)} tensors; another model?)"
+        )
+    request = {"model": {prefix + k: v for k, v in state.items()}}
+    dcp.load(request, storage_reader=reader, planner=TensorsOnlyPlanner(allow_partial_load=True))
+    loaded = {k: request["model"][prefix + k] for k in state}
+    set_model_state_dict(target, loaded, options=StateDictOptions(strict=keep is None))
+    logger.info("critic.init_from: loaded %s", what)
+    return what
 
 
 def _drop_unsaved_states(model: nn.Module, optimizer, optim_state: dict, stored) -> None:

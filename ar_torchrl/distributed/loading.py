@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
-from ar_torchrl.modules import LMActorCritic, attach_value_head
+from ar_torchrl.modules import LMActorCritic, LMCritic, attach_value_head
 from ar_torchrl.modules.value_head import VALUE_HEAD_FILE
 from ar_torchrl.weight_sync.names import is_policy_tensor
 
@@ -61,8 +61,11 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register
 
 
-def build_meta_model(path: str | Path, *, attn_implementation: str | None = None) -> nn.Module:
-    """An HF causal LM from ``path/config.json`` with float32 parameters on meta and a value head.
+def build_meta_model(
+    path: str | Path, *, attn_implementation: str | None = None, value_head: bool = True
+) -> nn.Module:
+    """An HF causal LM from ``path/config.json`` with float32 parameters on meta and (unless
+    ``value_head=False``) a value head.
 
     Example:
         >>> import tempfile
@@ -77,7 +80,8 @@ def build_meta_model(path: str | Path, *, attn_implementation: str | None = None
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs)
-        attach_value_head(model)
+        if value_head:
+            attach_value_head(model)
     return model.eval()
 
 
@@ -191,7 +195,7 @@ def load_pretrained_weights(
     """Fill a (meta, FSDP-sharded or plain) model from the HF safetensors checkpoint at ``path``.
 
     Args:
-        module: the :class:`LMActorCritic` (the FSDP root) or the HF model with a value head.
+        module: the :class:`LMActorCritic` or :class:`LMCritic` (the FSDP root) or the HF model.
         path: an HF directory (``model.safetensors`` or sharded with an index).
         device: where meta parameters are allocated (``ctx.device``).
 
@@ -204,7 +208,7 @@ def load_pretrained_weights(
         ValueError: a shape differs between the checkpoint and the model.
     """
     path = Path(path)
-    model = module.model if isinstance(module, LMActorCritic) else module
+    model = module.model if isinstance(module, (LMActorCritic, LMCritic)) else module
     _materialize(module, torch.device(device))
     targets = dict(model.named_parameters(remove_duplicate=False))
     targets.update(model.named_buffers())

@@ -51,6 +51,7 @@ __all__ = [
     "checkpoint_step",
     "latest_checkpoint",
     "load_checkpoint",
+    "load_critic_weights",
     "remove_partial_checkpoints",
     "restore_rng_state",
     "save_checkpoint",
@@ -120,6 +121,7 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     extra: dict[str, Any] | None = None,
     keep_last: int | None = None,
+    critic: nn.Module | None = None,
 ) -> Path:
     """Write ``directory/step_<step>.pt`` atomically and return its path.
 
@@ -132,6 +134,7 @@ def save_checkpoint(
             ...), as tensors and plain containers (what ``weights_only=True`` loading accepts).
         keep_last: delete older ``step_*.pt`` files beyond the newest ``keep_last`` (``>= 1``;
             ``None`` keeps all).
+        critic: a separate critic model (with its value head), saved under ``"critic"``.
 
     Example:
         >>> import tempfile
@@ -154,6 +157,8 @@ def save_checkpoint(
         "rng": capture_rng_state(),
         "extra": extra or {},
     }
+    if critic is not None:
+        payload["critic"] = critic.state_dict()
     target = directory / f"step_{int(step)}.pt"
     manifest = _manifest_path(target)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{target.name}-", suffix=".tmp")
@@ -376,8 +381,10 @@ def load_checkpoint(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     restore_rng: bool = True,
+    critic: nn.Module | None = None,
 ) -> dict[str, Any]:
-    """Load a checkpoint into ``model`` (strict) and ``optimizer``; restore RNG states.
+    """Load a checkpoint into ``model`` (strict), ``critic`` (a separate critic's model, strict)
+    and ``optimizer``; restore RNG states.
 
     The file is first checked against its manifest (:func:`verify_checkpoint_file`), then read
     with ``torch.load(weights_only=True)``: nothing in it is executed.
@@ -399,15 +406,43 @@ def load_checkpoint(
         ...
         ValueError: checkpoint ... does not match the model ...
     """
+    payload = _read_checkpoint(path, "load_checkpoint")
+    if ("critic" in payload) != (critic is not None):
+        has = "a separate critic" if "critic" in payload else "no separate critic"
+        raise ValueError(
+            f"checkpoint {str(path)!r} holds {has} but this run has "
+            f"{'one' if critic is not None else 'none'}: resume with the critic=... it was "
+            "written with (a critic of another run is loaded with critic.init_from)"
+        )
+    try:
+        model.load_state_dict(payload["model"])
+        if critic is not None:
+            critic.load_state_dict(payload["critic"])
+    except RuntimeError as err:
+        raise ValueError(
+            f"checkpoint {str(path)!r} does not match the model (was it written by a run with a "
+            f"different model config?): {str(err).splitlines()[0]} ..."
+        ) from err
+    if optimizer is not None:
+        if payload["optimizer"] is None:
+            raise ValueError(f"checkpoint {str(path)!r} has no optimizer state to restore")
+        optimizer.load_state_dict(payload["optimizer"])
+    if restore_rng:
+        restore_rng_state(payload["rng"])
+    return {"step": payload["step"], "extra": payload["extra"]}
+
+
+def _read_checkpoint(path: str | os.PathLike, owner: str) -> dict[str, Any]:
+    """The verified payload of a ``.pt`` checkpoint (never unpickling code)."""
     import torch
 
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"load_checkpoint: no checkpoint file at {str(path)!r}")
+        raise FileNotFoundError(f"{owner}: no checkpoint file at {str(path)!r}")
     problem = verify_checkpoint_file(path)
     if problem is not None:
         raise ValueError(
-            f"load_checkpoint: {path} is unusable: {problem}; load an earlier checkpoint instead "
+            f"{owner}: {path} is unusable: {problem}; load an earlier checkpoint instead "
             "(latest_checkpoint(<its directory>) names the newest intact one)"
         )
     try:
@@ -421,20 +456,63 @@ def load_checkpoint(
         ) from None
     except (RuntimeError, EOFError) as err:  # damage the checks above could not see
         raise ValueError(
-            f"load_checkpoint: {path} could not be read (damaged?): "
+            f"{owner}: {path} could not be read (damaged?): "
             f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
         ) from err
+    return payload
+
+
+def load_critic_weights(
+    path: str | os.PathLike, *, critic: nn.Module | None, model: nn.Module
+) -> str:
+    """Warm-start a critic from an earlier run's checkpoint (weights only: no optimizer state);
+    returns what was loaded.
+
+    ``critic`` (a separate critic's model) gets the checkpoint's separate critic, or, from a run
+    whose critic was the value head, that run's policy with its head (the same architecture).
+    Without ``critic`` the value head of ``model`` gets the checkpoint's head (PopArt statistics
+    included); a separate critic's head sat on another trunk and is refused.
+
+    Raises:
+        ValueError: nothing in the checkpoint fits (naming what it holds and what was asked).
+
+    Example:
+        >>> import tempfile
+        >>> from ar_torchrl.models.tiny import build_tiny_qwen3
+        >>> from ar_torchrl.modules import attach_value_head
+        >>> old = attach_value_head(build_tiny_qwen3(99))
+        >>> _ = old.value_head.bias.data.fill_(0.5)
+        >>> p = save_checkpoint(tempfile.mkdtemp(), step=3, model=old)
+        >>> new = attach_value_head(build_tiny_qwen3(99, seed=1))
+        >>> load_critic_weights(p, critic=None, model=new), new.value_head.bias.item()
+        ('the value head of step_3.pt', 0.5)
+    """
+    payload = _read_checkpoint(path, "critic.init_from")
+    name = Path(path).name
+    if critic is not None:
+        saved, what = payload.get("critic"), f"the separate critic of {name}"
+        if saved is None:
+            saved, what = payload["model"], f"the policy and value head of {name} (a shared critic)"
+        _load_strict(critic, saved, path, what)
+        return what
+    if "critic" in payload:
+        raise ValueError(
+            f"critic.init_from: {path} holds a separate critic, whose value head was trained on "
+            "its own trunk; load it with critic=separate (the shared head cannot take it)"
+        )
+    saved = payload["model"]
+    head = {
+        k.removeprefix("value_head."): v for k, v in saved.items() if k.startswith("value_head.")
+    }
+    _load_strict(model.value_head, head, path, f"the value head of {name}")
+    return f"the value head of {name}"
+
+
+def _load_strict(module: nn.Module, state: dict, path, what: str) -> None:
     try:
-        model.load_state_dict(payload["model"])
+        module.load_state_dict(state)
     except RuntimeError as err:
         raise ValueError(
-            f"checkpoint {str(path)!r} does not match the model (was it written by a run with a "
-            f"different model config?): {str(err).splitlines()[0]} ..."
+            f"critic.init_from: {what} does not fit this run's critic ({str(path)!r}; another "
+            f"model, or value_norm?): {str(err).splitlines()[0]} ..."
         ) from err
-    if optimizer is not None:
-        if payload["optimizer"] is None:
-            raise ValueError(f"checkpoint {str(path)!r} has no optimizer state to restore")
-        optimizer.load_state_dict(payload["optimizer"])
-    if restore_rng:
-        restore_rng_state(payload["rng"])
-    return {"step": payload["step"], "extra": payload["extra"]}

@@ -32,7 +32,7 @@ from tensordict import TensorDictBase
 
 from ar_torchrl.data.micro_batch import MicroBatchPlan
 from ar_torchrl.distributed.context import DistContext
-from ar_torchrl.modules import LMActorCritic, attach_value_head
+from ar_torchrl.modules import LMActorCritic, LMCritic, attach_value_head
 
 __all__ = ["ExecutionStrategy", "FSDP2Strategy", "LocalStrategy", "open_strategy"]
 
@@ -53,10 +53,17 @@ class ExecutionStrategy(Protocol):
     #: whether the trainer's own module can decode (the evaluation's trainside engine)
     trainer_can_generate: bool
 
-    def build_policy(self, model_cfg: Any, cache_dir: str) -> tuple[Any, Any, Path | None]: ...
+    def build_policy(
+        self, model_cfg: Any, cache_dir: str, *, value_head: bool = True
+    ) -> tuple[Any, Any, Path | None]: ...
     def build_reference(self, model: Any, start_dir: Path | None, temperature: float) -> Any: ...
-    def prepare(self, modules: list[Any], start_dir: Path | None) -> None: ...
-    def anchors(self, actor_critic: Any, td: TensorDictBase, plan: MicroBatchPlan, ref: Any): ...
+    def build_critic(
+        self, model: Any, tokenizer: Any, start_dir: Path | None, model_path: str | None
+    ) -> tuple[Any, Path | None]: ...
+    def prepare(self, modules: list[tuple[Any, Path | None]]) -> None: ...
+    def anchors(
+        self, actor_critic: Any, td: TensorDictBase, plan: MicroBatchPlan, ref: Any, critic: Any
+    ): ...
     def push_weights(
         self, actor_critic: Any, collector: Any, *, resync: bool, dtype: Any
     ) -> None: ...
@@ -70,8 +77,12 @@ class ExecutionStrategy(Protocol):
         optimizer: Any,
         extra: dict,
         keep_last: int | None,
+        critic: Any = None,
     ) -> Path: ...
-    def load(self, checkpoint: Path, *, actor_critic: Any, optimizer: Any) -> dict: ...
+    def load(
+        self, checkpoint: Path, *, actor_critic: Any, optimizer: Any, critic: Any = None
+    ) -> dict: ...
+    def load_critic(self, source: Path, *, critic: Any, actor_critic: Any) -> str: ...
     def latest_checkpoint(self, directory: Path) -> Path | None: ...
     def check_checkpoint(self, checkpoint: Path) -> None: ...
     def on_main(self, fn: Callable[..., Any], *args: Any) -> Any: ...
@@ -101,10 +112,14 @@ class LocalStrategy:
         self.ctx = DistContext(device=torch.device(device))
         self.gradient_checkpointing = gradient_checkpointing
 
-    def build_policy(self, model_cfg: Any, cache_dir: str) -> tuple[Any, Any, Path | None]:
-        """``(policy with a zero value head, tokenizer, None)`` on this process's device."""
+    def build_policy(
+        self, model_cfg: Any, cache_dir: str, *, value_head: bool = True
+    ) -> tuple[Any, Any, Path | None]:
+        """``(policy, tokenizer, None)`` on this process's device, with a zero value head unless
+        ``value_head=False`` (a separate critic computes the values)."""
         model, tokenizer = model_cfg.build(cache_dir=cache_dir)
-        return attach_value_head(model).to(self.ctx.device), tokenizer, None
+        model = attach_value_head(model) if value_head else model
+        return model.to(self.ctx.device), tokenizer, None
 
     def build_reference(self, model: Any, start_dir: Path | None, temperature: float) -> Any:
         """A frozen copy of the starting policy (log-probs only), for the KL term."""
@@ -114,18 +129,26 @@ class LocalStrategy:
         ref = ref.to(self.ctx.device).eval().requires_grad_(False)
         return LMActorCritic(ref, temperature=temperature, critic=False)
 
-    def prepare(self, modules: list[Any], start_dir: Path | None) -> None:
-        """Activation checkpointing of the trained modules when asked for."""
+    def build_critic(
+        self, model: Any, tokenizer: Any, start_dir: Path | None, model_path: str | None
+    ) -> tuple[LMCritic, Path | None]:
+        """The separate critic: a copy of the starting ``model`` or the HF model at
+        ``model_path`` (same tokenizer), with a fresh zero value head."""
+        return _eager_critic(model, tokenizer, model_path, self.ctx.device), None
+
+    def prepare(self, modules: list[tuple[Any, Path | None]]) -> None:
+        """Activation checkpointing of the trained modules (those with trainable parameters)
+        when asked for."""
         from ar_torchrl.distributed.fsdp import checkpoint_decoder_layers
 
-        for module in modules:
-            if module is not None and self.gradient_checkpointing and module.critic:
+        for module, _ in modules:
+            if module is not None and self.gradient_checkpointing and _trained(module):
                 checkpoint_decoder_layers(module.model)
 
-    def anchors(self, actor_critic, td, plan, ref):
+    def anchors(self, actor_critic, td, plan, ref, critic=None):
         from ar_torchrl.objectives import recompute_anchors
 
-        recompute_anchors(actor_critic, td, plan, ref_actor=ref)
+        recompute_anchors(actor_critic, td, plan, ref_actor=ref, critic=critic)
         return plan
 
     def push_weights(self, actor_critic, collector, *, resync: bool, dtype: Any) -> None:
@@ -134,7 +157,9 @@ class LocalStrategy:
     def broadcast_batch(self, td: TensorDictBase | None) -> TensorDictBase:
         return td.to(self.ctx.device)
 
-    def save(self, directory, step, *, actor_critic, optimizer, extra, keep_last) -> Path:
+    def save(
+        self, directory, step, *, actor_critic, optimizer, extra, keep_last, critic=None
+    ) -> Path:
         from ar_torchrl.recipes.checkpoint import save_checkpoint
 
         return save_checkpoint(
@@ -144,25 +169,39 @@ class LocalStrategy:
             optimizer=optimizer,
             extra=extra,
             keep_last=keep_last,
+            critic=None if critic is None else critic.model,
         )
 
-    def load(self, checkpoint, *, actor_critic, optimizer) -> dict:
+    def load(self, checkpoint, *, actor_critic, optimizer, critic=None) -> dict:
         from ar_torchrl.recipes.checkpoint import load_checkpoint
 
-        return load_checkpoint(checkpoint, model=actor_critic.model, optimizer=optimizer)
+        return load_checkpoint(
+            checkpoint,
+            model=actor_critic.model,
+            optimizer=optimizer,
+            critic=None if critic is None else critic.model,
+        )
+
+    def load_critic(self, source: Path, *, critic, actor_critic) -> str:
+        """The critic of an earlier run's ``.pt`` checkpoint into ``critic`` (separate) or the
+        policy's value head (shared); returns what was loaded, for the log."""
+        from ar_torchrl.recipes.checkpoint import load_critic_weights
+
+        separate = None if critic is None else critic.model
+        return load_critic_weights(source, critic=separate, model=actor_critic.model)
 
     def latest_checkpoint(self, directory: Path) -> Path | None:
         from ar_torchrl.recipes.checkpoint import latest_checkpoint
 
         return latest_checkpoint(directory)
 
-    def check_checkpoint(self, checkpoint: Path) -> None:
+    def check_checkpoint(self, checkpoint: Path, *, key: str = "train.resume_from") -> None:
         from ar_torchrl.recipes.checkpoint import verify_checkpoint_file
 
-        _check_kind(checkpoint, sharded=False)
+        _check_kind(checkpoint, sharded=False, key=key)
         problem = verify_checkpoint_file(checkpoint)
         if problem is not None:
-            raise ValueError(f"train.resume_from: {checkpoint} is unusable: {problem}")
+            raise ValueError(f"{key}: {checkpoint} is unusable: {problem}")
 
     def on_main(self, fn: Callable[..., Any], *args: Any) -> Any:
         return fn(*args)
@@ -174,14 +213,53 @@ class LocalStrategy:
         return stop.requested
 
 
-def _check_kind(checkpoint: Path, *, sharded: bool) -> None:
+def _check_kind(checkpoint: Path, *, sharded: bool, key: str = "train.resume_from") -> None:
     if checkpoint.is_dir() != sharded:
         kind = "a distributed (FSDP2)" if checkpoint.is_dir() else "a single-process"
         run = "trains with FSDP2" if sharded else "is one float32 process"
         raise ValueError(
-            f"train.resume_from: {checkpoint} is {kind} checkpoint but this run {run}; resume with "
-            "the launch (torchrun or python), model.dtype and dist.fsdp that wrote it"
+            f"{key}: {checkpoint} is {kind} checkpoint but this run {run}; use the launch "
+            "(torchrun or python), model.dtype and dist.fsdp that wrote it"
         )
+
+
+def _checkpointed(actor_critic: Any, critic: Any) -> torch.nn.Module:
+    """The module a distributed checkpoint holds: the policy's ``LMActorCritic`` (its keys as
+    before), or with a separate critic both FSDP roots (``policy.*`` and ``critic.*``)."""
+    if critic is None:
+        return actor_critic
+    return torch.nn.ModuleDict({"policy": actor_critic, "critic": critic})
+
+
+def _trained(module: Any) -> bool:
+    return any(p.requires_grad for p in module.parameters())
+
+
+def _eager_critic(
+    model: Any, tokenizer: Any, model_path: str | None, device: torch.device
+) -> LMCritic:
+    """A separate critic built in memory: a copy of ``model`` or the HF model at ``model_path``
+    (float32, checked to have the policy's tokenizer)."""
+    from ar_torchrl.modules import build_separate_critic
+
+    critic_model = None
+    if model_path is not None:
+        critic_model = _load_critic_model(model_path, tokenizer)
+    return build_separate_critic(model, critic_model).to(device)
+
+
+def _load_critic_model(model_path: str, tokenizer: Any) -> Any:
+    from ar_torchrl.models.hf import load_hf_model
+    from ar_torchrl.modules import check_same_tokenizer
+
+    if not Path(model_path).is_dir():
+        raise FileNotFoundError(
+            f"config: critic.model_path={model_path!r} is not a directory: give a local Hugging "
+            "Face model directory (config.json, weights, tokenizer) or null for a copy of the policy"
+        )
+    critic_model, critic_tokenizer = load_hf_model(model_path, dtype="float32")
+    check_same_tokenizer(tokenizer, critic_tokenizer, where=f"critic.model_path={model_path}")
+    return critic_model
 
 
 # --------------------------------------------------------------------------- FSDP2
@@ -212,8 +290,11 @@ class FSDP2Strategy:
         self.reshard_after_forward = reshard_after_forward
         self._attn: str | None = None
 
-    def build_policy(self, model_cfg: Any, cache_dir: str) -> tuple[Any, Any, Path | None]:
-        """The starting policy with its value head on every rank: ``(model, tokenizer, start_dir)``.
+    def build_policy(
+        self, model_cfg: Any, cache_dir: str, *, value_head: bool = True
+    ) -> tuple[Any, Any, Path | None]:
+        """The starting policy (with its value head unless ``value_head=False``) on every rank:
+        ``(model, tokenizer, start_dir)``.
 
         A model with a ``meta_source()`` (a pretrained HF directory, no warm start) is built on the
         meta device (no rank holds a full copy) and filled in :meth:`prepare` from that directory,
@@ -228,14 +309,18 @@ class FSDP2Strategy:
         if start_dir is not None:
             tokenizer = load_hf_tokenizer(start_dir)
             check_tokenizer(tokenizer, where=f"the tokenizer of model.path={start_dir}")
-            return build_meta_model(start_dir, attn_implementation=self._attn), tokenizer, start_dir
+            model = build_meta_model(
+                start_dir, attn_implementation=self._attn, value_head=value_head
+            )
+            return model, tokenizer, start_dir
         built = None
         for turn in (True, False):  # rank 0, then the others
             if self.ctx.is_main == turn:
                 built = model_cfg.build(cache_dir=cache_dir)
             self.ctx.barrier()
         model, tokenizer = built
-        return attach_value_head(model).to(self.ctx.device), tokenizer, None
+        model = attach_value_head(model) if value_head else model
+        return model.to(self.ctx.device), tokenizer, None
 
     def build_reference(self, model: Any, start_dir: Path | None, temperature: float) -> Any:
         """The frozen starting policy of the KL term (an actor, no value head), sharded in
@@ -245,20 +330,43 @@ class FSDP2Strategy:
         if start_dir is None:
             ref = copy.deepcopy(model)
         else:
-            ref = build_meta_model(start_dir, attn_implementation=self._attn)
-        del ref.value_head
+            ref = build_meta_model(start_dir, attn_implementation=self._attn, value_head=False)
+        if hasattr(ref, "value_head"):
+            del ref.value_head
         return LMActorCritic(
             ref.eval().requires_grad_(False), temperature=temperature, critic=False
         )
 
-    def prepare(self, modules: list[Any], start_dir: Path | None) -> None:
+    def build_critic(
+        self, model: Any, tokenizer: Any, start_dir: Path | None, model_path: str | None
+    ) -> tuple[LMCritic, Path | None]:
+        """The separate critic and the directory :meth:`prepare` loads it from: on the meta device
+        from ``model_path`` or the policy's ``start_dir`` (no rank holds a full copy), else a copy
+        of the eagerly built ``model`` (or ``model_path`` loaded on every rank)."""
+        from ar_torchrl.distributed.loading import build_meta_model
+        from ar_torchrl.models.hf import load_hf_tokenizer
+        from ar_torchrl.modules import check_same_tokenizer
+
+        source = Path(model_path) if model_path is not None else start_dir
+        if source is None:
+            return _eager_critic(model, tokenizer, None, self.ctx.device), None
+        if model_path is not None:
+            if not source.is_dir():
+                _load_critic_model(model_path, tokenizer)  # raises naming the key
+            where = f"critic.model_path={model_path}"
+            check_same_tokenizer(tokenizer, load_hf_tokenizer(source), where=where)
+        critic = build_meta_model(source, attn_implementation=self._attn)
+        return LMCritic(critic), source
+
+    def prepare(self, modules: list[tuple[Any, Path | None]]) -> None:
         """FSDP2 over every rank: fp32 master shards, compute in ``compute_dtype`` (the value head
-        in fp32); meta-built modules are then loaded from ``start_dir``. Call it after the rollout
-        engine copied the policy (the copy must not share the wrapped layers)."""
+        in fp32); meta-built modules are then loaded from their directory (``(module, dir)``
+        pairs). Call it after the rollout engine copied the policy (the copy must not share the
+        wrapped layers)."""
         from ar_torchrl.distributed.fsdp import shard_actor_critic
         from ar_torchrl.distributed.loading import load_pretrained_weights
 
-        for module in [m for m in modules if m is not None]:
+        for module, start_dir in [(m, d) for m, d in modules if m is not None]:
             shard_actor_critic(
                 module,
                 self.ctx,
@@ -269,13 +377,13 @@ class FSDP2Strategy:
             if start_dir is not None:
                 load_pretrained_weights(module, start_dir, device=self.ctx.device)
 
-    def anchors(self, actor_critic, td, plan, ref):
+    def anchors(self, actor_critic, td, plan, ref, critic=None):
         """This rank's :class:`~ar_torchrl.distributed.ShardedPlan` and its anchors (summed)."""
         from ar_torchrl.distributed.batch import recompute_sharded_anchors
         from ar_torchrl.distributed.plan import shard_plan
 
         sharded = shard_plan(plan, td, rank=self.ctx.rank, world_size=self.ctx.world_size)
-        recompute_sharded_anchors(actor_critic, td, sharded, ref_actor=ref)
+        recompute_sharded_anchors(actor_critic, td, sharded, ref_actor=ref, critic=critic)
         return sharded
 
     def push_weights(self, actor_critic, collector, *, resync: bool, dtype: Any) -> None:
@@ -292,38 +400,47 @@ class FSDP2Strategy:
 
         return broadcast_batch(td, self.ctx)
 
-    def save(self, directory, step, *, actor_critic, optimizer, extra, keep_last) -> Path:
+    def save(
+        self, directory, step, *, actor_critic, optimizer, extra, keep_last, critic=None
+    ) -> Path:
         from ar_torchrl.distributed.checkpoint import save_distributed_checkpoint
 
         return save_distributed_checkpoint(
             directory,
             step=step,
-            model=actor_critic,
+            model=_checkpointed(actor_critic, critic),
             optimizer=optimizer,
             ctx=self.ctx,
             extra=extra,
             keep_last=keep_last,
         )
 
-    def load(self, checkpoint, *, actor_critic, optimizer) -> dict:
+    def load(self, checkpoint, *, actor_critic, optimizer, critic=None) -> dict:
         from ar_torchrl.distributed.checkpoint import load_distributed_checkpoint
 
         return load_distributed_checkpoint(
-            checkpoint, model=actor_critic, optimizer=optimizer, ctx=self.ctx
+            checkpoint, model=_checkpointed(actor_critic, critic), optimizer=optimizer, ctx=self.ctx
         )
+
+    def load_critic(self, source: Path, *, critic, actor_critic) -> str:
+        """The critic of an earlier run's distributed checkpoint into ``critic`` (separate) or the
+        policy's value head (shared; the FSDP root is the policy's ``LMActorCritic``)."""
+        from ar_torchrl.distributed.checkpoint import load_distributed_critic
+
+        return load_distributed_critic(source, critic=critic, policy=actor_critic, ctx=self.ctx)
 
     def latest_checkpoint(self, directory: Path) -> Path | None:
         from ar_torchrl.distributed.checkpoint import latest_distributed_checkpoint
 
         return latest_distributed_checkpoint(directory)
 
-    def check_checkpoint(self, checkpoint: Path) -> None:
+    def check_checkpoint(self, checkpoint: Path, *, key: str = "train.resume_from") -> None:
         from ar_torchrl.distributed.checkpoint import verify_checkpoint
 
-        _check_kind(checkpoint, sharded=True)
+        _check_kind(checkpoint, sharded=True, key=key)
         problem = verify_checkpoint(checkpoint)
         if problem is not None:
-            raise ValueError(f"train.resume_from: {checkpoint} is unusable: {problem}")
+            raise ValueError(f"{key}: {checkpoint} is unusable: {problem}")
 
     def on_main(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on rank 0 (which reads and writes the run directory), its result on every

@@ -202,13 +202,14 @@ def tis_cap(cfg: Config) -> float | None:
     return DECOUPLED_TIS_CAP
 
 
-def build_loss(cfg: Config, actor_critic: Any) -> TokenPPOLoss:
+def build_loss(cfg: Config, actor_critic: Any, critic: Any = None) -> TokenPPOLoss:
     """The PPO loss of ``algo``: its ``policy_loss`` (with the ``algo.<policy_loss>`` options) and
     ``rollout_correction``, ``rollout.max_new_tokens`` as the length normaliser, ``tis_cap`` from
-    :func:`tis_cap`."""
+    :func:`tis_cap`; ``critic``: a separate critic (``critic=separate``)."""
     a = cfg.algo
     return TokenPPOLoss(
         actor_critic,
+        critic,
         clip_epsilon=tuple(a.clip_epsilon),
         clip_value=a.clip_value,
         entropy_coeff=a.entropy_coeff,
@@ -247,14 +248,27 @@ def use_popart(model: torch.nn.Module, beta: float) -> None:
     attach_value_head(model)  # refresh the keys save_pretrained leaves out (the buffers too)
 
 
-def build_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """AdamW with its own param group (learning rate) for the value head."""
+#: Names of the optimizer's critic param group: the value head on the policy, a separate critic.
+CRITIC_GROUPS = ("value_head", "critic")
+
+
+def build_optimizer(
+    cfg: Config, model: torch.nn.Module, critic: torch.nn.Module | None = None
+) -> torch.optim.Optimizer:
+    """AdamW with its own param group (learning rate) for the critic: the policy's value head, or
+    the whole separate ``critic``, whose gradient is then also clipped on its own
+    (``clip_group``; :func:`~ar_torchrl.training.ppo_update`)."""
     a = cfg.algo
+    value_lr = a.lr if a.value_lr is None else a.value_lr  # 0: a frozen critic
+    if critic is not None:
+        policy = {"params": list(model.parameters()), "lr": a.lr, "name": "policy"}
+        critic_group = {"params": list(critic.parameters()), "lr": value_lr, "name": "critic"}
+        critic_group["clip_group"] = "critic"
+        return torch.optim.AdamW([policy, critic_group], weight_decay=a.weight_decay)
     head = list(model.value_head.parameters())
     head_ids = {id(p) for p in head}
     policy = [p for p in model.parameters() if id(p) not in head_ids]
     groups = [{"params": policy, "lr": a.lr, "name": "policy"}]
     if a.critic_coeff > 0:
-        value_lr = a.lr if a.value_lr is None else a.value_lr  # 0: a frozen head
         groups.append({"params": head, "lr": value_lr, "name": "value_head"})
     return torch.optim.AdamW(groups, weight_decay=a.weight_decay)

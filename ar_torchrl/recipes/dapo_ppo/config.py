@@ -46,6 +46,7 @@ __all__ = [
     "GROUPS",
     "AlgoConfig",
     "Config",
+    "CriticConfig",
     "DistConfig",
     "LoggerConfig",
     "RolloutConfig",
@@ -93,6 +94,9 @@ class _AlgoKeys:
     num_minibatches: int = 1
     lr: float = MISSING
     value_lr: Optional[float] = None
+    value_lr_schedule: str = "constant"
+    value_lr_warmup_iters: int = 0
+    value_lr_min_ratio: float = 0.0
     weight_decay: float = 0.0
     grad_clip: Optional[float] = 1.0
     critic_warmup_iters: int = 0
@@ -155,6 +159,9 @@ class _AlgoKeys:
         _count(p, "ppo_epochs", self.ppo_epochs)  # ppo_update's `epochs`
         check_ppo_update_args(p, num_minibatches=self.num_minibatches, grad_clip=self.grad_clip)
         check_optimizer_args(p, lr=self.lr, value_lr=self.value_lr, weight_decay=self.weight_decay)
+        check_choice(p, "value_lr_schedule", self.value_lr_schedule, VALUE_LR_SCHEDULES)
+        _count(p, "value_lr_warmup_iters", self.value_lr_warmup_iters, ge=0)
+        check_number(p, "value_lr_min_ratio", self.value_lr_min_ratio, ge=0, le=1)
         _count(p, "critic_warmup_iters", self.critic_warmup_iters, ge=0)
         _count(p, "critic_epochs", self.critic_epochs)
         if self.critic_epochs > 1 and not self.critic_coeff > 0:
@@ -190,6 +197,38 @@ AlgoConfig = make_dataclass(
     ],
     bases=(_AlgoKeys,),
 )
+
+
+#: ``algo.value_lr_schedule``: the critic's learning rate over the iterations (after the warm-up).
+VALUE_LR_SCHEDULES = ("constant", "linear", "cosine")
+
+
+# --------------------------------------------------------------------------- critic
+#: ``critic``: where the values come from.
+CRITIC_KINDS = ("shared", "separate")
+
+
+@dataclass
+class CriticConfig:
+    """``critic=shared|separate``: the value head on the policy LM, or a second model with its own
+    head (:class:`~ar_torchrl.modules.LMCritic`), and an optional warm start of either from an
+    earlier run's checkpoint."""
+
+    kind: str = "shared"
+    model_path: Optional[str] = None  # separate: a local HF causal LM with the policy's tokenizer
+    init_from: Optional[str] = None  # an earlier run's checkpoint (or run directory)
+
+    def check(self, prefix: str) -> None:
+        check_choice(prefix, "kind", self.kind, CRITIC_KINDS)
+        if self.model_path is not None and self.kind != "separate":
+            raise ValueError(
+                f"{prefix}model_path={self.model_path!r} is the separate critic's model: it needs "
+                f"critic=separate (got {prefix.rsplit(' ', 1)[-1]}kind={self.kind})"
+            )
+        for key in ("model_path", "init_from"):
+            value = getattr(self, key)
+            if value is not None and not str(value).strip():
+                raise ValueError(f"{prefix}{key} must be null or a path, got ''")
 
 
 # --------------------------------------------------------------------------- logger, rollout, train
@@ -321,6 +360,7 @@ class Config:
     model: Any = MISSING
     backend: Any = MISSING
     algo: AlgoConfig = MISSING
+    critic: CriticConfig = field(default_factory=CriticConfig)
     data: Any = MISSING
     reward: Any = MISSING
     logger: LoggerConfig = MISSING
@@ -335,7 +375,17 @@ class Config:
     runs_dir: str = "outputs"
 
     def check(self) -> None:
-        for name in ("model", "backend", "data", "reward", "logger", "rollout", "train", "dist"):
+        for name in (
+            "model",
+            "backend",
+            "data",
+            "reward",
+            "logger",
+            "rollout",
+            "train",
+            "dist",
+            "critic",
+        ):
             getattr(self, name).check(f"config: {name}.")
         if self.tools is not None:
             self.tools.check("config: tools.")
@@ -345,6 +395,17 @@ class Config:
                 "continues after a tool answer): set tools (e.g. --config-name tool_arithmetic)"
             )
         self.algo.check(norm_length=self.rollout.max_new_tokens)
+        if self.critic.kind == "separate" and not self.algo.critic_coeff > 0:
+            raise ValueError(
+                f"config: critic=separate trains a second model on the value loss, which "
+                f"algo.critic_coeff={self.algo.critic_coeff} switches off: set algo.critic_coeff "
+                "> 0 or critic=shared"
+            )
+        if self.critic.init_from is not None and not self.algo.critic_coeff > 0:
+            raise ValueError(
+                f"config: critic.init_from={self.critic.init_from!r} loads a critic, but "
+                f"algo.critic_coeff={self.algo.critic_coeff} trains none: set algo.critic_coeff > 0"
+            )
         if self.rollout.critic_flat_groups and not (
             self.rollout.dynamic_sampling and self.algo.critic_coeff > 0
         ):

@@ -25,12 +25,12 @@ from ar_torchrl.collectors.sampling import episode_stats
 from ar_torchrl.data import plan_micro_batches
 from ar_torchrl.envs import LLMEnv
 from ar_torchrl.functional import masked_mean
-from ar_torchrl.modules import LMActorCritic
+from ar_torchrl.modules import LMActorCritic, LMCritic
 from ar_torchrl.objectives import TokenPPOLoss
 from ar_torchrl.recipes.dapo_ppo import build
 from ar_torchrl.recipes.dapo_ppo.config import Config
 from ar_torchrl.recipes.strategy import ExecutionStrategy
-from ar_torchrl.training import ppo_update
+from ar_torchrl.training import lr_schedule_factor, ppo_update
 from ar_torchrl.utils import StageTimer, append_jsonl, log_metrics, make_logger
 
 __all__ = ["Run", "setup", "train"]
@@ -43,7 +43,9 @@ class Run:
     """The pieces of a run, built by :func:`setup` and used by :func:`train`.
 
     Under torchrun only rank 0 has a ``collector``, an ``eval_env`` and a ``logger`` (``None``
-    elsewhere); ``push_dtype`` is the rollout engine's dtype, the same on every rank.
+    elsewhere); ``push_dtype`` is the rollout engine's dtype, the same on every rank. ``critic``
+    is the separate critic (``critic=separate``; ``None``: the values come from ``actor_critic``'s
+    value head).
     """
 
     cfg: Config
@@ -63,10 +65,21 @@ class Run:
     start: int = 0
     timer: StageTimer = field(default_factory=StageTimer)
     kl_reward: Any = None  # KLRewardShaping when algo.kl_in_reward > 0 (before the advantage)
+    critic: LMCritic | None = None
 
     @property
     def is_main(self) -> bool:
         return self.strategy.ctx.is_main
+
+    @property
+    def value_model(self) -> torch.nn.Module:
+        """The HF model carrying the value head: the separate critic's, else the policy."""
+        return self.model if self.critic is None else self.critic.model
+
+    def critic_parameters(self) -> list[torch.nn.Parameter]:
+        """What a critic-only pass trains: the separate critic, else the policy's value head."""
+        module = self.critic if self.critic is not None else self.model.value_head
+        return list(module.parameters())
 
 
 # --------------------------------------------------------------------------- setup
@@ -76,8 +89,10 @@ def setup(
     checkpoint: Path | None,
     stack: contextlib.ExitStack,
     strategy: ExecutionStrategy,
+    critic_source: Path | None = None,
 ) -> Run:
-    """Build everything a run needs; continue from ``checkpoint`` when given."""
+    """Build everything a run needs; continue from ``checkpoint`` when given, else warm-start the
+    critic from ``critic_source`` (an earlier run's checkpoint) when given."""
     ctx = strategy.ctx
     torch.set_num_threads(cfg.num_threads)
     build.seed_everything(cfg.seed)
@@ -85,14 +100,24 @@ def setup(
     datasets = build.build_datasets(cfg) if ctx.is_main else None
     # 2. Model: policy + zero-initialised value head; a frozen copy of the start policy for KL.
     #    Log-probs are those of the sampling distribution (temperature-scaled; greedy: T = 1).
+    #    critic=separate: the policy has no value head; a second model (a copy of the starting
+    #    policy, or critic.model_path) carries one.
     temperature = cfg.rollout.temperature or 1.0
-    model, tokenizer, start_dir = strategy.build_policy(cfg.model, cfg.cache_dir)
+    separate = cfg.critic.kind == "separate"
+    model, tokenizer, start_dir = strategy.build_policy(
+        cfg.model, cfg.cache_dir, value_head=not separate
+    )
+    critic = critic_dir = None
+    if separate:
+        critic, critic_dir = strategy.build_critic(
+            model, tokenizer, start_dir, cfg.critic.model_path
+        )
     if cfg.algo.value_norm == "popart":  # normalised value targets (before FSDP2 shards the head)
-        build.use_popart(model, cfg.algo.popart_beta)
+        build.use_popart(model if critic is None else critic.model, cfg.algo.popart_beta)
     ref_actor = None
     if cfg.algo.kl_coeff > 0 or cfg.algo.kl_in_reward > 0:
         ref_actor = strategy.build_reference(model, start_dir, temperature)
-    actor_critic = LMActorCritic(model, temperature=temperature)
+    actor_critic = LMActorCritic(model, temperature=temperature, critic=not separate)
     # 3. Rollouts (rank 0): backend -> LLMEnv -> WeightSyncCollector (async: next batch in the
     #    background).
     collector = eval_env = backend = None
@@ -122,8 +147,8 @@ def setup(
         )
         stack.callback(collector.shutdown)  # also on errors: waits for an in-flight batch
     # 4. Wrap for training (FSDP2 under torchrun or bf16 compute; activation checkpointing).
-    strategy.prepare([actor_critic, ref_actor], start_dir)
-    # 5. Advantage estimator, PPO loss, optimizer (value head in its own group).
+    strategy.prepare([(actor_critic, start_dir), (ref_actor, start_dir), (critic, critic_dir)])
+    # 5. Advantage estimator, PPO loss, optimizer (the critic in its own group).
     run = Run(
         cfg,
         run_dir,
@@ -134,10 +159,11 @@ def setup(
         collector,
         eval_env,
         build.build_advantage(cfg),
-        build.build_loss(cfg, actor_critic),
-        build.build_optimizer(cfg, model),
+        build.build_loss(cfg, actor_critic, critic),
+        build.build_optimizer(cfg, model, critic),
         torch.Generator().manual_seed(cfg.seed),
         ctx.broadcast_object(getattr(backend, "weight_dtype", None)),
+        critic=critic,
     )
     if cfg.algo.kl_in_reward > 0:  # the KL as a per-token reward (k1), before GAE
         from ar_torchrl.objectives import KLRewardShaping
@@ -150,6 +176,9 @@ def setup(
     )
     if checkpoint is not None:
         run.start = restore(run, checkpoint)
+    elif critic_source is not None:  # critic warm start: weights only, a fresh optimizer state
+        what = strategy.load_critic(critic_source, critic=critic, actor_critic=actor_critic)
+        logger.info("critic.init_from: the critic starts from %s", what)
     if checkpoint is not None or not starts_with_ours:
         push_policy(run, resync=True)
     if ctx.is_main:
@@ -165,7 +194,9 @@ def setup(
 
 def restore(run: Run, checkpoint: Path) -> int:
     """Load ``checkpoint`` into the run (every rank under FSDP2); returns its step."""
-    state = run.strategy.load(checkpoint, actor_critic=run.actor_critic, optimizer=run.optimizer)
+    state = run.strategy.load(
+        checkpoint, actor_critic=run.actor_critic, optimizer=run.optimizer, critic=run.critic
+    )
     if run.collector is not None:  # data position, policy version
         run.collector.load_state_dict(state["extra"]["collector"])
     run.shuffle_rng.set_state(state["extra"]["shuffle_rng"])
@@ -212,11 +243,13 @@ def train(run: Run, stop: Any) -> int:
                     losses["train/kl_in_reward"] = run.kl_reward.last_kl
                 td = run.advantage(td)
                 if cfg.algo.value_norm == "popart":  # the same full batch on every rank
-                    head = run.model.value_head
+                    head = run.value_model.value_head
                     head.update_statistics(td["value_target"][td["loss_mask"]])
                     losses["train/value_norm_mu"] = float(head.mu)
                     losses["train/value_norm_sigma"] = float(head.sigma)
-            # 4. PPO epochs over mini-batches of micro-batches (critic warm-up: value head only).
+            # 4. PPO epochs over mini-batches of micro-batches (critic warm-up: the critic only),
+            #    the critic's learning rate on its schedule.
+            losses["train/critic_lr"] = set_critic_lr(run, step)
             with run.timer("update"):
                 losses.update(
                     update(run, td, plan, critic_only=step <= cfg.algo.critic_warmup_iters)
@@ -253,7 +286,7 @@ def anchors(run: Run, td):
     exactly those micro-batches (ratio exactly 1 on the first update)."""
     r = run.cfg.rollout
     plan = plan_micro_batches(td, r.token_budget, r.max_rows, packing=r.packing)
-    return run.strategy.anchors(run.actor_critic, td, plan, run.ref_actor)
+    return run.strategy.anchors(run.actor_critic, td, plan, run.ref_actor, run.critic)
 
 
 def push_policy(run: Run, *, resync: bool = False) -> None:
@@ -262,10 +295,29 @@ def push_policy(run: Run, *, resync: bool = False) -> None:
     run.strategy.push_weights(run.actor_critic, run.collector, resync=resync, dtype=run.push_dtype)
 
 
-def update(run: Run, td, plan, *, critic_only: bool) -> dict[str, float]:
-    """``algo.ppo_epochs`` x mini-batches; ``critic_only``: only the value head's loss and weights."""
+def set_critic_lr(run: Run, step: int) -> float:
+    """The critic's param group gets ``algo.value_lr`` (or ``algo.lr``) times its schedule's factor
+    at ``step`` (:func:`~ar_torchrl.training.lr_schedule_factor`); returns that learning rate."""
     a = run.cfg.algo
-    head = list(run.model.value_head.parameters())
+    base = a.lr if a.value_lr is None else a.value_lr
+    factor = lr_schedule_factor(
+        step,
+        run.cfg.train.iterations,
+        schedule=a.value_lr_schedule,
+        warmup=a.value_lr_warmup_iters,
+        min_ratio=a.value_lr_min_ratio,
+    )
+    for group in run.optimizer.param_groups:
+        if group.get("name") in build.CRITIC_GROUPS:
+            group["lr"] = base * factor
+    return base * factor
+
+
+def update(run: Run, td, plan, *, critic_only: bool) -> dict[str, float]:
+    """``algo.ppo_epochs`` x mini-batches; ``critic_only``: only the critic's loss and weights (the
+    value head, or the separate critic)."""
+    a = run.cfg.algo
+    head = run.critic_parameters()
     if a.num_minibatches > len(plan):
         logger.warning(
             "algo.num_minibatches=%d but the batch has only %d micro-batches: using %d "
@@ -284,12 +336,12 @@ def update(run: Run, td, plan, *, critic_only: bool) -> dict[str, float]:
         grad_clip=a.grad_clip,
         generator=run.shuffle_rng,
     )
-    value_head_only = {"loss_keys": ("loss_critic",), "trainable": head}
-    out = passes(epochs=a.ppo_epochs, **(value_head_only if critic_only else {}))
+    value_only = {"loss_keys": ("loss_critic",), "trainable": head}
+    out = passes(epochs=a.ppo_epochs, **(value_only if critic_only else {}))
     if a.critic_epochs > 1 and not critic_only:
         # algo.critic_epochs = K: K - 1 more value-loss passes per actor pass, after the joint
-        # ones, on the value head only (the shared trunk stays the policy's).
-        extra = passes(epochs=(a.critic_epochs - 1) * a.ppo_epochs, **value_head_only)
+        # ones, on the critic only (a shared trunk stays the policy's: the head alone).
+        extra = passes(epochs=(a.critic_epochs - 1) * a.ppo_epochs, **value_only)
         for key in ("loss_critic", "explained_variance", "optimizer_steps"):
             if f"train/{key}" in extra:
                 out[f"train/critic_extra/{key}"] = extra[f"train/{key}"]
@@ -361,4 +413,5 @@ def save(run: Run, step: int) -> Path:
         optimizer=run.optimizer,
         extra=extra,
         keep_last=run.cfg.train.keep_checkpoints,
+        critic=run.critic,
     )

@@ -96,6 +96,24 @@ def find_checkpoint(cfg: Config, raw: DictConfig, run_dir: Path, strategy) -> Pa
     )
 
 
+def find_critic_source(cfg: Config, strategy) -> Path | None:
+    """The checkpoint ``critic.init_from`` names (a checkpoint, or a run directory's newest intact
+    one), checked by the strategy; ``None`` without a warm start."""
+    source = cfg.critic.init_from
+    if source is None:
+        return None
+    path = Path(source)
+    named = path.is_file() or (path.is_dir() and path.name.startswith("step_"))
+    found = path if named else strategy.latest_checkpoint(path / "checkpoints")
+    if found is None:
+        raise FileNotFoundError(
+            f"critic.init_from={source}: neither a checkpoint nor a run directory with "
+            f"checkpoints/{strategy.checkpoint_pattern}"
+        )
+    strategy.check_checkpoint(found, key="critic.init_from")
+    return found
+
+
 def run(raw: DictConfig, launch: runs.Launch) -> Result:
     """Validate, resume or start, train, report. A user error (bad value, nothing to resume) is a
     status-1 :class:`Result` naming it; SIGINT/SIGTERM give 130/143 with a checkpoint."""
@@ -120,6 +138,7 @@ def run(raw: DictConfig, launch: runs.Launch) -> Result:
         launch = dataclasses.replace(launch, run_dir=run_dir)
         try:
             checkpoint = strategy.on_main(find_checkpoint, cfg, raw, run_dir, strategy)
+            critic_source = strategy.on_main(find_critic_source, cfg, strategy)
         except (TypeError, ValueError, FileNotFoundError) as err:
             return Result(1, [f"{PROG}: {err}"] if main else [])
         if main:
@@ -131,7 +150,7 @@ def run(raw: DictConfig, launch: runs.Launch) -> Result:
             with stop, contextlib.ExitStack() as stack:
                 from ar_torchrl.recipes.dapo_ppo import loop  # transformers, TorchRL
 
-                state = loop.setup(cfg, run_dir, checkpoint, stack, strategy)
+                state = loop.setup(cfg, run_dir, checkpoint, stack, strategy, critic_source)
                 stop.graceful = (
                     True  # from now on the first signal ends the run after its iteration
                 )
