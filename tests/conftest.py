@@ -43,6 +43,17 @@ def cache_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def separate_run(tmp_path_factory, cache_dir):
+    """One process of the recipe with ``critic=separate`` (tests/test_recipe_critic.py's
+    ``SEPARATE``): ``(run directory, history)``; the torchrun test compares 2 ranks with it."""
+    from test_recipe import run_recipe
+    from test_recipe_critic import SEPARATE
+
+    run_dir = tmp_path_factory.mktemp("separate")
+    return run_dir, run_recipe(run_dir, cache_dir, *SEPARATE)[1]
+
+
+@pytest.fixture(scope="session")
 def sglang_model_dir(tmp_path_factory):
     """A tiny Qwen3 HF dir (``save_tiny_model(seed=0)``): char tokenizer, vocab 99, eos 2."""
     return save_tiny_model(tmp_path_factory.mktemp("sglang") / "model", seed=TINY_SEED)

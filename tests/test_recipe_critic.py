@@ -41,12 +41,6 @@ def _policy(state: dict) -> dict:
     return {k: v for k, v in state.items() if not k.startswith("value_head.")}
 
 
-@pytest.fixture(scope="module")
-def separate_run(tmp_path_factory, cache_dir):
-    run_dir = tmp_path_factory.mktemp("separate")
-    return run_dir, run_recipe(run_dir, cache_dir, *SEPARATE)[1]
-
-
 @pytest.mark.slow
 def test_separate_critic_trains_checkpoints_and_resumes_exactly(separate_run, tmp_path, cache_dir):
     run_dir, history = separate_run
