@@ -133,3 +133,32 @@ def test_recipe_with_popart_and_critic_epochs(tmp_path, cache_dir):
     assert all(
         h["train/critic_extra/optimizer_steps"] == h["train/optimizer_steps"] > 0 for h in steps
     )
+
+
+def test_popart_on_a_model_built_on_the_meta_device(tmp_path):
+    """algo.value_norm=popart on the FSDP2 path that builds model.path on meta: the PopArt layer is
+    sharded and loaded with the rest; a saved PopArt head (statistics included) predicts as before."""
+    from ar_torchrl.distributed import distributed, load_pretrained_weights, shard_actor_critic
+    from ar_torchrl.distributed.loading import build_meta_model
+    from ar_torchrl.modules import LMActorCritic, save_policy
+    from ar_torchrl.recipes.dapo_ppo.build import use_popart
+
+    saved = tiny_actor_critic(0).model
+    use_popart(saved, 0.5)
+    torch.nn.init.normal_(saved.value_head.weight)
+    saved.value_head.update_statistics(torch.tensor([3.0, 9.0, 12.0]))
+    save_policy(saved, tmp_path / "policy")
+    h = torch.randn(3, saved.config.hidden_size)
+    want = saved.value_head(h)
+    with distributed("cpu", process_group=True) as ctx:
+        model = build_meta_model(tmp_path / "policy")
+        use_popart(model, 0.5)
+        assert model.value_head.weight.is_meta and not model.value_head.mu.is_meta
+        ac = shard_actor_critic(LMActorCritic(model), ctx, compute_dtype="float32")
+        info = load_pretrained_weights(ac, tmp_path / "policy")
+        head = ac.model.value_head
+        assert isinstance(head, PopArtValueHead) and info["value_head"].endswith(".safetensors")
+        assert float(head.mu) == float(saved.value_head.mu) != 0.0
+        assert torch.equal(head.weight.full_tensor(), saved.value_head.weight)
+        got = torch.nn.functional.linear(h, head.weight.full_tensor(), head.bias.full_tensor())
+        assert torch.allclose(got.double() * head.sigma + head.mu, want.double(), atol=1e-6)

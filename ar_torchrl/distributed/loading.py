@@ -178,6 +178,7 @@ def _load_value_head(model: nn.Module, path: Path) -> str:
             for param in head.values():
                 (param.to_local() if isinstance(param, DTensor) else param).zero_()
         return "zero"
+    buffers = dict(model.value_head.named_buffers())  # PopArt's statistics, when both have them
     with safe_open(str(file), framework="pt", device="cpu") as f:
         for name, param in head.items():
             key = f"value_head.{name}"
@@ -186,6 +187,10 @@ def _load_value_head(model: nn.Module, path: Path) -> str:
                     f"load_pretrained_weights: {file} lacks {key}; it has {list(f.keys())}"
                 )
             _copy(param, f.get_slice(key), key)
+        for name, buffer in buffers.items():
+            if f"value_head.{name}" in f.keys():
+                with torch.no_grad():
+                    buffer.copy_(f.get_tensor(f"value_head.{name}"))
     return str(file)
 
 

@@ -234,12 +234,13 @@ def use_popart(model: torch.nn.Module, beta: float) -> None:
     head = model.value_head
     if isinstance(head, PopArtValueHead):
         return
-    if head.weight.is_meta:
-        raise ValueError(
-            "algo.value_norm=popart: the value head is still on the meta device (a model loaded "
-            "from model.path under FSDP2); PopArt is not supported on that path yet: use "
-            "algo.value_norm=none"
-        )
+    if head.weight.is_meta:  # built from model.path under FSDP2: filled when the model is loaded
+        from ar_torchrl.distributed.loading import parameters_on_meta
+
+        with parameters_on_meta():  # the layer on meta like the rest; mu = 0, sigma = 1 real
+            model.value_head = PopArtValueHead(head.in_features, beta=beta)
+        attach_value_head(model)
+        return
     popart = PopArtValueHead(head.in_features, beta=beta).to(head.weight.device)
     with torch.no_grad():
         popart.weight.copy_(head.weight)
