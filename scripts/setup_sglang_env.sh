@@ -5,6 +5,8 @@
 #          from the machine's local wheels when pip finds them, else from PyPI)
 #   shim:  tools/sgl_kernel_shim -> $VENV/sgl_kernel_shim (put on the server's PYTHONPATH only by
 #          ar_torchrl.backends.sglang.launcher.launch_sglang_server)
+#   router: sglang-router (pinned with the server; its Rust binary runs in this venv's python) for
+#          ar_torchrl.backends.sglang.router.launch_sglang_router (backend.router=launch)
 # Idempotent: a stamp holds the hash of the pins and the shim; nothing is done when it matches.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,13 +35,17 @@ mkdir -p "$VENV/sgl_kernel_shim"
 cp -r "$SHIM_SRC" "$VENV/sgl_kernel_shim/"
 find "$VENV/sgl_kernel_shim" -name __pycache__ -prune -exec rm -rf {} +
 
-# Cheap sanity checks: the pinned sglang is there and ships the msgspec schema the test double uses.
+# Cheap sanity checks: the pinned sglang is there and ships the msgspec schema the test double uses;
+# the pinned sglang-router's Rust extension loads.
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md, pathlib, sysconfig
 v = md.version("sglang")
 schema = pathlib.Path(sysconfig.get_paths()["purelib"]) / "sglang/api/v1/api_types.py"
 assert v == "0.5.23", f"expected sglang 0.5.23, found {v}"
 assert schema.is_file(), f"SGLang msgspec schema missing: {schema}"
-print(f"setup_sglang_env: sglang {v} OK, schema at {schema}")
+r = md.version("sglang-router")
+assert r == "0.3.2", f"expected sglang-router 0.3.2, found {r}"
+from sglang_router.sglang_router_rs import get_version_string
+print(f"setup_sglang_env: sglang {v} OK, schema at {schema}; sglang-router {r} ({get_version_string()})")
 PY
 echo "$want" > "$stamp"

@@ -46,6 +46,11 @@ from ar_torchrl.backends.sglang.schema import (
 
 EOS_ID = 2
 VOCAB = 99
+#: SGLang 0.5.23's answer to ``POST /flush_cache`` (200, plain text) when it flushed.
+FLUSHED = (
+    b"Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+    b"waiting requests, the operation will not be performed.)\n"
+)
 
 
 def toy_model(prompt: list[int], params: dict, sample: int) -> tuple[list[int], list[float], dict]:
@@ -87,6 +92,7 @@ class SGLangDouble:
 
     model: Callable[[list[int], dict, int], tuple[list[int], list[float], dict]] = toy_model
     weight_version: str = "default"
+    model_path: str = "double"  # what /model_info says it serves
     api_key: str | None = None
     context_length: int = 512
     faults: collections.deque = field(default_factory=collections.deque)
@@ -185,7 +191,7 @@ def _make_handler(double: SGLangDouble) -> type[BaseHTTPRequestHandler]:
                 double.requests.append((self.path, None))
             if not self._authorized():
                 return
-            info = {"model_path": "double", "weight_version": double.weight_version}
+            info = {"model_path": double.model_path, "weight_version": double.weight_version}
             if self.path in ("/health", "/health_generate"):
                 self.send_response(200)
                 self.send_header("Content-Length", "0")
@@ -225,6 +231,8 @@ def _make_handler(double: SGLangDouble) -> type[BaseHTTPRequestHandler]:
                 if fault is not None and fault.kind == "abort" and status == 200:
                     answer = _abort(answer, fault.message)
                 self._send(status, answer)
+            elif self.path.split("?")[0] == "/flush_cache":  # SGLang answers in plain text
+                self._send(200, FLUSHED)
             else:
                 self._send(404, {"detail": "Not Found"})
 

@@ -3,7 +3,8 @@
 Modules: :mod:`.errors`, :mod:`.http` (retries, deadline, body limit, API key), :mod:`.protocol`
 (request bodies, answers checked field by field), :mod:`.schema` (SGLang's own msgspec schema, for
 the test double), :mod:`.client` (:class:`SGLangBackend`), :mod:`.launcher`
-(:func:`launch_sglang_server`), :mod:`.reaper` (launched servers die with their owner),
+(:func:`launch_sglang_server`), :mod:`.router` (:func:`launch_sglang_router`: an sglang-router in
+front of the servers), :mod:`.reaper` (launched servers and routers die with their owner),
 :mod:`.senders` (disk / tensor / distributed weight sync), :mod:`.config` (torch-free config
 schemas). The server runs in its own environment (``.venv-sglang``, made by
 ``bash scripts/setup_sglang_env.sh``). Names are imported on first use.
@@ -31,6 +32,7 @@ _EXPORTS = {
         ["API_KEY_ENV", "CPU_SERVER_ARGS", "SGLangServer", "free_port", "launch_sglang_server"],
         "launcher",
     ),
+    **dict.fromkeys(["SGLangRouter", "launch_sglang_router"], "router"),
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -15,6 +15,13 @@ the other servers, and it gets no new request until a probe passes again. With n
 answering, the client keeps waiting (up to ``timeout_s``) and says so every ``stall_grace_s``.
 Weight syncs still go to every server, stalled or not: a stalled server fails the sync
 (``sync_timeout_s``) and the version stays unchanged.
+
+**Behind an sglang-router** (``router_url``): every ``/generate`` request goes to the router, which
+picks a worker; weight syncs go to each worker directly (the router has no weight-update route),
+the given ``urls`` or, by default, the workers the router lists (``GET /workers``, read again
+before every sync). Seeded requests go one sample per request, and ``extra_sampling_params`` the
+router would drop are refused (see :mod:`~ar_torchrl.backends.sglang.router`). Stall detection then
+watches the router: requests move between workers only through the router's own retries.
 """
 
 from __future__ import annotations
@@ -53,8 +60,14 @@ from ar_torchrl.backends.sglang.protocol import (
     generate_body,
     parse_generate_answer,
 )
+from ar_torchrl.backends.sglang.router import (
+    ROUTER_DROPPED_SAMPLING_KEYS,
+    ROUTER_VERSION,
+    router_workers,
+)
 from ar_torchrl.utils.checks import check_number
 from ar_torchrl.weight_sync.base import WeightSender
+from ar_torchrl.weight_sync.errors import WeightSyncError
 from ar_torchrl.weight_sync.registry import make_sender
 
 __all__ = ["SGLangBackend"]
@@ -109,8 +122,11 @@ class SGLangBackend(GenerationBackend):
     ``stats["moved"]`` counts them, ``stats["discarded"]`` the late answers that were dropped).
 
     Args:
-        urls: server base URL(s), e.g. ``"http://127.0.0.1:30000"``, a list of them, or one
-            ``sglang-router`` URL (then weight syncs go through the router too; untested here).
+        urls: server base URL(s), e.g. ``"http://127.0.0.1:30000"``, or a list of them: the
+            servers that hold the weights (each one is synced). With ``router_url``: ``None``
+            (default) reads them from the router before every sync.
+        router_url: an ``sglang-router`` in front of the servers: every ``/generate`` goes there
+            (see the module docstring).
         api_key: the servers' ``--api-key`` (default ``$AR_TORCHRL_SGLANG_API_KEY``, if set).
         max_concurrency: in-flight ``/generate`` requests.
         timeout_s: deadline of one whole ``/generate`` answer (seconds).
@@ -142,12 +158,20 @@ class SGLangBackend(GenerationBackend):
         ...
         ar_torchrl.backends.sglang.errors.SGLangUnavailableError: the SGLang server at http://127.0.0.1:9 is not reachable (...
         >>> backend.close()
+
+        Behind a router, the workers are read from it when first needed:
+
+        >>> routed = SGLangBackend(router_url="http://127.0.0.1:9", max_retries=0)
+        >>> routed.route_urls, routed.health()
+        (['http://127.0.0.1:9'], False)
+        >>> routed.close()
     """
 
     def __init__(
         self,
-        urls: str | Sequence[str],
+        urls: str | Sequence[str] | None = None,
         *,
+        router_url: str | None = None,
         api_key: str | None = None,
         max_concurrency: int = 8,
         timeout_s: float = 600.0,
@@ -166,7 +190,21 @@ class SGLangBackend(GenerationBackend):
         vocab_size: int | None = None,
         show_progress: bool | None = None,
     ) -> None:
-        self.urls = _check_urls(urls)
+        if router_url is None:
+            if urls is None:
+                raise ValueError(
+                    "SGLangBackend: pass the servers' `urls`, or the `router_url` of an "
+                    "sglang-router in front of them"
+                )
+            self.route_urls = _check_urls(urls)
+            self._workers: list[str] | None = self.route_urls
+        else:
+            self.route_urls = _check_urls(router_url, what="router_url")
+            if len(self.route_urls) != 1:
+                raise ValueError(f"SGLangBackend: router_url is one URL, got {router_url!r}")
+            self._workers = None if urls is None else _check_urls(urls)
+        self.router_url = None if router_url is None else self.route_urls[0]
+        self._discover = self.router_url is not None and urls is None
         if max_concurrency < 1:
             raise ValueError(f"SGLangBackend: max_concurrency must be >= 1, got {max_concurrency}")
         if on_abort not in ("raise", "keep"):
@@ -184,6 +222,13 @@ class SGLangBackend(GenerationBackend):
         if not probe_path.startswith("/"):
             raise ValueError(f"SGLangBackend: probe_path must start with '/', got {probe_path!r}")
         self.extra_sampling_params = check_sampling_keys(extra_sampling_params or {})
+        dropped = sorted(set(self.extra_sampling_params) & ROUTER_DROPPED_SAMPLING_KEYS)
+        if self.router_url is not None and dropped:
+            raise ValueError(
+                f"SGLangBackend: extra_sampling_params {dropped} would be dropped without a word "
+                f"by the sglang-router ({ROUTER_VERSION}) at {self.router_url}: leave them out, or "
+                "send to the servers directly (urls=..., no router_url)"
+            )
         self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
         self.timeout_s, self.sync_timeout_s, self.vocab_size = timeout_s, sync_timeout_s, vocab_size
         self.on_abort, self.show_progress = on_abort, show_progress
@@ -209,9 +254,9 @@ class SGLangBackend(GenerationBackend):
         )
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="sglang")
         self._probes = ThreadPoolExecutor(
-            max_workers=len(self.urls), thread_name_prefix="sglang-probe"
+            max_workers=len(self.route_urls), thread_name_prefix="sglang-probe"
         )
-        self._servers = {url: _Server(url) for url in self.urls}
+        self._servers = {url: _Server(url) for url in self.route_urls}
         self._watch_lock = threading.Lock()
         self._rr = itertools.count()
         self._server_info: list[dict] | None = None
@@ -232,11 +277,25 @@ class SGLangBackend(GenerationBackend):
         return self._http.session
 
     def post(
-        self, url: str, path: str, body: Any, *, timeout_s: float | None = None, retry: bool = True
+        self,
+        url: str,
+        path: str,
+        body: Any,
+        *,
+        timeout_s: float | None = None,
+        retry: bool = True,
+        decode: bool = True,
     ) -> Any:
-        """POST JSON to one server (``url + path``) with the retry policy; return the JSON answer."""
+        """POST JSON to one server (``url + path``) with the retry policy; return the JSON answer
+        (``decode=False``: its text, for SGLang's plain-text answers such as ``/flush_cache``)."""
         return self._http.request(
-            "POST", [url], path, body, timeout_s=timeout_s or self.sync_timeout_s, retry=retry
+            "POST",
+            [url],
+            path,
+            body,
+            timeout_s=timeout_s or self.sync_timeout_s,
+            retry=retry,
+            decode=decode,
         )
 
     def get(self, url: str, path: str, *, timeout_s: float | None = None) -> Any:
@@ -245,9 +304,47 @@ class SGLangBackend(GenerationBackend):
         timeout_s = timeout_s or min(30.0, self.sync_timeout_s)
         return self._http.request("GET", [url], path, timeout_s=timeout_s)
 
+    @property
+    def urls(self) -> list[str]:
+        """The servers that hold the weights (every sync reaches each): the given ``urls``, or
+        the workers the router lists (read on first use and again before every sync)."""
+        if self._workers is None:
+            self.refresh_workers()
+        return list(self._workers)
+
+    def refresh_workers(self) -> list[str]:
+        """Read the workers from the router (``GET <router_url>/workers``) when they were not
+        given, and return :attr:`urls`; a change since the last read is logged.
+
+        Raises:
+            SGLangError: the router does not answer or lists no usable worker.
+        """
+        if self.router_url is None or (self._workers is not None and not self._discover):
+            return list(self._workers)
+        listed = router_workers(self.get(self.router_url, "/workers"), self.router_url)
+        urls = sorted(w.url for w in listed)  # the router lists them in registration order
+        if self._workers is not None and urls != self._workers:
+            logger.warning(
+                "sglang-router %s: workers changed: added %s, removed %s",
+                self.router_url,
+                sorted(set(urls) - set(self._workers)),
+                sorted(set(self._workers) - set(urls)),
+            )
+            self._server_info = None
+        unhealthy = [w.url for w in listed if not w.healthy]
+        if unhealthy:
+            logger.warning(
+                "sglang-router %s marks %s unhealthy; they are still synced (the router sends "
+                "them requests again once they pass its health check)",
+                self.router_url,
+                unhealthy,
+            )
+        self._workers = urls
+        return list(urls)
+
     def _urls_from_next(self) -> list[str]:
-        start = next(self._rr) % len(self.urls)
-        return self.urls[start:] + self.urls[:start]
+        start = next(self._rr) % len(self.route_urls)
+        return self.route_urls[start:] + self.route_urls[:start]
 
     def _count(self, **deltas: int) -> None:
         with self._stats_lock:
@@ -262,8 +359,14 @@ class SGLangBackend(GenerationBackend):
     # -- health and server facts ----------------------------------------------------------------
 
     def health(self) -> bool:
-        """``True`` when every server answers ``GET /health`` with 200 (no retries)."""
-        for url in self.urls:
+        """``True`` when every server (and the router, with one) answers ``GET /health`` with 200
+        (no retries)."""
+        try:
+            urls = list(dict.fromkeys(self.route_urls + self.urls))
+        except SGLangError as err:  # the router cannot list its workers
+            logger.debug("SGLangBackend: no worker list from %s: %s", self.router_url, err)
+            return False
+        for url in urls:
             try:
                 ok = self.session.get(
                     url + "/health", timeout=(self._http.connect_timeout_s, 10)
@@ -280,7 +383,7 @@ class SGLangBackend(GenerationBackend):
         while not self.health():
             if time.monotonic() > deadline:
                 raise SGLangUnavailableError(
-                    f"SGLang servers {self.urls} not healthy after {timeout_s}s"
+                    f"SGLang servers {self.route_urls} not healthy after {timeout_s}s"
                 )
             time.sleep(poll_s)
 
@@ -313,14 +416,18 @@ class SGLangBackend(GenerationBackend):
     def _generate(
         self, prompts: list[list[int]], n: int, sampling: SamplingParams
     ) -> list[Completion]:
-        jobs = [
-            _Job(generate_body(p, n, sampling, i, self.extra_sampling_params))
+        # (prompt index, completions in the answer, body)
+        bodies = [
+            (i, n, generate_body(p, n, sampling, i, self.extra_sampling_params))
             for i, p in enumerate(prompts)
         ]
+        if self.router_url is not None and sampling.seed is not None:
+            bodies = [(i, 1, one) for i, _, body in bodies for one in _one_per_sample(body)]
+        jobs = [_Job(body) for _, _, body in bodies]
         self._run(jobs)
         completions: list[Completion] = []
-        for i, job in enumerate(jobs):
-            completions += parse_generate_answer(job.answer, n, i, vocab_size=self.vocab_size)
+        for (i, k, _), job in zip(bodies, jobs):
+            completions += parse_generate_answer(job.answer, k, i, vocab_size=self.vocab_size)
         self._check_server_versions(completions)
         return self._count_aborts(completions)
 
@@ -509,7 +616,17 @@ class SGLangBackend(GenerationBackend):
 
     def sync_weights(self, named_tensors, version: int) -> None:
         """Send new weights to every server (see :meth:`GenerationBackend.sync_weights`); afterwards
-        each reports ``weight_version == str(version)``."""
+        each reports ``weight_version == str(version)`` and its cache is flushed. Behind a router
+        whose workers were not given, they are read from it first."""
+        if self._discover:
+            try:
+                self.refresh_workers()
+            except SGLangError as err:
+                raise WeightSyncError(
+                    f"SGLangBackend: weight sync to version {version} not started: the workers of "
+                    f"the sglang-router could not be read ({err}); the engine keeps policy_version "
+                    f"{self.policy_version}"
+                ) from None
         super().sync_weights(named_tensors, version)
         self._synced = True
 
@@ -525,13 +642,23 @@ class SGLangBackend(GenerationBackend):
         self._http.close()
 
 
-def _check_urls(urls: str | Sequence[str]) -> list[str]:
+def _one_per_sample(body: dict) -> list[dict]:
+    """A seeded batch body (``n`` copies of the prompt, one ``sampling_params`` each) as ``n``
+    single requests: sglang-router refuses a list of ``sampling_params`` (HTTP 422)."""
+    return [
+        {**body, "input_ids": ids, "sampling_params": params}
+        for ids, params in zip(body["input_ids"], body["sampling_params"])
+    ]
+
+
+def _check_urls(urls: str | Sequence[str], what: str = "urls") -> list[str]:
     urls = [urls] if isinstance(urls, str) else list(urls)
     if not urls:
-        raise ValueError("SGLangBackend: `urls` is empty; pass at least one server URL")
+        raise ValueError(f"SGLangBackend: `{what}` is empty; pass at least one server URL")
     bad = [u for u in urls if not isinstance(u, str) or not u.startswith(("http://", "https://"))]
     if bad:
-        raise ValueError(f"SGLangBackend: URLs must start with http:// or https://, got {bad}")
+        label = "URLs" if what == "urls" else what
+        raise ValueError(f"SGLangBackend: {label} must start with http:// or https://, got {bad}")
     if len(set(urls)) != len(urls):
         raise ValueError(f"SGLangBackend: a server is listed twice in {urls}")
     return [u.rstrip("/") for u in urls]

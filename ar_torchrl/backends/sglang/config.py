@@ -1,7 +1,8 @@
 """Torch-free config schemas of the SGLang engine, registered beside it.
 
-- the backend (``backend=sglang`` in the recipe): :class:`SGLangBackendConfig`, which launches a
-  local server on the starting policy or connects to running ones;
+- the backend (``backend=sglang`` in the recipe): :class:`SGLangBackendConfig`, which launches
+  local servers on the starting policy or connects to running ones, optionally behind an
+  sglang-router (launched, or running);
 - its weight-sync methods and their options: ``disk`` (:class:`DiskSyncOptions`), ``tensor``
   (:class:`TensorSyncOptions``), ``distributed`` (:class:`DistributedSyncOptions`). A ``None`` option
   keeps the sender's own default.
@@ -140,7 +141,13 @@ register_sync_method(
 class SGLangBackendConfig:
     """``backend=sglang``: :class:`~ar_torchrl.backends.SGLangBackend` over one or more servers."""
 
-    url: Any = None  # None (launch one) | a URL | a list of URLs (or one sglang-router URL)
+    url: Any = None  # None (launch num_servers) | a URL | a list of URLs
+    # None/"none": the client spreads requests over the servers itself; "launch": an sglang-router
+    # in front of them; a URL: a running sglang-router (then url is None: its workers are synced)
+    router: Optional[str] = None
+    num_servers: int = 1  # servers launched when url is None
+    router_args: list[str] = field(default_factory=list)  # extra flags of a launched router
+    router_health_checks: bool = False  # keep a launched router's periodic worker health checks
     python: Optional[str] = None  # interpreter of the SGLang environment (None: .venv-sglang)
     device: str = "cpu"  # where a launched server runs
     weight_sync: str = "disk"  # a registered sglang method (ar_torchrl.weight_sync.registry)
@@ -154,10 +161,17 @@ class SGLangBackendConfig:
 
     @property
     def urls(self) -> list[str] | None:
-        """The server URLs (``None``: launch one)."""
+        """The server URLs (``None``: launch ``num_servers``, or a running router's workers)."""
         if self.url is None:
             return None
         return [self.url] if isinstance(self.url, str) else list(self.url)
+
+    @property
+    def router_mode(self) -> str:
+        """``"none"``, ``"launch"`` or ``"url"`` (a running router at :attr:`router`)."""
+        if self.router is None or self.router == "none":
+            return "none"
+        return "launch" if self.router == "launch" else "url"
 
     def check(self, prefix: str) -> None:
         if self.url is not None:
@@ -168,6 +182,7 @@ class SGLangBackendConfig:
                 )
             for url in urls:
                 check_server_url(prefix, "url", url)
+        self._check_router(prefix)
         check_choice(prefix, "device", self.device, ("cpu", "cuda"))
         check_number(prefix, "timeout_s", self.timeout_s, gt=0)
         check_number(prefix, "sync_timeout_s", self.sync_timeout_s, gt=0)
@@ -187,42 +202,71 @@ class SGLangBackendConfig:
             prefix=f"{prefix}weight_sync_options.",
         )
 
+    def _check_router(self, prefix: str) -> None:
+        mode, key = self.router_mode, prefix.rpartition(": ")[2]  # "backend." for the hints
+        if mode == "url":
+            if not isinstance(self.router, str) or "://" not in self.router:
+                raise ValueError(
+                    f"{prefix}router={self.router!r} must be none, launch, or the URL of a running "
+                    "sglang-router (http://host:port)"
+                )
+            check_server_url(prefix, "router", self.router)
+            if self.url is not None:
+                raise ValueError(
+                    f"{prefix}url={self.url!r} must be null when {key}router is a URL: the "
+                    "servers are the router's workers (read from its GET /workers); list them in "
+                    f"{key}url with {key}router=launch to start a router in front of them"
+                )
+        check_number(prefix, "num_servers", self.num_servers, ge=1, le=64, integer=True)
+        if self.num_servers > 1 and self.url is not None:
+            raise ValueError(
+                f"{prefix}num_servers={self.num_servers} launches servers but {key}url names "
+                f"running ones ({self.url!r}): set {key}url=null, or leave num_servers at 1"
+            )
+        if self.num_servers > 1 and mode == "url":
+            raise ValueError(
+                f"{prefix}num_servers={self.num_servers}: nothing is launched behind a running "
+                f"router ({key}router={self.router!r}); leave num_servers at 1"
+            )
+        if mode != "launch" and (self.router_args or self.router_health_checks):
+            raise ValueError(
+                f"{prefix}router_args / {key}router_health_checks configure a launched router; "
+                f"set {key}router=launch (it is {self.router!r})"
+            )
+
     def starts_with_trainer_weights(self) -> bool:
-        """A launched server loads the starting policy; running servers hold other weights."""
-        return self.url is None
+        """Launched servers load the starting policy; running servers hold other weights."""
+        return self.url is None and self.router_mode != "url"
 
     def build(self, context: BackendContext) -> Any:
-        """Launch a server on the starting policy (stopped when the run ends) or connect to the
-        given ones; the server must answer ``GET /health``."""
+        """Launch ``num_servers`` servers on the starting policy (stopped when the run ends) or
+        connect to the given ones, with an sglang-router in front if asked (launched, or running);
+        every server (and the router) must answer ``GET /health``."""
         from ar_torchrl.backends.sglang.client import SGLangBackend
         from ar_torchrl.backends.sglang.errors import SGLangUnavailableError
-        from ar_torchrl.backends.sglang.launcher import launch_sglang_server
 
-        urls = self.urls
-        if urls is None:  # a local server on the starting policy, stopped when the run ends
-            model_dir, owned = context.start_dir, []
-            if model_dir is None:  # the server's start weights: deleted when it stops
-                from ar_torchrl.backends.sglang import reaper
-                from ar_torchrl.modules import save_policy
+        urls, router_url = self.urls, None
+        if urls is None and self.router_mode != "url":
+            urls = self._launch_servers(context)
+        if self.router_mode == "launch":
+            from ar_torchrl.backends.sglang import router as sglang_router
 
-                model_dir = context.run_dir / "sglang_model"
-                owned = [model_dir]  # also removed if this process is killed (the reaper)
-                context.stack.callback(shutil.rmtree, model_dir, ignore_errors=True)
-                reaper.guard_dir(model_dir)
-                save_policy(context.model, model_dir, context.tokenizer)
-            server = context.stack.enter_context(
-                launch_sglang_server(
-                    model_dir,
+            router = context.stack.enter_context(
+                sglang_router.launch_sglang_router(
+                    urls,
                     python=self.python,
-                    device=self.device,
-                    extra_args=list(self.extra_args),
-                    log_file=context.run_dir / "sglang_server.log",
-                    owned_dirs=owned,
+                    health_checks=self.router_health_checks,
+                    request_timeout_s=self.timeout_s + 60,
+                    extra_args=list(self.router_args),
+                    log_file=context.run_dir / "sglang_router.log",
                 )
             )
-            urls = [server.url]
+            router_url = router.url
+        elif self.router_mode == "url":
+            router_url = self.router
         backend = SGLangBackend(
             urls,
+            router_url=router_url,
             weight_sync=self.weight_sync,
             weight_sync_options=dict(self.weight_sync_options),
             timeout_s=self.timeout_s,
@@ -233,8 +277,61 @@ class SGLangBackendConfig:
         )
         context.stack.callback(backend.close)
         if not backend.health():  # said once, before anything reads as a weight-sync failure
+            if self.router_mode == "url":
+                raise SGLangUnavailableError(
+                    f"backend.router={self.router}: the sglang-router or one of its workers does "
+                    "not answer (GET /health, GET /workers); start them and check the URL"
+                )
             raise SGLangUnavailableError(
                 f"backend.url={urls}: no SGLang server answers GET /health there; start it (or "
                 "set backend.url=null to launch one) and check the URL"
             )
         return backend
+
+    def _launch_servers(self, context: BackendContext) -> list[str]:
+        """``num_servers`` local servers on the starting policy, stopped when the run ends (one
+        after the other: each takes 30-60 s to start on a CPU); their URLs."""
+        from ar_torchrl.backends.sglang.launcher import launch_sglang_server
+
+        model_dir, owned = context.start_dir, []
+        if model_dir is None:  # the servers' start weights: deleted when they stop
+            from ar_torchrl.backends.sglang import reaper
+            from ar_torchrl.modules import save_policy
+
+            model_dir = context.run_dir / "sglang_model"
+            owned = [model_dir]  # also removed if this process is killed (the reaper)
+            context.stack.callback(shutil.rmtree, model_dir, ignore_errors=True)
+            reaper.guard_dir(model_dir)
+            save_policy(context.model, model_dir, context.tokenizer)
+        urls = []
+        for i in range(self.num_servers):
+            extra = list(self.extra_args)
+            if self.device == "cuda" and self.num_servers > 1 and "--base-gpu-id" not in extra:
+                extra += ["--base-gpu-id", str(i * _tp_size(extra))]  # one GPU (or tp group) each
+            name = "sglang_server.log" if self.num_servers == 1 else f"sglang_server-{i}.log"
+            server = context.stack.enter_context(
+                launch_sglang_server(
+                    model_dir,
+                    python=self.python,
+                    device=self.device,
+                    extra_args=extra,
+                    log_file=context.run_dir / name,
+                    owned_dirs=owned if i == 0 else [],  # the first one stops last
+                )
+            )
+            urls.append(server.url)
+        return urls
+
+
+def _tp_size(args: list[str]) -> int:
+    """``--tp-size``/``--tp`` in server flags (1 if absent).
+
+    Example:
+        >>> _tp_size(["--tp-size", "2"]), _tp_size(["--tp=4"]), _tp_size([])
+        (2, 4, 1)
+    """
+    for k, arg in enumerate(args):
+        flag, eq, value = str(arg).partition("=")
+        if flag in ("--tp-size", "--tp"):
+            return int(value if eq else args[k + 1])
+    return 1

@@ -242,13 +242,15 @@ class HttpClient:
         timeout_s: float,
         retry: bool = True,
         flight: Flight | None = None,
+        decode: bool = True,
     ) -> Any:
         """Send ``body`` to ``urls[0] + path``; retries go to the next URL in ``urls`` (failover).
 
         ``flight``, if given, follows the request (its server, since when) and can cancel it.
 
         Returns:
-            The decoded JSON answer (``None`` for an empty 2xx body).
+            The decoded JSON answer (``None`` for an empty 2xx body); with ``decode=False`` the
+            answer's text (SGLang answers some routes, e.g. ``/flush_cache``, in plain text).
 
         Raises:
             RequestCancelled: ``flight`` was cancelled.
@@ -267,7 +269,7 @@ class HttpClient:
                 failures.append(f"connection error: {exc}")
             else:
                 if status < 500:
-                    return _decode(status, data, url + path)
+                    return _decode(status, data, url + path, json_answer=decode)
                 failures.append(f"HTTP {status}: {server_error_message(data)}")
             logger.warning(
                 "SGLang %s%s attempt %d/%d: %s", url, path, attempt + 1, attempts, failures[-1]
@@ -363,7 +365,7 @@ class HttpClient:
         self.session.close()
 
 
-def _decode(status: int, data: bytes, where: str) -> Any:
+def _decode(status: int, data: bytes, where: str, json_answer: bool = True) -> Any:
     if status >= 400:
         message = server_error_message(data)
         hint = (
@@ -376,6 +378,8 @@ def _decode(status: int, data: bytes, where: str) -> Any:
             status=status,
             server_message=message,
         )
+    if not json_answer:
+        return data.decode(errors="replace")
     if not data:
         return None
     try:

@@ -122,6 +122,8 @@ CPU_SERVER_ARGS = (
 # pipe fd or -1, SGLang's flags). With a parent pid: ask for SIGTERM when the parent dies and exit
 # at once if it is already gone (the race between fork and prctl). The secret flags are read from
 # the pipe and appended to the in-memory sys.argv only; a log-record factory hides their values.
+# The last line (``_MAIN_TAIL``) starts the program; ``prelude`` swaps it (the router's launcher).
+_MAIN_TAIL = 'runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)'
 _SERVER_MAIN = """
 import ctypes, json, logging, os, runpy, signal, sys
 
@@ -154,6 +156,19 @@ if fd >= 0:
 sys.argv = [sys.argv[0], *args]
 runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
 """
+
+
+def prelude(main: str) -> str:
+    """The launcher's prelude (parent-death signal, secrets through a pipe, redacted log lines)
+    followed by ``main``, Python code run in its place of ``sglang.launch_server`` (``sys.argv``
+    holds the flags then).
+
+    Example:
+        >>> prelude("print(sys.argv)").splitlines()[-2:]
+        ['sys.argv = [sys.argv[0], *args]', 'print(sys.argv)']
+    """
+    assert _SERVER_MAIN.endswith(_MAIN_TAIL + "\n")
+    return _SERVER_MAIN[: -len(_MAIN_TAIL) - 1] + main.strip() + "\n"
 
 
 @dataclass
@@ -446,11 +461,14 @@ class _PortTaken(SGLangLaunchError):
     """The server could not bind its HTTP port (taken between our pick and its bind)."""
 
 
-def _command(python: Path, args: list[str], secret_fd: int = -1) -> list[str]:
-    """``python -c <prelude> <parent pid or 0> <secrets fd or -1> <flags>`` (see ``_SERVER_MAIN``)."""
+def _command(
+    python: Path, args: list[str], secret_fd: int = -1, main: str = _SERVER_MAIN
+) -> list[str]:
+    """``python -c <prelude> <parent pid or 0> <secrets fd or -1> <flags>`` (see ``_SERVER_MAIN``;
+    ``main``: another program behind the same prelude, see :func:`prelude`)."""
     main_thread = threading.current_thread() is threading.main_thread()
     parent = os.getpid() if sys.platform.startswith("linux") and main_thread else 0
-    return [str(python), "-c", _SERVER_MAIN, str(parent), str(secret_fd), *args]
+    return [str(python), "-c", main, str(parent), str(secret_fd), *args]
 
 
 def _start_server(python, args, secret, host, port, log_path, timeout_s, env) -> SGLangServer:

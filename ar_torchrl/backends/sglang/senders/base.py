@@ -3,8 +3,10 @@
 A sender is given a *client* (the ``SGLangBackend`` satisfies :class:`SGLangClient`; a sender never
 imports it): its server URLs and JSON ``post``/``get`` with retries. Every request that changes
 weights goes to every server **in parallel** (:func:`on_each_server`); a failure on any server
-raises :class:`WeightSyncError` naming it. After a sync every server must report
-``weight_version == str(version)`` in ``GET /model_info``.
+raises :class:`WeightSyncError` naming it. After a sync every server's cache is flushed
+(``POST /flush_cache``, :func:`flush_caches`: SGLang's radix cache would otherwise keep KV computed
+with the old weights) and every server must report ``weight_version == str(version)`` in
+``GET /model_info``.
 
 Shapes: SGLang 0.5.23 does not survive a wrong-shaped update (its rollback re-reads the same bad
 files and the scheduler dies), so the senders refuse tensors whose shapes differ from the served
@@ -31,6 +33,7 @@ __all__ = [
     "SGLangSender",
     "check_shapes",
     "checkpoint_shapes",
+    "flush_caches",
     "on_each_server",
     "post_checked",
     "weight_update_session",
@@ -38,6 +41,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+
+#: How long ``/flush_cache`` waits for a server to become idle (requests of other clients) (s).
+FLUSH_TIMEOUT_S = 30.0
 
 
 class SGLangClient(Protocol):
@@ -47,7 +53,14 @@ class SGLangClient(Protocol):
     api_key: str | None
 
     def post(
-        self, url: str, path: str, body: Any, *, timeout_s: float | None = None, retry: bool = True
+        self,
+        url: str,
+        path: str,
+        body: Any,
+        *,
+        timeout_s: float | None = None,
+        retry: bool = True,
+        decode: bool = True,
     ) -> Any: ...
 
     def get(self, url: str, path: str, *, timeout_s: float = 30.0) -> Any: ...
@@ -84,6 +97,21 @@ def post_checked(client: SGLangClient, url: str, path: str, body: dict, **kw: An
     if isinstance(answer, dict) and answer.get("success") is False:
         raise WeightSyncError(f"SGLang {url}{path} failed: {answer.get('message')}")
     return answer
+
+
+def flush_caches(client: SGLangClient, timeout_s: float = FLUSH_TIMEOUT_S) -> None:
+    """Flush every server's cache (``POST /flush_cache?timeout=...``, in parallel).
+
+    SGLang flushes only once the server is idle; it waits up to ``timeout_s`` for that (the
+    requests of other clients) and answers 400 otherwise.
+
+    Raises:
+        WeightSyncError: naming every server that did not flush.
+    """
+    path = f"/flush_cache?timeout={timeout_s:g}"
+    on_each_server(
+        client.urls, lambda u: client.post(u, path, None, retry=False, decode=False), "flush_cache"
+    )
 
 
 def _session_call(client: SGLangClient, url: str, path: str) -> None:
@@ -159,6 +187,13 @@ def check_shapes(items: Iterable[tuple[str, torch.Tensor]], shapes: dict, where:
         )
 
 
+_NOT_A_SERVER = (
+    "; a 404 on a weight route: is that URL an sglang-router? It has no weight-update route: give "
+    "it as the router (SGLangBackend(router_url=...), backend.router=<url>) and its workers are "
+    "synced directly"
+)
+
+
 class SGLangSender(abc.ABC):
     """Base of the SGLang senders: wrap failures, track partial updates, then check every version.
 
@@ -182,13 +217,17 @@ class SGLangSender(abc.ABC):
         self._partial = False
         try:
             self._send(named_tensors, str(int(version)))
+            flush_caches(self.client)
             self._check_versions(str(int(version)))
         except WeightSyncError as err:
             err.partial = err.partial or self._partial
+            if "(HTTP 404)" in str(err):
+                err.args = (f"{err}{_NOT_A_SERVER}",)
             raise
         except Exception as exc:  # the client's own errors carry the server's message
             ours = type(exc).__module__.startswith("ar_torchrl.")
-            raise WeightSyncError(f"{self.name} sync: {exc}", partial=self._partial) from (
+            hint = _NOT_A_SERVER if getattr(exc, "status", None) == 404 else ""
+            raise WeightSyncError(f"{self.name} sync: {exc}{hint}", partial=self._partial) from (
                 None if ours else exc
             )
         logger.info(

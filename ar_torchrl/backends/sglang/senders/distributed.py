@@ -148,6 +148,7 @@ class DistributedWeightSender(SGLangSender):
         self.master_address, self.master_port = master_address, master_port
         self.group_name, self.bucket_bytes, self.timeout_s = group_name, bucket_bytes, timeout_s
         self._group = self._store = None
+        self._group_urls: list[str] = []  # the servers in the group (a router's may change)
         self._buffers: dict[
             int, torch.Tensor
         ] = {}  # bucket index -> flat buffer, refilled each sync
@@ -159,9 +160,17 @@ class DistributedWeightSender(SGLangSender):
         return torch.device("cpu")
 
     def _ensure_group(self) -> None:
-        if self._group is not None:
+        urls = list(self.client.urls)
+        if self._group is not None and urls == self._group_urls:
             return
-        urls = self.client.urls
+        if self._group is not None:  # the router's workers changed: a new group for the new set
+            logger.warning(
+                "SGLang distributed sync: the servers changed from %s to %s: new process group",
+                self._group_urls,
+                urls,
+            )
+            self._destroy_on([u for u in self._group_urls if u in urls])
+            self._drop_group()
         tps = on_each_server(
             urls, lambda u: int(self.client.get(u, "/server_info").get("tp_size", 1)), "server_info"
         )
@@ -193,7 +202,7 @@ class DistributedWeightSender(SGLangSender):
             )
             for f in futures:
                 f.result()
-        self._group = group
+        self._group, self._group_urls = group, urls
 
     def _send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str) -> None:
         self._ensure_group()
@@ -251,11 +260,8 @@ class DistributedWeightSender(SGLangSender):
             with contextlib.suppress(Exception):
                 torch.distributed.destroy_process_group(group)
 
-    def close(self) -> None:
-        self._buffers.clear()
-        if self._group is None:
-            return
-        for url in self.client.urls:
+    def _destroy_on(self, urls: list[str]) -> None:
+        for url in urls:
             with contextlib.suppress(Exception):
                 self.client.post(
                     url,
@@ -263,4 +269,10 @@ class DistributedWeightSender(SGLangSender):
                     {"group_name": self.group_name},
                     retry=False,
                 )
+
+    def close(self) -> None:
+        self._buffers.clear()
+        if self._group is None:
+            return
+        self._destroy_on(self._group_urls)
         self._drop_group()
