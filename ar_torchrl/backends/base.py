@@ -10,11 +10,18 @@ after a successful :meth:`GenerationBackend.sync_weights`, and is stamped on eve
 :class:`Completion`. Generation and sync hold the same lock, so a batch never mixes two versions;
 after a sync that failed part-way (``WeightSyncError.partial``) the backend refuses to generate
 until a sync succeeds.
+
+**Partial rollouts** (``partial_rollouts = True``, on engines that support them): a sync does not
+wait for a generation in flight; it interrupts it (the engine stops at the next token and returns
+what each completion has so far), loads the weights, and the generation continues every unfinished
+completion from its exact tokens under the new version. Each token keeps the version and the
+log-prob of the weights that sampled it (``Completion.token_versions``).
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
 import threading
 import warnings
 from collections.abc import Iterable, Sequence
@@ -102,8 +109,11 @@ class Completion:
         log_probs: ``log softmax(logits / T)[token_ids[i]]`` given the prompt and
             ``token_ids[:i]``, one per token (the first generated token included).
         finish_reason: ``"stop"`` (EOS/stop token), ``"length"`` (hit ``max_new_tokens``), ``"abort"``.
-        policy_version: the backend's ``policy_version`` that produced it (stamped by the backend).
+        policy_version: the backend's ``policy_version`` that produced it (stamped by the backend;
+            a partial rollout: the version of its first token).
         meta: engine-specific details (e.g. SGLang's own ``finish_reason`` and request id).
+        token_versions: per-token versions of a partial rollout that a weight update split
+            (``None``: every token has ``policy_version``).
 
     Example:
         >>> c = Completion(0, [5, 2], [-0.1, -0.2], "stop")
@@ -117,6 +127,7 @@ class Completion:
     finish_reason: FinishReason
     policy_version: int = 0
     meta: dict = field(default_factory=dict)
+    token_versions: list[int] | None = None
 
     #: a completion is a trained segment of a sample (:class:`~ar_torchrl.data.samples.Segment`)
     trained: ClassVar[bool] = True
@@ -182,11 +193,39 @@ class GenerationBackend(abc.ABC):
         [([2], 3), ([2], 3)]
     """
 
+    #: the engine's ``_generate`` stops at the next token when :attr:`interrupted` (and returns
+    #: what each completion has, unfinished ones with ``finish_reason="abort"``)
+    supports_partial_rollouts: ClassVar[bool] = False
+
     def __init__(self, sender: WeightSender | None = None) -> None:
         self._sender = sender
         self._policy_version = 0
         self._broken_sync: str | None = None  # why the engine may hold a partial update
         self._engine_lock = threading.Lock()
+        self._partial_rollouts = False
+        self._interrupt = threading.Event()  # a sync waits: stop generating at the next token
+        self._no_sync = threading.Event()  # cleared while a partial-rollout sync runs
+        self._no_sync.set()
+        self.interruptions = 0  # generations a sync interrupted (partial rollouts)
+
+    @property
+    def partial_rollouts(self) -> bool:
+        """Whether a sync interrupts generation in flight (see the module docstring)."""
+        return self._partial_rollouts
+
+    @partial_rollouts.setter
+    def partial_rollouts(self, value: bool) -> None:
+        if value and not self.supports_partial_rollouts:
+            raise ValueError(
+                f"{type(self).__name__} cannot interrupt its generation: partial rollouts need an "
+                "engine that supports them (TransformersBackend, SGLangBackend)"
+            )
+        self._partial_rollouts = bool(value)
+
+    @property
+    def interrupted(self) -> bool:
+        """A weight sync is waiting: ``_generate`` should return at the next token."""
+        return self._interrupt.is_set()
 
     @property
     def policy_version(self) -> int:
@@ -233,20 +272,56 @@ class GenerationBackend(abc.ABC):
         name = type(self).__name__
         prompts = validate_prompts(prompt_token_ids, n, name)
         self._check_context(prompts, sampling, name)
+        if self._partial_rollouts:
+            return self._generate_partial(prompts, n, sampling)
         with self._engine_lock:
-            if self._broken_sync is not None:
-                raise WeightSyncError(
-                    f"{name}: the last weight sync failed part-way ({self._broken_sync}); the engine "
-                    "may hold mixed weights: sync again before generating",
-                    partial=True,
-                )
+            self._check_not_broken(name)
             version = self._policy_version
             out = self._generate(prompts, n, sampling)
-        if len(out) != len(prompts) * n:
-            raise RuntimeError(f"{name}: returned {len(out)} completions for {len(prompts)} x {n}")
+        self._check_count(out, len(prompts) * n, name)
         for c in out:
             c.policy_version = version
         return out
+
+    def _check_not_broken(self, name: str) -> None:
+        if self._broken_sync is not None:
+            raise WeightSyncError(
+                f"{name}: the last weight sync failed part-way ({self._broken_sync}); the engine "
+                "may hold mixed weights: sync again before generating",
+                partial=True,
+            )
+
+    @staticmethod
+    def _check_count(out: list, want: int, name: str) -> None:
+        if len(out) != want:
+            raise RuntimeError(f"{name}: returned {len(out)} completions for {want} requests")
+
+    def _generate_partial(
+        self, prompts: list[list[int]], n: int, sampling: SamplingParams
+    ) -> list[Completion]:
+        """Generation a sync may interrupt: rounds of ``_generate`` under the engine lock; after
+        an interrupted round the lock goes to the waiting sync, then every unfinished completion
+        continues from ``prompt + its tokens so far`` with the tokens it has left."""
+        name = type(self).__name__
+        parts = [_Partial(i, p) for i, p in enumerate(prompts) for _ in range(n)]
+        while todo := [r for r in parts if r.open(sampling.max_new_tokens)]:
+            self._no_sync.wait()  # a sync that interrupted the last round goes first
+            with self._engine_lock:
+                self._check_not_broken(name)
+                version = self._policy_version
+                for left in sorted({sampling.max_new_tokens - len(r) for r in todo}, reverse=True):
+                    if self.interrupted:  # the rest of this round waits for the sync
+                        break
+                    group = [r for r in todo if sampling.max_new_tokens - len(r) == left]
+                    rest = dataclasses.replace(sampling, max_new_tokens=left)
+                    out = self._generate([r.prompt + r.tokens for r in group], 1, rest)
+                    self._check_count(out, len(group), name)
+                    for r, c in zip(group, out):
+                        r.extend(c, version)
+                if self.interrupted:
+                    self.interruptions += 1
+        return [r.completion() for r in parts]
+
 
     @abc.abstractmethod
     def _generate(
@@ -267,12 +342,19 @@ class GenerationBackend(abc.ABC):
         name, version = type(self).__name__, int(version)
         if self._sender is None:
             raise WeightSyncError(f"{name} has no weight sender: it cannot load new weights")
-        with self._engine_lock:
-            try:
-                self._sender.send(named_tensors, version)
-            except Exception as err:
-                self._sync_failed(err, version, name)
-            self._policy_version, self._broken_sync = version, None
+        if self._partial_rollouts:  # stop a generation in flight at its next token
+            self._no_sync.clear()
+            self._interrupt.set()
+        try:
+            with self._engine_lock:
+                try:
+                    self._sender.send(named_tensors, version)
+                except Exception as err:
+                    self._sync_failed(err, version, name)
+                self._policy_version, self._broken_sync = version, None
+        finally:
+            self._interrupt.clear()
+            self._no_sync.set()
 
     def _sync_failed(self, err: Exception, version: int, name: str) -> None:
         """Raise the one error of a failed sync (a sender's own error is not chained again)."""
@@ -312,3 +394,43 @@ class GenerationBackend(abc.ABC):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _Partial:
+    """One completion of a partial rollout being assembled across weight versions."""
+
+    def __init__(self, prompt_index: int, prompt: list[int]) -> None:
+        self.prompt_index, self.prompt = prompt_index, prompt
+        self.tokens: list[int] = []
+        self.log_probs: list[float] = []
+        self.versions: list[int] = []
+        self.finish: FinishReason | None = None
+        self.meta: dict = {}
+        self.version = 0  # of the last round (a completion without tokens)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def open(self, max_new_tokens: int) -> bool:
+        """Still to generate: not finished by itself, and tokens left."""
+        return self.finish is None and len(self.tokens) < max_new_tokens
+
+    def extend(self, c: Completion, version: int) -> None:
+        self.tokens += list(c.token_ids)
+        self.log_probs += list(c.log_probs)
+        self.versions += [version] * len(c.token_ids)
+        self.meta, self.version = c.meta, version
+        if c.finish_reason != "abort":
+            self.finish = c.finish_reason
+
+    def completion(self) -> Completion:
+        split = len(set(self.versions)) > 1
+        return Completion(
+            self.prompt_index,
+            self.tokens,
+            self.log_probs,
+            self.finish or "length",
+            policy_version=self.versions[0] if self.versions else self.version,
+            meta=self.meta,
+            token_versions=list(self.versions) if split else None,
+        )

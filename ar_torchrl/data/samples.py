@@ -36,6 +36,9 @@ class Segment:
         log_probs: the engine's log-prob of each token (trained segments; ``None``: zeros).
         policy_version: the weight version that sampled them (trained segments).
         turn: the turn this segment belongs to (multi-turn episodes; ``None`` for single turn).
+        token_versions: per-token weight versions when a weight update interrupted the segment
+            (partial rollouts: each token keeps the version that sampled it); ``None``: every
+            token has ``policy_version``.
 
     Example:
         >>> len(Segment([4, 5, 6])), Segment([7], trained=True, log_probs=[-0.5]).trained
@@ -47,6 +50,7 @@ class Segment:
     log_probs: Any = None
     policy_version: int | None = None
     turn: int | None = None
+    token_versions: Any = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -116,8 +120,13 @@ class Sample:
 
     @property
     def policy_versions(self) -> set[int]:
-        """The weight versions of its trained segments."""
-        return {int(s.policy_version or 0) for s in self.segments if _trained(s)}
+        """The weight versions of its trained tokens."""
+        found: set[int] = set()
+        for s in self.segments:
+            if _trained(s):
+                per_token = getattr(s, "token_versions", None)
+                found |= {int(v) for v in per_token} if per_token else {int(s.policy_version or 0)}
+        return found
 
 
 def _trained(segment: Any) -> bool:

@@ -5,7 +5,8 @@ in the first ``P`` columns (``P`` = the batch's longest prompt) and the rest of 
 trained segment, and any tool segment between them) from column ``P`` on, right-padded; ``L = P + R``
 with ``R`` the longest rest. Every key is written by a handful of tensor operations over all rows at
 once (the token ids are flattened once; nothing is padded twice), and "one batch, one weight
-version" is checked here, once per batch.
+version" is checked here, once per batch (unless the batch holds partial rollouts, whose tokens
+carry the version that sampled each of them).
 """
 
 from __future__ import annotations
@@ -70,7 +71,27 @@ def _add_turn_rewards(reward, samples, loss_mask, rows, cols, segments, seg_len,
             reward[rows[flat], cols[flat], 0] += float(r)
 
 
-def _check(samples: Sequence[Sample], rewards: Any) -> None:
+def _versions(samples, segments, seg_len, trained, rows, cols, width) -> torch.Tensor:
+    """``[B, L]`` int64: each trained token's version, the row's oldest version elsewhere."""
+    oldest = torch.tensor([min(s.policy_versions) for s in samples], dtype=torch.long)
+    out = oldest.unsqueeze(-1).expand(-1, width).clone()
+    if not any(getattr(x, "token_versions", None) for x in segments) and all(
+        len(s.policy_versions) == 1 for s in samples
+    ):
+        return out  # one version per row: broadcast (no per-token work)
+    per_token = [
+        torch.as_tensor(x.token_versions, dtype=torch.long).reshape(-1)
+        if getattr(x, "token_versions", None)
+        else torch.full((len(x),), int(getattr(x, "policy_version", None) or 0), dtype=torch.long)
+        for x in segments
+    ]
+    flat = torch.cat(per_token) if per_token else torch.zeros(0, dtype=torch.long)
+    keep = trained.repeat_interleave(seg_len)
+    out[rows[keep], cols[keep]] = flat[keep]
+    return out
+
+
+def _check(samples: Sequence[Sample], rewards: Any, allow_mixed_versions: bool) -> None:
     if not samples:
         raise ValueError("build_trajectory: got no samples")
     if rewards is not None and len(rewards) != len(samples):
@@ -91,13 +112,26 @@ def _check(samples: Sequence[Sample], rewards: Any) -> None:
                     f"build_trajectory: sample {b} has a trained segment of {len(segment)} tokens "
                     f"with {len(lp)} log-probs"
                 )
+            versions = getattr(segment, "token_versions", None)
+            if versions is not None and len(versions) != len(segment):
+                raise ValueError(
+                    f"build_trajectory: sample {b} has a segment of {len(segment)} tokens with "
+                    f"{len(versions)} token versions"
+                )
     versions = sorted(set().union(*(s.policy_versions for s in samples)))
-    if len(versions) != 1:
-        raise ValueError(f"build_trajectory: one batch mixes policy versions {versions}")
+    if len(versions) != 1 and not allow_mixed_versions:
+        raise ValueError(
+            f"build_trajectory: one batch mixes policy versions {versions} (a batch without "
+            "partial rollouts has one: pass allow_mixed_versions=True for partial rollouts)"
+        )
 
 
 def build_trajectory(
-    samples: Sequence[Sample], *, pad_token_id: int, rewards: Any = None
+    samples: Sequence[Sample],
+    *,
+    pad_token_id: int,
+    rewards: Any = None,
+    allow_mixed_versions: bool = False,
 ) -> TensorDict:
     """Build the token trajectory of ``samples``.
 
@@ -111,8 +145,9 @@ def build_trajectory(
     - ``("next", "done")`` on the last trained token; ``("next", "terminated")`` there when the
       episode ended by itself (``finish_reason == "stop"``), ``("next", "truncated")`` when it was cut;
       root ``"done"``/``"terminated"``/``"truncated"`` False (TorchRL: the current step's state);
-    - ``"prompt_id"`` int64 (the sample's group) and ``"policy_version"`` int64 (the version of
-      its trained tokens), broadcast along ``L``;
+    - ``"prompt_id"`` int64 (the sample's group, broadcast along ``L``) and ``"policy_version"``
+      int64: the version that sampled each trained token; the row's oldest version elsewhere (a
+      row of one version: that version, broadcast);
     - ``"turn_id"`` int64 when any segment has a ``turn``: the turn on trained tokens, -1 elsewhere.
 
     Args:
@@ -120,10 +155,13 @@ def build_trajectory(
         pad_token_id: id written in padding (masks, not ids, say what is padding).
         rewards: ``[B]`` outcome rewards overriding each sample's ``.reward`` (e.g. after a TorchRL
             reward transform).
+        allow_mixed_versions: accept samples of several weight versions (partial rollouts: a
+            weight update interrupted generation, and every token keeps the version that sampled
+            it); otherwise one batch holds one version.
 
     Raises:
         ValueError: no samples, a sample without trained tokens, mismatched log-probs or rewards,
-            or samples of several weight versions (one batch, one version).
+            or samples of several weight versions without ``allow_mixed_versions``.
 
     Example:
         >>> from ar_torchrl.data.samples import Segment
@@ -137,7 +175,7 @@ def build_trajectory(
         >>> td["next", "terminated"].squeeze(-1).any(-1).tolist()
         [True, False]
     """
-    _check(samples, rewards)
+    _check(samples, rewards, allow_mixed_versions)
     n = len(samples)
     heads = [s.first_trained for s in samples]
     seg_lists = [s.segments for s in samples]
@@ -172,7 +210,6 @@ def build_trajectory(
     done[index, last, 0] = True
     stop = torch.tensor([s.terminated for s in samples])
     terminated = done & stop.view(-1, 1, 1)
-    version = next(iter(samples[0].policy_versions))
     false = torch.zeros((n, width, 1), dtype=torch.bool)
     data = {
         "tokens": tokens,
@@ -183,7 +220,7 @@ def build_trajectory(
         .unsqueeze(-1)
         .expand(-1, width)
         .clone(),
-        "policy_version": torch.full((n, width), int(version), dtype=torch.long),
+        "policy_version": _versions(samples, segments, seg_len, trained, rows, cols, width),
         "done": false,
         "terminated": false.clone(),
         "truncated": false.clone(),

@@ -310,6 +310,7 @@ class LLMEnv(EnvBase):
             self.samples(seq),
             pad_token_id=self.tokenizer.pad_token_id,
             rewards=seq["next", "reward"].reshape(-1),
+            allow_mixed_versions=getattr(self.backend, "partial_rollouts", False),
         )
 
     def episodes(self, steps: TensorDictBase) -> TensorDictBase:

@@ -287,7 +287,10 @@ class ToolEnv(LLMEnv):
         their last trained tokens (the outcome within the last turn's)."""
         samples = self.samples(seq)
         return build_trajectory(
-            samples, pad_token_id=self.tokenizer.pad_token_id, rewards=[0.0] * len(samples)
+            samples,
+            pad_token_id=self.tokenizer.pad_token_id,
+            rewards=[0.0] * len(samples),
+            allow_mixed_versions=getattr(self.backend, "partial_rollouts", False),
         )
 
     def collect(self) -> TensorDict:
@@ -304,6 +307,7 @@ class _TurnSegment:
     def __init__(self, completion, turn: int) -> None:
         self.token_ids, self.log_probs = completion.token_ids, completion.log_probs
         self.policy_version, self.turn = completion.policy_version, turn
+        self.token_versions = completion.token_versions  # partial rollouts: per token
         self.finish_reason = completion.finish_reason
 
     def __len__(self) -> int:

@@ -13,7 +13,10 @@ explicit:
   the trainer recomputes), also under top-k/top-p; ``logprob_mode="processed"`` reports the
   filtered, renormalised sampling distribution instead (:func:`next_token_log_probs`);
 - decoding writes a preallocated KV cache in place and drops finished rows from the batch
-  (:mod:`ar_torchrl.backends.transformers.kv_cache`); the LM head runs on the last position only.
+  (:mod:`ar_torchrl.backends.transformers.kv_cache`); the LM head runs on the last position only;
+- with partial rollouts a waiting weight sync stops decoding after the current token; the
+  unfinished rows come back with ``finish_reason="abort"`` and continue under the new weights
+  (:class:`~ar_torchrl.backends.GenerationBackend`).
 """
 
 from __future__ import annotations
@@ -67,6 +70,8 @@ class TransformersBackend(GenerationBackend):
         >>> len(out), [c.prompt_index for c in out], all(len(c) <= 4 for c in out)
         (4, [0, 0, 1, 1], True)
     """
+
+    supports_partial_rollouts = True
 
     def __init__(
         self,
@@ -127,6 +132,9 @@ class TransformersBackend(GenerationBackend):
         starts = range(0, len(flat), step)
         out: list[Completion] = []
         for s in tqdm(starts, desc="generate", disable=len(starts) <= 1, leave=False):
+            if self.interrupted:  # partial rollouts: the chunks left continue after the sync
+                out.extend(Completion(i, [], [], "abort") for i in index[s : s + step])
+                continue
             out.extend(
                 self._generate_chunk(flat[s : s + step], index[s : s + step], sampling, generator)
             )
@@ -197,6 +205,7 @@ class TransformersBackend(GenerationBackend):
         log_probs = torch.zeros((bsz, max_new), dtype=torch.float32, device=device)
         lengths = torch.zeros(bsz, dtype=torch.long, device=device)
         stopped = torch.zeros(bsz, dtype=torch.bool, device=device)
+        aborted = torch.zeros(bsz, dtype=torch.bool, device=device)
         rows, alive = (
             torch.arange(bsz, device=device),
             torch.ones(bsz, dtype=torch.bool, device=device),
@@ -215,6 +224,9 @@ class TransformersBackend(GenerationBackend):
             running = int(alive.sum())  # one host sync per step (as in `model.generate`)
             if running == 0 or t == max_new - 1:
                 break
+            if self.interrupted:  # partial rollouts: a sync waits; the rest continues after it
+                aborted[rows[alive]] = True
+                break
             if 4 * (len(rows) - running) >= len(rows):  # drop the finished rows
                 keep = alive.nonzero().squeeze(-1)
                 cache.batch_select_indices(keep)
@@ -225,7 +237,7 @@ class TransformersBackend(GenerationBackend):
             step_ids = torch.where(alive, tok, self.pad_token_id).unsqueeze(-1)
             logits = self._forward(step_ids, mask[:, : width + t + 1], positions, cache)
             positions += 1
-        return _to_completions(tokens, log_probs, lengths, stopped, index)
+        return _to_completions(tokens, log_probs, lengths, stopped, index, aborted)
 
 
 def _rollout_copy(model: nn.Module) -> nn.Module:
@@ -251,14 +263,16 @@ def _resolve_eos(model: nn.Module, eos_token_id) -> tuple[int, ...]:
     return tuple(int(e) for e in eos_token_id)
 
 
-def _to_completions(tokens, log_probs, lengths, stopped, index) -> list[Completion]:
-    tokens, log_probs, lengths, stopped = (x.cpu() for x in (tokens, log_probs, lengths, stopped))
+def _to_completions(tokens, log_probs, lengths, stopped, index, aborted) -> list[Completion]:
+    tokens, log_probs, lengths, stopped, aborted = (
+        x.cpu() for x in (tokens, log_probs, lengths, stopped, aborted)
+    )
     return [
         Completion(
             prompt_index=index[i],
             token_ids=tokens[i, : lengths[i]].tolist(),
             log_probs=log_probs[i, : lengths[i]].tolist(),
-            finish_reason="stop" if bool(stopped[i]) else "length",
+            finish_reason="stop" if bool(stopped[i]) else "abort" if bool(aborted[i]) else "length",
         )
         for i in range(len(index))
     ]

@@ -316,6 +316,8 @@ class TrainConfig:
     iterations: int = MISSING
     mode: str = "sync"
     async_correction: str = "decoupled"
+    max_policy_lag: int = 1
+    partial_rollouts: bool = False
     eval_every: int = 0
     eval_prompts: int = 64
     checkpoint_every: int = 0
@@ -327,6 +329,18 @@ class TrainConfig:
         _count(prefix, "iterations", self.iterations)
         check_choice(prefix, "mode", self.mode, ("sync", "async"))
         check_choice(prefix, "async_correction", self.async_correction, ("decoupled", "none"))
+        _count(prefix, "max_policy_lag", self.max_policy_lag)
+        key = prefix.rsplit(" ", 1)[-1]
+        if self.mode != "async" and (self.max_policy_lag > 1 or self.partial_rollouts):
+            what = (
+                f"{key}max_policy_lag={self.max_policy_lag}"
+                if self.max_policy_lag > 1
+                else f"{key}partial_rollouts=true"
+            )
+            raise ValueError(
+                f"{prefix}mode={self.mode}: {what} generates batches ahead of the trainer, which "
+                f"needs {key}mode=async"
+            )
         _count(prefix, "eval_every", self.eval_every, ge=0)  # 0 = off
         _count(prefix, "eval_prompts", self.eval_prompts)
         _count(prefix, "checkpoint_every", self.checkpoint_every, ge=0)  # 0 = only at the end

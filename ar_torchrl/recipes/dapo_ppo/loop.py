@@ -123,6 +123,7 @@ def setup(
     collector = eval_env = backend = None
     if ctx.is_main:
         backend = build.build_backend(cfg, model, tokenizer, run_dir, stack, start_dir=start_dir)
+        backend.partial_rollouts = cfg.train.partial_rollouts  # a sync interrupts generation
         # every prompt checked once against the context (the model's and the engine's)
         context = build.context_length(model, backend)
         rows, eval_rows = build.fit_prompts(cfg, datasets, tokenizer, context)
@@ -140,7 +141,7 @@ def setup(
             env,
             model,
             mode=cfg.train.mode,
-            max_policy_lag=1,
+            max_policy_lag=cfg.train.max_policy_lag,
             dynamic_sampling=r.dynamic_sampling,
             max_sampling_rounds=r.max_sampling_rounds,
             critic_flat_groups=r.critic_flat_groups,
@@ -355,11 +356,17 @@ def rollout_metrics(run: Run, td) -> dict[str, float]:
     (rank 0)."""
     if run.collector is None:
         return {}
-    stats = {k: v for k, v in run.collector.last_batch_stats.items() if k != "samples"}
+    c = run.collector
+    stats = {k: v for k, v in c.last_batch_stats.items() if k != "samples"}
     out = {
         **{f"rollout/{k}": float(v) for k, v in stats.items()},
-        "rollout/policy_lag": float(run.collector.last_policy_lag),
+        "rollout/policy_lag": float(c.last_policy_lag),
     }
+    if c.pipelined:  # bounded staleness: trained tokens by lag, and interrupted generations
+        tokens = sum(c.last_token_lags.values()) or 1
+        for lag in range(c.max_policy_lag + 1):
+            out[f"rollout/token_lag_{lag}"] = c.last_token_lags.get(lag, 0) / tokens
+        out["rollout/interruptions"] = float(c.env.backend.interruptions)
     if td.shape[0]:
         mask = td["loss_mask"]
         drift = (td["rollout_log_prob"] - td["sample_log_prob"]).abs()
