@@ -59,3 +59,17 @@ def write_json(result: dict[str, Any], out: Path) -> None:
     tmp = out.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(result, indent=2) + "\n")
     tmp.replace(out)
+
+
+def replace_marked_block(readme: Path, begin: str, end: str, block: str) -> None:
+    """Replace ``readme``'s text from the ``begin`` marker to the ``end`` marker (both included)
+    with ``block``, which carries the markers itself.
+
+    Raises:
+        SystemExit: the README has no such block (naming the markers).
+    """
+    text = readme.read_text()
+    if begin not in text or end not in text:
+        raise SystemExit(f"{readme} has no {begin} ... {end} block to replace")
+    head, rest = text.split(begin, 1)
+    readme.write_text(head + block + rest.split(end, 1)[1])

@@ -30,7 +30,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from _common import code_version, machine_info, write_json
+from _common import code_version, machine_info, replace_marked_block, write_json
 from readme_figures import figures, run_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -238,11 +238,7 @@ def readme_block(result: dict) -> str:
 
 
 def write_readme(block: str, readme: Path = ROOT / "README.md") -> None:
-    text = readme.read_text()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{readme} has no {BEGIN} ... {END} block to replace")
-    head, rest = text.split(BEGIN, 1)
-    readme.write_text(head + block + rest.split(END, 1)[1])
+    replace_marked_block(readme, BEGIN, END, block)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -39,8 +39,9 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from _common import code_version, machine_info, write_json
+from _common import code_version, machine_info, replace_marked_block, write_json
 from readme_figures import figures, run_recipe
+from smollm2_curves import seed_mean
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -226,11 +227,6 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _mean_curve(curves: list[list]) -> tuple[list[int], list[float]]:
-    common = sorted(set.intersection(*(set(dict(c)) for c in curves)))
-    return common, [sum(dict(c)[s] for c in curves) / len(curves) for s in common]
-
-
 def plot(result: dict, png: Path) -> None:
     """Left: sampled reward per iteration (mean over seeds, each run thin); right: held-out
     greedy accuracy per evaluation."""
@@ -245,9 +241,9 @@ def plot(result: dict, png: Path) -> None:
         for r in runs:
             left.plot(*zip(*r["reward_curve"]), color=color, alpha=0.15, lw=0.6)
         label = f"{name} ({len(runs)} seeds)"
-        left.plot(*_mean_curve([r["reward_curve"] for r in runs]), color=color, lw=1.6, label=label)
+        left.plot(*seed_mean([r["reward_curve"] for r in runs]), color=color, lw=1.6, label=label)
         right.plot(
-            *_mean_curve([r["eval_curve"] for r in runs]),
+            *seed_mean([r["eval_curve"] for r in runs]),
             color=color,
             lw=1.6,
             marker="o",
@@ -280,12 +276,7 @@ def readme_block(result: dict) -> str:
 
 
 def write_readme(block: str, task: str, readme: Path = ROOT / "README.md") -> None:
-    begin, end = begin_end(task)
-    text = readme.read_text()
-    if begin not in text or end not in text:
-        raise SystemExit(f"{readme} has no {begin} ... {end} block to replace")
-    head, rest = text.split(begin, 1)
-    readme.write_text(head + block + rest.split(end, 1)[1])
+    replace_marked_block(readme, *begin_end(task), block)
 
 
 def main(argv: list[str] | None = None) -> None:

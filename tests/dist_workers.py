@@ -77,9 +77,10 @@ def actor_and_critic(seed: int) -> tuple[LMActorCritic, LMCritic]:
     return actor, LMCritic(critic_model)
 
 
-def separate_optimizer(actor, critic, lr: float = 0.05) -> torch.optim.Optimizer:
-    """SGD with the critic in its own, separately clipped group (as the recipe builds AdamW)."""
-    return torch.optim.SGD(
+def separate_optimizer(actor, critic, lr: float = 0.05, kind=torch.optim.SGD):
+    """``kind`` (SGD) with the critic in its own, separately clipped group (as the recipe builds
+    its AdamW)."""
+    return kind(
         [
             {"params": list(actor.parameters()), "name": "policy"},
             {"params": list(critic.parameters()), "name": "critic", "clip_group": "critic"},
@@ -400,6 +401,12 @@ def _separate_steps(actor, critic, opt, ctx, steps, gen, ckpt=None, save_at=()):
     return metrics
 
 
+def _both_states(actor, critic) -> dict[str, torch.Tensor]:
+    """Full tensors of both models, ``actor.*`` and ``critic.*`` (collective under FSDP)."""
+    state = {f"actor.{k}": v for k, v in full_state(actor.model).items()}
+    return state | {f"critic.{k}": v for k, v in full_state(critic.model).items()}
+
+
 def separate_critic_checks(ctx, out: Path) -> None:
     """critic=separate on 2 ranks: one ppo_update equals one process (the test computes it);
     3 steps straight vs resumed from the step-1 checkpoint of both models; the critic of that
@@ -416,40 +423,22 @@ def separate_critic_checks(ctx, out: Path) -> None:
     metrics = ppo_update(
         loss, opt, td, sharded, epochs=2, grad_clip=0.05, generator=torch.Generator().manual_seed(0)
     )
-    state = {f"actor.{k}": v for k, v in full_state(actor.model).items()}
-    state.update({f"critic.{k}": v for k, v in full_state(critic.model).items()})
-    _save(ctx, out, "separate_equal", state, {"metrics": metrics})
+    _save(ctx, out, "separate_equal", _both_states(actor, critic), {"metrics": metrics})
 
     ckpt = out / "separate_ckpt"
     torch.manual_seed(200)
     actor, critic = (
         shard_actor_critic(m, ctx, compute_dtype="float32") for m in actor_and_critic(8)
     )
-    opt = torch.optim.AdamW(
-        [
-            {"params": list(actor.parameters())},
-            {"params": list(critic.parameters()), "clip_group": "critic"},
-        ],
-        lr=1e-3,
-    )
+    opt = separate_optimizer(actor, critic, 1e-3, torch.optim.AdamW)
     gen = torch.Generator().manual_seed(0)
     straight = _separate_steps(actor, critic, opt, ctx, range(1, 4), gen, ckpt, save_at=(1,))
-    final = {
-        **full_state(actor.model),
-        **{f"c.{k}": v for k, v in full_state(critic.model).items()},
-    }
-    saved_critic = None
+    final = _both_states(actor, critic)
     torch.manual_seed(201)
     actor2, critic2 = (
         shard_actor_critic(m, ctx, compute_dtype="float32") for m in actor_and_critic(9)
     )
-    opt2 = torch.optim.AdamW(
-        [
-            {"params": list(actor2.parameters())},
-            {"params": list(critic2.parameters()), "clip_group": "critic"},
-        ],
-        lr=1e-3,
-    )
+    opt2 = separate_optimizer(actor2, critic2, 1e-3, torch.optim.AdamW)
     path = ckpt / "step_1"
     loaded = load_distributed_checkpoint(
         path,
@@ -457,14 +446,11 @@ def separate_critic_checks(ctx, out: Path) -> None:
         optimizer=opt2,
         ctx=ctx,
     )
-    saved_critic = full_state(critic2.model)
+    saved_critic = full_state(critic2.model)  # as the step-1 checkpoint holds it
     gen2 = torch.Generator()
     gen2.set_state(loaded["extra"]["g"])
     resumed = _separate_steps(actor2, critic2, opt2, ctx, range(2, 4), gen2)
-    again = {
-        **full_state(actor2.model),
-        **{f"c.{k}": v for k, v in full_state(critic2.model).items()},
-    }
+    again = _both_states(actor2, critic2)
     _, fresh = actor_and_critic(10)
     fresh = shard_actor_critic(fresh, ctx, compute_dtype="float32")
     what = load_distributed_critic(path, critic=fresh, policy=None, ctx=ctx)

@@ -54,17 +54,29 @@ def tok():
 
 
 def make(
-    tok, *, mode="sync", total_batches=3, max_policy_lag=1, seed=0, wrap=None, **backend_kwargs
+    tok,
+    *,
+    mode="sync",
+    total_batches=3,
+    max_policy_lag=1,
+    seed=0,
+    wrap=None,
+    backend_cls=None,
+    max_new_tokens=4,
+    **backend_kwargs,
 ):
-    model = attach_value_head(build_tiny_qwen3(len(tok), seed=0))
-    backend = RecordingBackend(model, seed=seed, **backend_kwargs)
+    """A collector over an LLMEnv of 2 prompts x 2 samples and the engine ``backend_cls``
+    (default :class:`RecordingBackend`; ``model_eos``: the model's EOS id, default 2)."""
+    eos = backend_kwargs.pop("model_eos", 2)
+    model = attach_value_head(build_tiny_qwen3(len(tok), seed=0, eos_token_id=eos))
+    backend = (backend_cls or RecordingBackend)(model, seed=seed, **backend_kwargs)
     env = LLMEnv(
         arithmetic_dataset(16, seed=0),
         tok,
         backend,
         num_samples=2,
         prompts_per_batch=2,
-        sampling=SamplingParams(max_new_tokens=4),
+        sampling=SamplingParams(max_new_tokens=max_new_tokens),
     )
     collector = WeightSyncCollector(
         env if wrap is None else wrap(env),
@@ -496,19 +508,16 @@ def test_partial_rollouts_through_the_collector_split_a_batch_across_versions(to
     interrupts it, and the batch's rows carry both versions, token by token."""
     from test_partial_rollouts import PausingBackend
 
-    model = attach_value_head(build_tiny_qwen3(len(tok), seed=0, eos_token_id=len(tok) + 5))
     # batch 1: a prefill and 7 decode forwards (8 tokens, no EOS); batch 2 pauses at its 4th
-    backend = PausingBackend(model, pause_after=12, seed=0)
-    backend.partial_rollouts = True
-    env = LLMEnv(
-        arithmetic_dataset(16, seed=0),
+    collector, model, backend = make(
         tok,
-        backend,
-        num_samples=2,
-        prompts_per_batch=2,
-        sampling=SamplingParams(max_new_tokens=8),
+        mode="async",
+        backend_cls=PausingBackend,
+        pause_after=12,
+        model_eos=len(tok) + 5,
+        max_new_tokens=8,
     )
-    collector = WeightSyncCollector(env, model, total_batches=3, mode="async", max_policy_lag=1)
+    backend.partial_rollouts = True
     assert collector.pipelined
     it = iter(collector)
     first = next(it)

@@ -129,17 +129,7 @@ class LMActorCritic(TensorDictModuleBase):
 
         Setting ``value`` alone also moves ``next_value`` to ``("next", *value)``.
         """
-        names = [f.name for f in fields(self._AcceptedKeys)]
-        for name, key in keys.items():
-            if name not in names:
-                raise KeyError(
-                    f"LMActorCritic.set_keys: unknown key name {name!r}; expected one of {names}"
-                )
-            setattr(self.tensor_keys, name, key)
-        if "value" in keys and "next_value" not in keys:
-            value = keys["value"]
-            self.tensor_keys.next_value = ("next", *((value,) if isinstance(value, str) else value))
-        self._refresh_keys()
+        rename_keys(self, keys)
         return self
 
     def _refresh_keys(self) -> None:
@@ -237,6 +227,21 @@ class LMActorCritic(TensorDictModuleBase):
 
 
 # --------------------------------------------------------------------------- shared with LMCritic
+def rename_keys(module: TensorDictModuleBase, keys: dict[str, NestedKey]) -> None:
+    """``module.set_keys(**keys)`` of a module with ``_AcceptedKeys`` and ``tensor_keys``: an
+    unknown name raises; ``value`` alone also moves ``next_value`` to ``("next", *value)``."""
+    owner = type(module).__name__
+    names = [f.name for f in fields(module._AcceptedKeys)]
+    for name, key in keys.items():
+        if name not in names:
+            raise KeyError(f"{owner}.set_keys: unknown key name {name!r}; expected one of {names}")
+        setattr(module.tensor_keys, name, key)
+    if "value" in keys and "next_value" not in keys:
+        value = keys["value"]
+        module.tensor_keys.next_value = ("next", *((value,) if isinstance(value, str) else value))
+    module._refresh_keys()
+
+
 def backbone_hidden_states(model: nn.Module, tokens: Tensor, attention_mask: Tensor) -> Tensor:
     """Final hidden states ``[B, L, H]`` of an HF causal LM's backbone (``get_decoder()``), with
     position ids ``cumsum(attention_mask) - 1`` so left padding never shifts positions."""

@@ -18,7 +18,7 @@ sent to the rollout engine.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
@@ -26,9 +26,11 @@ from tensordict.utils import NestedKey
 from torch import nn
 
 from ar_torchrl.modules.actor_critic import (
+    LMActorCritic,
     backbone_hidden_states,
     packed_hidden_states,
     packed_values,
+    rename_keys,
     shifted_values,
 )
 from ar_torchrl.modules.packing import PACKED_KEY
@@ -88,17 +90,7 @@ class LMCritic(TensorDictModuleBase):
 
     def set_keys(self, **keys: NestedKey) -> LMCritic:
         """Rename keys: ``tokens``, ``attention_mask``, ``value``, ``next_value``."""
-        names = [f.name for f in fields(self._AcceptedKeys)]
-        for name, key in keys.items():
-            if name not in names:
-                raise KeyError(
-                    f"LMCritic.set_keys: unknown key name {name!r}; expected one of {names}"
-                )
-            setattr(self.tensor_keys, name, key)
-        if "value" in keys and "next_value" not in keys:
-            value = keys["value"]
-            self.tensor_keys.next_value = ("next", *((value,) if isinstance(value, str) else value))
-        self._refresh_keys()
+        rename_keys(self, keys)
         return self
 
     def _refresh_keys(self) -> None:
@@ -109,12 +101,7 @@ class LMCritic(TensorDictModuleBase):
     value_key = property(lambda self: self.tensor_keys.value)
     next_value_key = property(lambda self: self.tensor_keys.next_value)
 
-    def select_inputs(self, tensordict: TensorDictBase) -> TensorDictBase:
-        """The entries :meth:`forward` reads (``in_keys`` and, when present, ``PACKED_KEY``)."""
-        keys = list(self.in_keys)
-        if PACKED_KEY in tensordict.keys():
-            keys.append(PACKED_KEY)
-        return tensordict.select(*keys)
+    select_inputs = LMActorCritic.select_inputs  # in_keys and, when present, PACKED_KEY
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         k = self.tensor_keys
