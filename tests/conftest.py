@@ -44,13 +44,14 @@ def cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def separate_run(tmp_path_factory, cache_dir):
-    """One process of the recipe with ``critic=separate`` (tests/test_recipe_critic.py's
-    ``SEPARATE``): ``(run directory, history)``; the torchrun test compares 2 ranks with it."""
+    """One process of the recipe with ``critic=separate`` on the tool task
+    (tests/test_recipe_critic.py's ``SEPARATE``): ``(run directory, history)``; the torchrun test
+    compares 2 ranks with it."""
     from test_recipe import run_recipe
-    from test_recipe_critic import SEPARATE
+    from test_recipe_critic import SEPARATE, TOOL_CONFIG
 
     run_dir = tmp_path_factory.mktemp("separate")
-    return run_dir, run_recipe(run_dir, cache_dir, *SEPARATE)[1]
+    return run_dir, run_recipe(run_dir, cache_dir, *SEPARATE, config_name=TOOL_CONFIG)[1]
 
 
 @pytest.fixture(scope="session")

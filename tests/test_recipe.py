@@ -220,10 +220,10 @@ def test_async_end_to_end_with_critic_warmup_resumes_exactly(tmp_path, cache_dir
     assert [h["train/kl_ref"] == 0.0 for h in steps] == [True, True, False, False]
     assert all(h["train/optimizer_steps"] == 2 for h in steps)
     # ... bit for bit (critic=shared; test_recipe_critic.py checks critic=separate)
-    from test_recipe_critic import assert_policy_is_the_start
+    from test_recipe_critic import assert_policy_is_the_start, start_policy
 
     step_2 = torch.load(tmp_path / "straight" / "checkpoints" / "step_2.pt", weights_only=True)
-    assert_policy_is_the_start(step_2, cache_dir)
+    assert_policy_is_the_start(step_2, start_policy(cache_dir))
     # The step-2 checkpoint holds the batch that was being generated: resuming from it is exact
     # (main regenerated that batch with the newer weights: lag 0, other samples).
     checkpoint = tmp_path / "straight" / "checkpoints" / "step_2.pt"

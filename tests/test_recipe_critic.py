@@ -1,6 +1,10 @@
 """The recipe's critic options end to end: ``critic=separate`` (a second model) and ``critic=shared``
 (the value head), the critic's warm start from an earlier run (``critic.init_from``), critic-only
-warm-up iterations, the critic's learning-rate schedule, and their configuration errors."""
+warm-up iterations, the critic's learning-rate schedule, and their configuration errors.
+
+The ``critic=separate`` runs play the multi-turn tool task (``--config-name tool_arithmetic`` with
+tests/test_recipe_tools.py's lean warm start: episodes of several turns, where a critic matters
+most); tests/test_recipe_torchrun.py runs the same configuration on 2 ranks."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import pytest
 import torch
 from recipe_helpers import typed
 from test_recipe import run_recipe, same_runs
+from test_recipe_tools import TOOLS
 
 from ar_torchrl.models.tiny import build_tiny_qwen3, save_tiny_model
 from ar_torchrl.modules import attach_value_head
@@ -17,9 +22,11 @@ from ar_torchrl.recipes.checkpoint import load_critic_weights, save_checkpoint
 from ar_torchrl.recipes.strategy import LocalStrategy
 from ar_torchrl.training import lr_schedule_factor
 
-#: 3 iterations, a checkpoint after each (step 2's is resumed); iteration 1 trains the critic only;
-#: the critic's lr warms up over 1 iteration, then decays linearly to 0 at the last one.
+#: The tool task, 3 iterations, a checkpoint after each (step 2's is resumed); iteration 1 trains
+#: the critic only; the critic's lr warms up over 1 iteration, then decays linearly to 0.
+TOOL_CONFIG = "tool_arithmetic"
 SEPARATE = [
+    *(o for o in TOOLS if not o.startswith("train.")),
     "critic=separate",
     "train.iterations=3",
     "train.checkpoint_every=1",
@@ -37,6 +44,12 @@ def _load(path):
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def start_policy(cache_dir, overrides=(), name="dapo_ppo", *, value_head=True):
+    """The run's starting policy (warm start from the session's cache), built as the recipe does."""
+    model = typed(list(overrides), name).model
+    return LocalStrategy().build_policy(model, str(cache_dir), value_head=value_head)[0]
+
+
 def _policy(state: dict) -> dict:
     return {k: v for k, v in state.items() if not k.startswith("value_head.")}
 
@@ -45,6 +58,7 @@ def _policy(state: dict) -> dict:
 def test_separate_critic_trains_checkpoints_and_resumes_exactly(separate_run, tmp_path, cache_dir):
     run_dir, history = separate_run
     assert [h["step"] for h in history] == [0, 1, 2, 3]
+    assert history[1]["rollout/turns"] > 1.0  # multi-turn episodes (observation tokens between)
     for h in history[1:]:
         assert math.isfinite(h["train/loss_critic"]) and h["train/grad_norm_critic"] > 0
         assert (h["train/grad_norm"] > 0) == (h["step"] > 1)  # step 1: the critic only
@@ -57,7 +71,11 @@ def test_separate_critic_trains_checkpoints_and_resumes_exactly(separate_run, tm
     assert state["critic"]["value_head.weight"].abs().sum() > 0  # trained from zero
     assert [g["name"] for g in state["optimizer"]["param_groups"]] == ["policy", "critic"]
     _, resumed = run_recipe(
-        tmp_path, cache_dir, *SEPARATE, f"train.resume_from={run_dir / 'checkpoints/step_2.pt'}"
+        tmp_path,
+        cache_dir,
+        *SEPARATE,
+        f"train.resume_from={run_dir / 'checkpoints/step_2.pt'}",
+        config_name=TOOL_CONFIG,
     )
     same_runs(history, resumed)
 
@@ -73,12 +91,13 @@ def test_critic_init_from_loads_exactly_the_saved_critic(separate_run, tmp_path,
     proc, _ = run_recipe(
         tmp_path,
         cache_dir,
-        "critic=separate",
+        *(o for o in SEPARATE if not o.startswith(("train.", "algo."))),
         f"critic.init_from={run_dir}",
         "algo.value_lr=0",
         "train.iterations=1",
         "train.eval_every=0",
         "train.plot=false",
+        config_name=TOOL_CONFIG,
     )
     assert "the critic starts from the separate critic of step_3.pt" in proc.stdout + proc.stderr
     new = _load(tmp_path / "checkpoints" / "step_1.pt")
@@ -87,15 +106,14 @@ def test_critic_init_from_loads_exactly_the_saved_critic(separate_run, tmp_path,
     critic_group = new["optimizer"]["param_groups"][1]
     steps = {float(new["optimizer"]["state"][i]["step"]) for i in critic_group["params"]}
     assert steps == {2.0}  # 1 iteration x 2 epochs here; the earlier run's state had 6
-    start, _, _ = LocalStrategy().build_policy(typed().model, str(cache_dir), value_head=False)
+    start = start_policy(cache_dir, SEPARATE, TOOL_CONFIG, value_head=False)
     policy_moved = [not torch.equal(v, saved["model"][k]) for k, v in start.state_dict().items()]
     assert any(policy_moved)  # the earlier run's policy is not what this one started from
 
 
-def assert_policy_is_the_start(state: dict, cache_dir) -> None:
+def assert_policy_is_the_start(state: dict, start: torch.nn.Module) -> None:
     """The checkpoint's policy weights are the starting policy's, bit for bit (critic warm-up);
     the shared case is checked on tests/test_recipe.py's async run."""
-    start, _, _ = LocalStrategy().build_policy(typed().model, str(cache_dir))
     want = _policy(start.state_dict())
     assert _policy(state["model"]).keys() == want.keys()
     assert all(torch.equal(state["model"][k], v) for k, v in want.items())
@@ -105,7 +123,7 @@ def assert_policy_is_the_start(state: dict, cache_dir) -> None:
 def test_critic_warmup_leaves_the_policy_bit_identical(separate_run, cache_dir):
     run_dir, history = separate_run
     state = _load(run_dir / "checkpoints" / "step_1.pt")
-    assert_policy_is_the_start(state, cache_dir)
+    assert_policy_is_the_start(state, start_policy(cache_dir, SEPARATE, TOOL_CONFIG))
     assert state["critic"]["value_head.weight"].abs().sum() > 0  # the critic did learn
     assert history[1]["train/kl_ref"] == 0.0 and history[2]["train/kl_ref"] > 0.0
 

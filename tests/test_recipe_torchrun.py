@@ -219,26 +219,29 @@ def test_a_dead_rank_ends_the_run(tmp_path, cache_dir):
 def test_two_ranks_with_a_separate_critic_match_one_process_and_resume_exactly(
     separate_run, tmp_path, cache_dir
 ):
-    """critic=separate under torchrun (FSDP2 shards the critic too): the same samples and, up to
-    float rounding, the same losses as one process (tests/test_recipe_critic.py's run); the 2-rank
-    checkpoint of both models resumes to the same metrics."""
-    from test_recipe_critic import SEPARATE
+    """critic=separate on the multi-turn tool task under torchrun (FSDP2 shards the critic too;
+    rank 0 plays the episodes, both ranks train, rank 0's rollout copy gets every update): the same
+    samples and, up to float rounding, the same losses as one process (tests/test_recipe_critic.py's
+    run); the 2-rank checkpoint of both models resumes to the same metrics."""
+    from test_recipe_critic import SEPARATE, TOOL_CONFIG
 
     one_dir, one = separate_run
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    with torchrun(straight, cache_dir, *SEPARATE) as proc:
+    with torchrun(straight, cache_dir, *SEPARATE, config_name=TOOL_CONFIG) as proc:
         out = finish(proc)
     assert proc.returncode == 0, out[-4000:]
     two = read_history(straight)
     assert [h["step"] for h in two] == [h["step"] for h in one] == [0, 1, 2, 3]
+    assert two[1]["rollout/tool_calls"] > 0 and two[1]["rollout/turns"] > 1.0
     for a, b in zip(one[1:], two[1:]):
         assert a["rollout/reward_mean"] == b["rollout/reward_mean"]  # the same samples
+        assert b["rollout/logprob_drift"] < 1e-4  # rank 0's rollout copy got every update
         for key in ("loss_objective", "loss_critic", "grad_norm", "grad_norm_critic", "kl_ref"):
             assert b[f"train/{key}"] == pytest.approx(a[f"train/{key}"], rel=1e-4, abs=1e-6), key
+    assert {"eval/accuracy", "eval/tool_call_rate"} <= set(two[-1])
     assert {p.name for p in (straight / "checkpoints").iterdir()} == {"step_1", "step_2", "step_3"}
-    with torchrun(
-        resumed, cache_dir, *SEPARATE, f"train.resume_from={straight / 'checkpoints' / 'step_2'}"
-    ) as proc:
+    resume = f"train.resume_from={straight / 'checkpoints' / 'step_2'}"
+    with torchrun(resumed, cache_dir, *SEPARATE, resume, config_name=TOOL_CONFIG) as proc:
         out = finish(proc)
     assert proc.returncode == 0 and "resumed from" in out, out[-4000:]
     same_runs(two, read_history(resumed))
