@@ -1,4 +1,6 @@
-"""PPO with the shared value head, PPO with a separate critic, GRPO and RLOO at the same budget.
+"""PPO with the shared value head, PPO with a separate critic, GRPO and RLOO at the same budget
+(``--variants critic``, the default); or sync vs async vs bounded staleness with partial rollouts
+(``--variants staleness``: does staleness break learning?).
 
 Same prompts, samples, iterations and seeds for every variant (only the advantage estimator and
 where the values come from differ); per task:
@@ -23,6 +25,7 @@ script, not with single-job numbers).
 Commands::
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/critic_budget.py --task cpu --jobs 2
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/critic_budget.py --task cpu --variants staleness
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/critic_budget.py --task smollm2 --jobs 2
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/critic_budget.py --task cpu --quick   # smoke test
     .venv/bin/python benchmarks/critic_budget.py --task cpu --report-only --write-readme
@@ -45,14 +48,29 @@ from smollm2_curves import seed_mean
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: variant -> recipe overrides (everything else is the task's configuration).
-VARIANTS: dict[str, tuple[str, ...]] = {
-    "ppo_shared": ("critic=shared",),
-    "ppo_separate": ("critic=separate",),
-    "grpo": ("algo=grpo",),
-    "rloo": ("algo=rloo",),
+#: variant -> recipe overrides (everything else is the task's configuration), per variant set.
+VARIANT_SETS: dict[str, dict[str, tuple[str, ...]]] = {
+    "critic": {
+        "ppo_shared": ("critic=shared",),
+        "ppo_separate": ("critic=separate",),
+        "grpo": ("algo=grpo",),
+        "rloo": ("algo=rloo",),
+    },
+    "staleness": {
+        "sync": (),
+        "async": ("train.mode=async",),
+        "lag2_partial": (
+            "train.mode=async",
+            "train.max_policy_lag=2",
+            "train.partial_rollouts=true",
+        ),
+    },
 }
+VARIANTS = {name: o for variants in VARIANT_SETS.values() for name, o in variants.items()}
 COLORS = {
+    "sync": "tab:blue",
+    "async": "tab:purple",
+    "lag2_partial": "tab:brown",
     "ppo_shared": "tab:blue",
     "ppo_separate": "tab:green",
     "grpo": "tab:orange",
@@ -69,6 +87,7 @@ TASKS: dict[str, tuple[tuple[str, ...], int, int, int, int]] = {
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--task", choices=sorted(TASKS), default="cpu")
+    p.add_argument("--variants", choices=sorted(VARIANT_SETS), default="critic")
     p.add_argument("--only", nargs="+", choices=sorted(VARIANTS), help="these variants only")
     p.add_argument("--iterations", type=int, default=None, help="default: the task's")
     p.add_argument("--seeds", type=int, default=None, help="default: the task's")
@@ -87,7 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.checkpoint_every = min(checkpoint_every, args.iterations)
     if args.quick:
         args.iterations, args.seeds, args.eval_every, args.checkpoint_every = 3, 1, 3, 2
-    stem = f"critic_budget_{args.task}" + ("_quick" if args.quick else "")
+    stem = _stem(args.variants, args.task) + ("_quick" if args.quick else "")
     args.out = args.out or ROOT / "benchmarks" / "results" / f"{stem}.json"
     args.png = args.png or args.out.with_suffix(".png")
     return args
@@ -161,10 +180,12 @@ def summarize(history: list[dict]) -> dict:
 
 
 def measure(args: argparse.Namespace) -> dict:
-    names = args.only or list(VARIANTS)
+    names = args.only or list(VARIANT_SETS[args.variants])
     cache = Path(os.environ.get("AR_TORCHRL_CACHE", ROOT / ".cache" / "ar_torchrl"))
     tmp = tempfile.TemporaryDirectory(prefix="critic_budget_") if args.quick else None
     runs = Path(tmp.name) if tmp else args.runs / args.task
+    if args.variants != "critic" and not tmp:
+        runs = args.runs.parent / args.variants / args.task
     dirs = {
         (name, seed): runs / f"{name}_it{args.iterations}_s{seed}"
         for name in names
@@ -189,6 +210,7 @@ def measure(args: argparse.Namespace) -> dict:
         "machine": machine_info(),
         "code": code_version(),
         "task": args.task,
+        "variant_set": args.variants,
         "iterations": args.iterations,
         "variants": {
             name: {"overrides": list(VARIANTS[name]), "runs": results[name]}
@@ -260,23 +282,29 @@ def plot(result: dict, png: Path) -> None:
     plt.close(fig)
 
 
-def begin_end(task: str) -> tuple[str, str]:
-    return f"<!-- critic_budget_{task}:begin -->", f"<!-- critic_budget_{task}:end -->"
+def _stem(variants: str, task: str) -> str:
+    return f"{'critic_budget' if variants == 'critic' else variants}_{task}"
+
+
+def begin_end(stem: str) -> tuple[str, str]:
+    return f"<!-- {stem}:begin -->", f"<!-- {stem}:end -->"
 
 
 def readme_block(result: dict) -> str:
-    m, (begin, end) = result["machine"], begin_end(result["task"])
+    stem = _stem(result.get("variant_set", "critic"), result["task"])
+    m, (begin, end) = result["machine"], begin_end(stem)
     return (
         f"{begin}\n{table(result)}\n\n{result['iterations']} iterations per run, mean [min, max] over "
         f"the seeds; written by `OMP_NUM_THREADS=1 .venv/bin/python benchmarks/critic_budget.py "
-        f"--task {result['task']} --jobs 2 --write-readme` "
-        f"(`benchmarks/results/critic_budget_{result['task']}.json`; torch {m['torch']}, "
+        f"--task {result['task']} --variants {result.get('variant_set', 'critic')} --jobs 2 "
+        f"--write-readme` (`benchmarks/results/{stem}.json`; torch {m['torch']}, "
         f"{m['cpu_count']} cores).\n{end}"
     )
 
 
-def write_readme(block: str, task: str, readme: Path = ROOT / "README.md") -> None:
-    replace_marked_block(readme, *begin_end(task), block)
+def write_readme(block: str, stem: str, readme: Path = ROOT / "README.md") -> None:
+    """Replace the README's ``<stem>`` block (e.g. ``critic_budget_cpu``) with ``block``."""
+    replace_marked_block(readme, *begin_end(stem), block)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -288,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
     plot(result, args.png)
     print(table(result))
     if args.write_readme:
-        write_readme(readme_block(result), args.task)
+        write_readme(readme_block(result), _stem(args.variants, args.task))
     print(f"\nwrote {args.out} and {args.png}", file=sys.stderr)
 
 

@@ -60,7 +60,7 @@ def test_runs_are_summarised_resumed_and_tabled(tmp_path, monkeypatch):
     readme.write_text(
         "a\n<!-- critic_budget_cpu:begin -->\nold\n<!-- critic_budget_cpu:end -->\nb\n"
     )
-    m.write_readme(block, "cpu", readme)
+    m.write_readme(block, "critic_budget_cpu", readme)
     assert "old" not in readme.read_text() and table in readme.read_text()
     m.plot(result, tmp_path / "curves.png")
     assert (tmp_path / "curves.png").stat().st_size > 1000
