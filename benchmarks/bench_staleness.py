@@ -19,6 +19,10 @@ are done early, and an update need not wait for the long ones. One update per ba
 the micro-batch plan, GAE, ``--epochs`` PPO epochs of ``TokenPPOLoss`` with the value head (AdamW),
 then the weight sync; ``--update-repeats`` repeats the PPO epochs to make the update as long as a
 generation (the interesting regime for overlap; the default makes them comparable on this CPU).
+The learning rate is 0 by default (``--lr``): every step's compute is real (forward, backward,
+AdamW, the sync of the weights), but the weights stay put, so every mode samples from the same
+distribution of response lengths (with a moving policy the lengths drift differently per mode, and
+a throughput ratio would compare different work).
 
 The headline is the **ratio** of samples per second to ``sync``'s, measured in the same run: each
 repetition runs every mode for ``--batches`` batches after one warm-up batch (the modes in rotated
@@ -82,6 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--update-repeats", type=int, default=3, help="PPO epochs run this many times")
+    p.add_argument("--lr", type=float, default=0.0, help="the update's learning rate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="a smoke test: tiny sizes, 1 rep")
@@ -106,7 +111,7 @@ class Trainer:
         self.actor_critic = LMActorCritic(model)
         self.loss = TokenPPOLoss(self.actor_critic, clip_value=0.2)
         self.gae = TokenGAE(gamma=1.0, lmbda=0.95, normalize_advantage=True)
-        self.optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        self.optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
         self.generator = torch.Generator().manual_seed(args.seed)
 
     def update(self, batch, collector) -> None:
