@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 
 import pytest
 import torch
@@ -39,7 +40,9 @@ class PausingBackend(TransformersBackend):
         self.forwards += 1
         if self.forwards == self.pause_after:
             self.reached.set()
-            while not self.interrupted:
+            deadline = time.monotonic() + 120
+            while not self.interrupted:  # a sync is on its way (the test issues it)
+                assert time.monotonic() < deadline, "no weight sync interrupted the generation"
                 threading.Event().wait(0.001)
         return super()._forward(ids, mask, positions, cache)
 
