@@ -5,6 +5,7 @@ Modules: :mod:`.errors`, :mod:`.http` (retries, deadline, body limit, API key), 
 the test double), :mod:`.client` (:class:`SGLangBackend`), :mod:`.launcher`
 (:func:`launch_sglang_server`), :mod:`.router` (:func:`launch_sglang_router`: an sglang-router in
 front of the servers), :mod:`.reaper` (launched servers and routers die with their owner),
+:mod:`.memory` (release and resume of colocated servers' memory around each update),
 :mod:`.senders` (disk / tensor / distributed weight sync), :mod:`.config` (torch-free config
 schemas). The server runs in its own environment (``.venv-sglang``, made by
 ``bash scripts/setup_sglang_env.sh``). Names are imported on first use.
@@ -21,6 +22,7 @@ _EXPORTS = {
             "SGLangAbortError",
             "SGLangError",
             "SGLangLaunchError",
+            "SGLangMemoryError",
             "SGLangRequestError",
             "SGLangResponseError",
             "SGLangTimeoutError",
@@ -33,6 +35,9 @@ _EXPORTS = {
         "launcher",
     ),
     **dict.fromkeys(["SGLangRouter", "launch_sglang_router"], "router"),
+    **dict.fromkeys(
+        ["MemoryLifecycle", "release_memory_for_update", "resume_memory_after_update"], "memory"
+    ),
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -22,6 +22,22 @@ the given ``urls`` or, by default, the workers the router lists (``GET /workers`
 before every sync). Seeded requests go one sample per request, and ``extra_sampling_params`` the
 router would drop are refused (see :mod:`~ar_torchrl.backends.sglang.router`). Stall detection then
 watches the router: requests move between workers only through the router's own retries.
+
+**Partial rollouts** (``partial_rollouts = True``): every request then carries one sample and its
+own ``rid``. When a weight sync is waiting (:attr:`interrupted`), the requests not sent yet stay
+home and every request in flight is aborted with SGLang's ``POST /abort_request {"rid": ...}`` (to
+the server it is on; behind a router, to every worker: the router has no abort route). SGLang
+answers an aborted request at its next step with the tokens and log-probs it has and
+``finish_reason = {"type": "abort", "message": "Aborted", ...}``; those completions come back with
+``finish_reason="abort"`` (none of them raises, whatever ``on_abort``), the base class syncs and
+continues each from ``prompt + tokens so far``. An abort that reaches SGLang's scheduler before its
+request (a short window while the server tokenizes it) is lost for good: aborts are sent again
+every ``ABORT_REPEAT_S`` and, for requests still running ``abort_all_after_s`` later, the servers
+holding them get ``{"abort_all": true}`` (other clients' requests there end too; logged).
+
+**Colocated memory** (:meth:`SGLangBackend.release_memory`, :meth:`SGLangBackend.resume_memory`):
+see :mod:`~ar_torchrl.backends.sglang.memory`; generation is refused while the memory is released
+and until a sync after the resume.
 """
 
 from __future__ import annotations
@@ -32,6 +48,7 @@ import math
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -55,10 +72,12 @@ from ar_torchrl.backends.sglang.http import (
     RetryPolicy,
 )
 from ar_torchrl.backends.sglang.launcher import API_KEY_ENV
+from ar_torchrl.backends.sglang.memory import MemoryLifecycle, Probe
 from ar_torchrl.backends.sglang.protocol import (
     check_sampling_keys,
     generate_body,
     parse_generate_answer,
+    single_samples,
 )
 from ar_torchrl.backends.sglang.router import (
     ROUTER_DROPPED_SAMPLING_KEYS,
@@ -75,6 +94,8 @@ __all__ = ["SGLangBackend"]
 logger = logging.getLogger(__name__)
 
 AbortPolicy = Literal["raise", "keep"]
+#: partial rollouts: aborts of requests still in flight are sent again this often (seconds)
+ABORT_REPEAT_S = 0.5
 _DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -98,13 +119,19 @@ class _Server:
 
 @dataclass
 class _Job:
-    """One ``/generate`` request; ``attempt`` counts its sends (a move sends it again)."""
+    """One ``/generate`` request; ``attempt`` counts its sends (a move sends it again).
+
+    Partial rollouts: ``rid`` names it for ``/abort_request``; ``aborted``: an abort was sent;
+    ``unsent``: an interruption kept it home (it comes back without tokens)."""
 
     body: dict
     attempt: int = 0
     flight: Flight | None = None
     answer: Any = None
     done: bool = False
+    rid: str | None = None
+    aborted: bool = False
+    unsent: bool = False
 
 
 class SGLangBackend(GenerationBackend):
@@ -120,6 +147,9 @@ class SGLangBackend(GenerationBackend):
     with ``finish_reason="abort"`` (``on_abort="keep"``). A server that stays silent for
     ``stall_grace_s`` has its requests moved to the other servers (see the module docstring;
     ``stats["moved"]`` counts them, ``stats["discarded"]`` the late answers that were dropped).
+    It supports partial rollouts (a sync aborts the requests in flight: ``stats["interrupted"]``
+    counts the completions it cut, ``stats["abort_requests"]`` the ``/abort_request`` calls) and
+    the colocated memory lifecycle (:meth:`release_memory`, :meth:`resume_memory`).
 
     Args:
         urls: server base URL(s), e.g. ``"http://127.0.0.1:30000"``, or a list of them: the
@@ -148,6 +178,8 @@ class SGLangBackend(GenerationBackend):
         sync_timeout_s: deadline of each weight-sync request.
         vocab_size: token ids at or above it are a protocol error (``None``: not checked here).
         show_progress: tqdm bar over prompts (``None``: only on a terminal).
+        abort_all_after_s: partial rollouts: a request still running this long after its first
+            abort (whose abort SGLang lost) is ended with ``{"abort_all": true}`` on its server.
 
     Example:
         >>> backend = SGLangBackend("http://127.0.0.1:9", max_retries=0, connect_timeout_s=0.5)
@@ -165,7 +197,17 @@ class SGLangBackend(GenerationBackend):
         >>> routed.route_urls, routed.health()
         (['http://127.0.0.1:9'], False)
         >>> routed.close()
+
+        Partial rollouts and the memory lifecycle:
+
+        >>> backend = SGLangBackend("http://127.0.0.1:9")
+        >>> backend.partial_rollouts = True
+        >>> backend.memory_state
+        'resident'
+        >>> backend.close()
     """
+
+    supports_partial_rollouts = True
 
     def __init__(
         self,
@@ -189,6 +231,7 @@ class SGLangBackend(GenerationBackend):
         sync_timeout_s: float = 600.0,
         vocab_size: int | None = None,
         show_progress: bool | None = None,
+        abort_all_after_s: float = 5.0,
     ) -> None:
         if router_url is None:
             if urls is None:
@@ -211,6 +254,8 @@ class SGLangBackend(GenerationBackend):
             raise ValueError(f"SGLangBackend: on_abort must be 'raise' or 'keep', got {on_abort!r}")
         check_number("SGLangBackend", "timeout_s", timeout_s, gt=0)
         check_number("SGLangBackend", "sync_timeout_s", sync_timeout_s, gt=0)
+        check_number("SGLangBackend", "abort_all_after_s", abort_all_after_s, ge=0)
+        self.abort_all_after_s = abort_all_after_s
         check_number(
             "SGLangBackend",
             "stall_grace_s",
@@ -243,6 +288,8 @@ class SGLangBackend(GenerationBackend):
             "tokens": 0,
             "moved": 0,
             "discarded": 0,
+            "interrupted": 0,
+            "abort_requests": 0,
         }
         self._stats_lock = threading.Lock()
         self._http = HttpClient(
@@ -256,6 +303,7 @@ class SGLangBackend(GenerationBackend):
         self._probes = ThreadPoolExecutor(
             max_workers=len(self.route_urls), thread_name_prefix="sglang-probe"
         )
+        self._aborts = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglang-abort")
         self._servers = {url: _Server(url) for url in self.route_urls}
         self._watch_lock = threading.Lock()
         self._rr = itertools.count()
@@ -268,6 +316,7 @@ class SGLangBackend(GenerationBackend):
                 weight_sync, self, engine="sglang", **dict(weight_sync_options or {})
             )
         super().__init__(sender)
+        self._memory = MemoryLifecycle(self, self._engine_lock, timeout_s=sync_timeout_s)
 
     # -- plumbing (also what the senders use: urls, api_key, post, get) ------------------------
 
@@ -285,9 +334,11 @@ class SGLangBackend(GenerationBackend):
         timeout_s: float | None = None,
         retry: bool = True,
         decode: bool = True,
+        idempotent: bool = True,
     ) -> Any:
         """POST JSON to one server (``url + path``) with the retry policy; return the JSON answer
-        (``decode=False``: its text, for SGLang's plain-text answers such as ``/flush_cache``)."""
+        (``decode=False``: its text, for SGLang's plain-text answers such as ``/flush_cache``;
+        ``idempotent=False``: retried only when it never reached the server)."""
         return self._http.request(
             "POST",
             [url],
@@ -296,6 +347,7 @@ class SGLangBackend(GenerationBackend):
             timeout_s=timeout_s or self.sync_timeout_s,
             retry=retry,
             decode=decode,
+            idempotent=idempotent,
         )
 
     def get(self, url: str, path: str, *, timeout_s: float | None = None) -> Any:
@@ -416,63 +468,108 @@ class SGLangBackend(GenerationBackend):
     def _generate(
         self, prompts: list[list[int]], n: int, sampling: SamplingParams
     ) -> list[Completion]:
+        self._memory.check_can_generate()
         # (prompt index, completions in the answer, body)
         bodies = [
             (i, n, generate_body(p, n, sampling, i, self.extra_sampling_params))
             for i, p in enumerate(prompts)
         ]
-        if self.router_url is not None and sampling.seed is not None:
-            bodies = [(i, 1, one) for i, _, body in bodies for one in _one_per_sample(body)]
+        abortable = self._partial_rollouts  # one sample per request, each with its own rid
+        if abortable or (self.router_url is not None and sampling.seed is not None):
+            bodies = [(i, 1, one) for i, _, body in bodies for one in single_samples(body)]
         jobs = [_Job(body) for _, _, body in bodies]
+        if abortable:
+            for job in jobs:
+                job.rid = job.body["rid"] = f"ar-torchrl-{uuid.uuid4().hex}"
         self._run(jobs)
         completions: list[Completion] = []
         for (i, k, _), job in zip(bodies, jobs):
-            completions += parse_generate_answer(job.answer, k, i, vocab_size=self.vocab_size)
+            if job.unsent:  # kept home by an interruption: continues after the sync
+                completions += [_unsent(i, job.rid) for _ in range(k)]
+                continue
+            got = parse_generate_answer(job.answer, k, i, vocab_size=self.vocab_size)
+            for c in got:
+                c.meta["interrupted"] = job.aborted and c.finish_reason == "abort"
+            completions += got
         self._check_server_versions(completions)
         return self._count_aborts(completions)
 
     def _run(self, jobs: list[_Job]) -> None:
         """Send every job, watch the servers while they wait, move the jobs of a stalled one; each
-        job keeps the answer of its *last* send only."""
+        job keeps the answer of its *last* send only. With partial rollouts, an interruption keeps
+        the jobs not sent yet home and aborts the others (:class:`_Aborter`)."""
         futures: dict[Future, tuple[_Job, int]] = {}
-
-        def send(job: _Job) -> None:
-            job.attempt += 1
-            job.flight = Flight()
-            future = self._pool.submit(self._send, job.body, job.flight, job.attempt == 1)
-            futures[future] = (job, job.attempt)
-
-        for job in jobs:
-            send(job)
-        left = len(jobs)
+        abortable = self._partial_rollouts
+        aborter: _Aborter | None = None
         bar = tqdm(
             total=len(jobs),
             desc="sglang generate",
             leave=False,
             disable=None if self.show_progress is None else not self.show_progress,
         )
+
+        def finish(job: _Job) -> None:
+            job.done = True
+            bar.update(1)
+
+        def send(job: _Job) -> None:
+            job.attempt += 1
+            if aborter is not None:  # interrupted: nothing new goes out (a move included)
+                job.unsent = True
+                finish(job)
+                return
+            job.flight = Flight()
+            future = self._pool.submit(self._send, job.body, job.flight, job.attempt == 1)
+            futures[future] = (job, job.attempt)
+
+        for job in jobs:
+            send(job)
+        tick = self._tick
+        if abortable:  # notice an interruption within ~20 ms
+            tick = 0.02 if tick is None else min(tick, 0.02)
         try:
             with bar:
-                while left:
-                    done, _ = wait(list(futures), timeout=self._tick, return_when=FIRST_COMPLETED)
+                while not all(job.done for job in jobs):
+                    done, _ = wait(list(futures), timeout=tick, return_when=FIRST_COMPLETED)
                     for future in done:
                         job, attempt = futures.pop(future)
                         if attempt != job.attempt:  # sent again elsewhere: this answer is not used
-                            if future.exception() is None:
+                            if not future.cancelled() and future.exception() is None:
                                 self._count(discarded=1)
                                 logger.info(
                                     "SGLang: a late answer of a moved request was discarded"
                                 )
                             continue
-                        job.answer, job.done = future.result(), True
-                        left -= 1
-                        bar.update(1)
-                    if left and self.stall_grace_s is not None:
-                        self._watch([job for job in jobs if not job.done], send)
+                        job.answer = future.result()
+                        finish(job)
+                    pending = [job for job in jobs if not job.done]
+                    if abortable and pending and self.interrupted:
+                        if aborter is None:
+                            aborter = _Aborter(self)
+                            for future, (job, _) in list(futures.items()):
+                                if not job.done and future.cancel():  # still queued here
+                                    del futures[future]
+                                    job.attempt += 1
+                                    job.unsent = True
+                                    finish(job)
+                            pending = [job for job in jobs if not job.done]
+                        aborter.tick(pending)
+                    if pending and self.stall_grace_s is not None:
+                        self._watch(pending, send)
         finally:  # an error (or an interrupt): nothing of this call stays in flight
             for job in jobs:
                 if not job.done and job.flight is not None:
                     job.flight.cancel()
+            if aborter is not None:  # no abort of this call may reach the next round's requests
+                aborter.close()
+
+    def _abort_targets(self, job: _Job) -> list[str]:
+        """The servers an abort of ``job`` goes to: the one it is on; behind a router (which
+        has no abort route), or before it is connected, every server it may be on."""
+        if self.router_url is None:
+            url = job.flight.url if job.flight is not None else None
+            return [url] if url is not None else list(self.route_urls)
+        return self.urls
 
     def _send(self, body: dict, flight: Flight, first: bool) -> Any:
         if first:  # a moved request is counted once
@@ -587,7 +684,11 @@ class SGLangBackend(GenerationBackend):
     def _check_server_versions(self, completions: list[Completion]) -> None:
         """After a sync, every completion must come from that version (another client may have
         synced the server, or a server missed a sync); before any sync, from one version."""
-        reported = {c.meta["server_weight_version"] for c in completions}
+        reported = {
+            c.meta["server_weight_version"] for c in completions if not c.meta.get("unsent")
+        }
+        if not reported:  # nothing was answered (an interruption kept every request home)
+            return
         expected = {str(self.policy_version)} if self._synced else reported
         if len(reported) > 1 or reported != expected:
             raise SGLangResponseError(
@@ -600,10 +701,13 @@ class SGLangBackend(GenerationBackend):
         aborted = [
             (c.prompt_index, c.meta["finish_reason"])
             for c in completions
-            if c.finish_reason == "abort"
+            if c.finish_reason == "abort" and not c.meta.get("interrupted")
         ]
         self._count(
-            aborted=len(aborted), completions=len(completions), tokens=sum(map(len, completions))
+            aborted=len(aborted),
+            interrupted=sum(bool(c.meta.get("interrupted")) for c in completions),
+            completions=len(completions),
+            tokens=sum(map(len, completions)),
         )
         if aborted and self.on_abort == "raise":
             raise SGLangAbortError(
@@ -627,28 +731,135 @@ class SGLangBackend(GenerationBackend):
                     f"the sglang-router could not be read ({err}); the engine keeps policy_version "
                     f"{self.policy_version}"
                 ) from None
+        self._memory.check_can_sync()
         super().sync_weights(named_tensors, version)
         self._synced = True
+        self._weights_loaded()  # (the SGLang senders already did, inside the sync)
+
+    def _weights_loaded(self) -> None:
+        """Every server holds the new weights: those waiting since :meth:`resume_memory`
+        generate again (``/continue_generation``). The SGLang senders call it inside the sync."""
+        self._memory.after_sync()
+
+    @property
+    def memory_state(self) -> str:
+        """``resident``, ``releasing``, ``released``, ``resuming`` (weights not synced since the
+        resume) or ``unknown`` (see :mod:`~ar_torchrl.backends.sglang.memory`)."""
+        return self._memory.state
+
+    def release_memory(
+        self,
+        tags: Sequence[str] | None = None,
+        *,
+        probe: Probe | None | Literal["auto"] = "auto",
+        expect_freed_bytes: int | None = None,
+        timeout_s: float = 120.0,
+    ) -> dict[str, float]:
+        """Release the colocated servers' memory (``tags``: ``weights``, ``kv_cache``,
+        ``cuda_graph``; default all) and return once the device shows it free (the barrier before
+        the trainer allocates); idempotent. See
+        :meth:`~ar_torchrl.backends.sglang.memory.MemoryLifecycle.release`.
+
+        Raises:
+            SGLangMemoryError: a server refuses (``device: cpu``, memory saver off) or fails.
+        """
+        return self._memory.release(
+            tags, probe=probe, expect_freed_bytes=expect_freed_bytes, timeout_s=timeout_s
+        )
+
+    def resume_memory(self) -> dict[str, float]:
+        """Take the released memory back and flush each server's cache; the next
+        :meth:`sync_weights` lets the servers generate again. Idempotent."""
+        return self._memory.resume()
 
     def close(self) -> None:
         """Release the sender, the thread pools and the HTTP session. Idempotent."""
         super().close()
+        if self._memory.state != "resident":
+            logger.warning(
+                "SGLangBackend closed while the servers' memory is %s: they stay paused",
+                self._memory.state,
+            )
         with self._watch_lock:
             for server in self._servers.values():
                 if server.probe is not None:
                     server.probe.cancel()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._probes.shutdown(wait=False, cancel_futures=True)
+        self._aborts.shutdown(wait=False, cancel_futures=True)
         self._http.close()
 
 
-def _one_per_sample(body: dict) -> list[dict]:
-    """A seeded batch body (``n`` copies of the prompt, one ``sampling_params`` each) as ``n``
-    single requests: sglang-router refuses a list of ``sampling_params`` (HTTP 422)."""
-    return [
-        {**body, "input_ids": ids, "sampling_params": params}
-        for ids, params in zip(body["input_ids"], body["sampling_params"])
-    ]
+def _unsent(prompt_index: int, rid: str | None) -> Completion:
+    """A request an interruption kept home: no tokens, ``finish_reason="abort"``."""
+    return Completion(
+        prompt_index,
+        [],
+        [],
+        "abort",
+        meta={
+            "finish_reason": {"type": "abort", "message": "not sent: a weight sync interrupted"},
+            "id": rid,
+            "server_weight_version": None,
+            "interrupted": True,
+            "unsent": True,
+        },
+    )
+
+
+class _Aborter:
+    """Aborts the requests of an interrupted ``_run`` (see the module docstring): by ``rid`` at
+    once and again every ``ABORT_REPEAT_S``; after ``abort_all_after_s``, ``abort_all`` on the
+    servers still holding some. One round at a time, on the backend's abort thread."""
+
+    def __init__(self, backend: SGLangBackend) -> None:
+        self.backend, self.start = backend, time.monotonic()
+        self.last = -math.inf
+        self.round: Future | None = None
+        self.warned = False
+        self.closed = threading.Event()
+
+    def close(self) -> None:
+        """Send nothing more, and wait for the call on the wire (an ``abort_all`` arriving after
+        the sync would end the requests that continue the completions)."""
+        self.closed.set()
+        if self.round is not None:
+            wait([self.round])
+
+    def tick(self, pending: list[_Job]) -> None:
+        now = time.monotonic()
+        if (self.round is not None and not self.round.done()) or now - self.last < ABORT_REPEAT_S:
+            return
+        self.last = now
+        targets = [(job.rid, self.backend._abort_targets(job)) for job in pending]
+        for job in pending:
+            job.aborted = True
+        escalate = now - self.start >= self.backend.abort_all_after_s
+        self.round = self.backend._aborts.submit(self._round, targets, escalate)
+
+    def _round(self, targets: list[tuple[str, list[str]]], escalate: bool) -> None:
+        b = self.backend
+        servers = sorted({url for _, urls in targets for url in urls})
+        if escalate and not self.warned:
+            self.warned = True
+            logger.warning(
+                "SGLang: %d request(s) still run %.1f s after their abort (an abort that reached "
+                "the scheduler before its request is lost); abort_all on %s (other clients' "
+                "requests there end too)",
+                len(targets),
+                time.monotonic() - self.start,
+                servers,
+            )
+        calls = [(url, {"abort_all": True}) for url in servers] if escalate else []
+        calls += [(url, {"rid": rid}) for rid, urls in targets for url in urls]
+        for url, body in calls:
+            if self.closed.is_set():
+                return
+            try:
+                b.post(url, "/abort_request", body, timeout_s=10.0, retry=False, decode=False)
+            except SGLangError as err:  # the request then finishes on its own
+                logger.warning("SGLang %s/abort_request %s failed: %s", url, body, err)
+            b._count(abort_requests=1)
 
 
 def _check_urls(urls: str | Sequence[str], what: str = "urls") -> list[str]:

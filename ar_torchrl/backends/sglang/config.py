@@ -158,6 +158,9 @@ class SGLangBackendConfig:
     # probe) before its requests move to the other servers; None: never (only timeout_s ends a wait)
     stall_grace_s: Optional[float] = 60.0
     sync_timeout_s: float = 600.0  # deadline of each weight-sync request (seconds)
+    # colocated GPU servers: release their memory before each update and resume it after
+    # (ar_torchrl.backends.sglang.memory; launched servers get --enable-memory-saver); sync mode only
+    release_memory_during_update: bool = False
 
     @property
     def urls(self) -> list[str] | None:
@@ -201,6 +204,37 @@ class SGLangBackendConfig:
             engine="sglang",
             prefix=f"{prefix}weight_sync_options.",
         )
+        self._check_memory(prefix)
+
+    def _check_memory(self, prefix: str) -> None:
+        if not isinstance(self.release_memory_during_update, bool):
+            raise TypeError(
+                f"{prefix}release_memory_during_update must be true or false, got "
+                f"{self.release_memory_during_update!r}"
+            )
+        launched = self.url is None and self.router_mode != "url"
+        if self.release_memory_during_update and launched and self.device == "cpu":
+            key = prefix.rpartition(": ")[2]
+            raise ValueError(
+                f"{prefix}release_memory_during_update=true releases the GPU memory of colocated "
+                f"servers, but the servers launched here run on {key}device=cpu, where SGLang "
+                "0.5.23's /release_memory_occupation kills the server (RuntimeError: Found no "
+                f"NVIDIA driver on your system): set {key}device=cuda, or leave "
+                "release_memory_during_update=false"
+            )
+
+    def server_args(self) -> list[str]:
+        """The flags a launched server gets beyond the launcher's: ``extra_args``, and
+        ``--enable-memory-saver`` when its memory is released during updates.
+
+        Example:
+            >>> SGLangBackendConfig(device="cuda", release_memory_during_update=True).server_args()
+            ['--enable-memory-saver']
+        """
+        extra = list(self.extra_args)
+        if self.release_memory_during_update and "--enable-memory-saver" not in extra:
+            extra.append("--enable-memory-saver")
+        return extra
 
     def _check_router(self, prefix: str) -> None:
         mode, key = self.router_mode, prefix.rpartition(": ")[2]  # "backend." for the hints
@@ -305,7 +339,7 @@ class SGLangBackendConfig:
             save_policy(context.model, model_dir, context.tokenizer)
         urls = []
         for i in range(self.num_servers):
-            extra = list(self.extra_args)
+            extra = self.server_args()
             if self.device == "cuda" and self.num_servers > 1 and "--base-gpu-id" not in extra:
                 extra += ["--base-gpu-id", str(i * _tp_size(extra))]  # one GPU (or tp group) each
             name = "sglang_server.log" if self.num_servers == 1 else f"sglang_server-{i}.log"

@@ -6,6 +6,7 @@ __all__ = [
     "SGLangAbortError",
     "SGLangError",
     "SGLangLaunchError",
+    "SGLangMemoryError",
     "SGLangRequestError",
     "SGLangResponseError",
     "SGLangTimeoutError",
@@ -49,3 +50,13 @@ class SGLangAbortError(SGLangResponseError):
 
 class SGLangLaunchError(SGLangError):
     """The server process did not become healthy; the message ends with the tail of its log."""
+
+
+class SGLangMemoryError(SGLangError):
+    """A colocated server's memory could not be released or resumed, or generation was asked
+    while it is released (see :mod:`ar_torchrl.backends.sglang.memory`).
+
+    Example:
+        >>> issubclass(SGLangMemoryError, SGLangError)
+        True
+    """

@@ -3,7 +3,11 @@
 - **Retries**: connection errors and HTTP 5xx are retried with exponential backoff, each attempt on
   the next URL of the list (failover); a 4xx raises :class:`SGLangRequestError` with the server's
   message at once. When every attempt failed to connect, one short
-  :class:`SGLangUnavailableError` says that the server is not reachable.
+  :class:`SGLangUnavailableError` says that the server is not reachable. A request that must not
+  reach the server twice (``idempotent=False``, e.g. SGLang's ``/release_memory_occupation``,
+  whose repetition kills the server) is retried only when it certainly never arrived: the
+  connection could not be opened, or HTTP 502/503/504 (nothing processed it). A connection lost
+  after the request went out raises at once, saying that the server may have applied it.
 - **Deadline**: ``timeout_s`` bounds the whole answer, headers *and* body: before each read of the
   body the socket timeout is set to the time left, so an answer dripped byte by byte still ends
   at the deadline (:class:`SGLangTimeoutError`, not retried).
@@ -50,6 +54,14 @@ _CHUNK = 1 << 16
 
 class _ConnectionFailed(Exception):
     """No (complete) answer: connection refused, reset or dropped mid-answer."""
+
+
+class _NotConnected(_ConnectionFailed):
+    """The connection could not be opened (refused, connect timeout): the request never left."""
+
+
+#: HTTP statuses of a request nothing processed (a proxy's or an overloaded server's refusal).
+_UNPROCESSED = frozenset({502, 503, 504})
 
 
 class RequestCancelled(SGLangError):
@@ -243,10 +255,13 @@ class HttpClient:
         retry: bool = True,
         flight: Flight | None = None,
         decode: bool = True,
+        idempotent: bool = True,
     ) -> Any:
         """Send ``body`` to ``urls[0] + path``; retries go to the next URL in ``urls`` (failover).
 
         ``flight``, if given, follows the request (its server, since when) and can cancel it.
+        ``idempotent=False``: retried only when it certainly never reached a server (see the
+        module docstring).
 
         Returns:
             The decoded JSON answer (``None`` for an empty 2xx body); with ``decode=False`` the
@@ -267,10 +282,14 @@ class HttpClient:
                 status, data = self._exchange(method, url, path, body, timeout_s, flight)
             except _ConnectionFailed as exc:
                 failures.append(f"connection error: {exc}")
+                if not idempotent and not isinstance(exc, _NotConnected):
+                    raise _maybe_applied(url + path, str(exc)) from None
             else:
                 if status < 500:
                     return _decode(status, data, url + path, json_answer=decode)
                 failures.append(f"HTTP {status}: {server_error_message(data)}")
+                if not idempotent and status not in _UNPROCESSED:
+                    raise _maybe_applied(url + path, failures[-1]) from None
             logger.warning(
                 "SGLang %s%s attempt %d/%d: %s", url, path, attempt + 1, attempts, failures[-1]
             )
@@ -325,6 +344,8 @@ class HttpClient:
         except requests.exceptions.ReadTimeout as exc:
             raise _timeout(url, timeout_s) from exc
         except requests.exceptions.ConnectionError as exc:
+            if _never_connected(exc):
+                raise _NotConnected(_short(exc)) from None
             raise _ConnectionFailed(_short(exc)) from None
         with response:
             try:
@@ -390,6 +411,26 @@ def _decode(status: int, data: bytes, where: str, json_answer: bool = True) -> A
         ) from None
     except ValueError:
         raise SGLangResponseError(f"SGLang {where}: answer is not JSON: {data[:300]!r}") from None
+
+
+def _never_connected(exc: requests.exceptions.ConnectionError) -> bool:
+    """The connection was never opened (nothing was sent): refused, unreachable, connect timeout."""
+    if isinstance(exc, requests.exceptions.ConnectTimeout):
+        return True
+    reason = getattr(exc.args[0] if exc.args else None, "reason", None)
+    return isinstance(
+        reason, (urllib3.exceptions.NewConnectionError, urllib3.exceptions.ConnectTimeoutError)
+    )
+
+
+def _maybe_applied(where: str, failure: str) -> SGLangUnavailableError:
+    err = SGLangUnavailableError(
+        f"SGLang {where}: {failure} after the request was sent; the server may have applied it, "
+        "so it is not sent again (repeating it could break the server): check the server's log "
+        "and its state before retrying"
+    )
+    err.maybe_applied = True  # (read by the memory lifecycle: the server's state is unknown)
+    return err
 
 
 def _timeout(url: str, timeout_s: float) -> SGLangTimeoutError:

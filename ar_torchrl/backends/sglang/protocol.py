@@ -1,7 +1,11 @@
 """The ``/generate`` protocol of SGLang 0.5.x: request bodies, and answers checked field by field.
 
 Request: ``input_ids``, ``sampling_params`` (SGLang's keys only: an unknown key is a 400) and
-``return_logprob: true``. ``n > 1`` (or a batch) answers a list. Each item has ``output_ids`` and
+``return_logprob: true``; optionally ``rid``, the request id SGLang's ``/abort_request`` names
+(``{"rid": ...}``: the server then answers the request with the tokens and log-probs it has and
+``finish_reason = {"type": "abort", "message": "Aborted", ...}``). ``n > 1`` (or a batch) answers a
+list; the samples of ``n > 1`` get ids of the server's own choosing, so a request meant to be
+aborted carries one sample. Each item has ``output_ids`` and
 ``meta_info`` with ``output_token_logprobs`` (``[[logprob, token_id, text], ...]``),
 ``finish_reason`` (``{"type": "stop" | "length" | "abort", ...}``), ``completion_tokens`` and
 ``weight_version``.
@@ -29,6 +33,7 @@ __all__ = [
     "SGLANG_SAMPLING_KEYS",
     "check_sampling_keys",
     "generate_body",
+    "single_samples",
     "parse_generate_answer",
     "parse_generate_item",
 ]
@@ -84,6 +89,8 @@ def generate_body(
     Example:
         >>> generate_body([5, 6], 2, SamplingParams(max_new_tokens=4, temperature=0.0))
         {'input_ids': [5, 6], 'sampling_params': {'max_new_tokens': 4, 'temperature': 0.0, 'top_p': 1.0, 'top_k': -1, 'n': 2}, 'return_logprob': True}
+        >>> single_samples(generate_body([5], 2, SamplingParams(max_new_tokens=1)))[1]
+        {'input_ids': [5], 'sampling_params': {'max_new_tokens': 1, 'temperature': 1.0, 'top_p': 1.0, 'top_k': -1, 'n': 1}, 'return_logprob': True}
     """
     params = {
         "max_new_tokens": sampling.max_new_tokens,
@@ -103,6 +110,26 @@ def generate_body(
         "sampling_params": [{**params, "sampling_seed": s} for s in seeds],
         "return_logprob": True,
     }
+
+
+def single_samples(body: dict) -> list[dict]:
+    """A :func:`generate_body` as one request per sample (a single prompt, ``n = 1``, one
+    ``sampling_params`` dict each): what sglang-router accepts for seeded requests (it refuses a
+    list of ``sampling_params``), and what can be aborted by its ``rid``.
+
+    Example:
+        >>> seeded = generate_body([5], 2, SamplingParams(max_new_tokens=1, seed=3))
+        >>> [(b["input_ids"], b["sampling_params"]["sampling_seed"]) for b in single_samples(seeded)]
+        [([5], 3), ([5], 4)]
+    """
+    params = body["sampling_params"]
+    if isinstance(params, list):  # seeded: a batch of copies of the prompt, one seed each
+        return [
+            {**body, "input_ids": ids, "sampling_params": p}
+            for ids, p in zip(body["input_ids"], params)
+        ]
+    n = params.get("n", 1)
+    return [{**body, "sampling_params": {**params, "n": 1}} for _ in range(n)]
 
 
 class _Where:

@@ -6,7 +6,8 @@ weights goes to every server **in parallel** (:func:`on_each_server`); a failure
 raises :class:`WeightSyncError` naming it. After a sync every server's cache is flushed
 (``POST /flush_cache``, :func:`flush_caches`: SGLang's radix cache would otherwise keep KV computed
 with the old weights) and every server must report ``weight_version == str(version)`` in
-``GET /model_info``.
+``GET /model_info``; then, still inside the sync, the client's optional ``_weights_loaded()`` runs
+(the backend lets servers that resumed their released memory generate again).
 
 Shapes: SGLang 0.5.23 does not survive a wrong-shaped update (its rollback re-reads the same bad
 files and the scheduler dies), so the senders refuse tensors whose shapes differ from the served
@@ -219,6 +220,9 @@ class SGLangSender(abc.ABC):
             self._send(named_tensors, str(int(version)))
             flush_caches(self.client)
             self._check_versions(str(int(version)))
+            loaded = getattr(self.client, "_weights_loaded", None)
+            if loaded is not None:  # SGLangBackend: paused servers (memory resumed) continue
+                loaded()
         except WeightSyncError as err:
             err.partial = err.partial or self._partial
             if "(HTTP 404)" in str(err):
