@@ -322,7 +322,6 @@ class GenerationBackend(abc.ABC):
                     self.interruptions += 1
         return [r.completion() for r in parts]
 
-
     @abc.abstractmethod
     def _generate(
         self, prompts: list[list[int]], n: int, sampling: SamplingParams
