@@ -30,12 +30,11 @@ from ar_torchrl.backends.sglang import (
     SGLangBackend,
     SGLangMemoryError,
     SGLangUnavailableError,
-    release_memory_for_update,
-    resume_memory_after_update,
 )
 from ar_torchrl.backends.sglang.schema import default_sglang_venv, load_api_types
 from ar_torchrl.distributed.context import DistContext
 from ar_torchrl.models.tiny import build_tiny_qwen3
+from ar_torchrl.recipes.dapo_ppo.loop import engine_memory
 from ar_torchrl.weight_sync import WeightSyncError, named_policy_tensors
 
 GREEDY = SamplingParams(max_new_tokens=4, temperature=0.0)
@@ -302,25 +301,32 @@ def test_the_config_key_and_the_recipe_steps(sglang_double, caplog):
     )
     assert running.backend.release_memory_during_update  # running servers: checked at release
 
+    with pytest.raises(ValueError, match=r"needs train.mode=sync \(got async\)"):
+        typed(
+            [
+                "backend=sglang",
+                "backend.release_memory_during_update=true",
+                "backend.url=http://h:1",
+                "train.mode=async",
+            ]
+        )
+
     sglang_double.accept_weight_updates()
     with _backend(sglang_double.url) as backend:
         run = SimpleNamespace(
-            cfg=SimpleNamespace(backend=running.backend, train=SimpleNamespace(mode="sync")),
+            cfg=running,
             collector=SimpleNamespace(env=SimpleNamespace(backend=backend)),
             strategy=SimpleNamespace(ctx=DistContext()),
         )
         with caplog.at_level(logging.INFO, "ar_torchrl.backends.sglang.memory"):
-            release_memory_for_update(run)
+            engine_memory(run, release=True)
             assert backend.memory_state == "released"
-            resume_memory_after_update(run)
+            engine_memory(run, release=False)
         assert backend.memory_state == "resuming"
         backend.sync_weights(_tensors(), version=1)  # the loop's push_policy
         assert backend.memory_state == "resident" and "released on 1 server(s)" in caplog.text
         other_rank = SimpleNamespace(cfg=run.cfg, collector=None, strategy=run.strategy)
-        release_memory_for_update(other_rank)  # no backend there: the barrier only
-        run.cfg.train.mode = "async"
-        with pytest.raises(ValueError, match=r"needs train.mode=sync \(got 'async'\)"):
-            release_memory_for_update(run)
+        engine_memory(other_rank, release=True)  # no backend there: the barrier only
 
 
 @pytest.mark.sglang

@@ -35,9 +35,7 @@ _EXPORTS = {
         "launcher",
     ),
     **dict.fromkeys(["SGLangRouter", "launch_sglang_router"], "router"),
-    **dict.fromkeys(
-        ["MemoryLifecycle", "release_memory_for_update", "resume_memory_after_update"], "memory"
-    ),
+    **dict.fromkeys(["MemoryLifecycle"], "memory"),
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -41,9 +41,9 @@ sent to it, and the error says to check (or restart) it.
 (``/release_memory_occupation`` then frees nothing): :class:`SGLangMemoryError` names the server
 and the fix, and nothing is sent.
 
-In the recipe (``backend.release_memory_during_update=true``, ``train.mode=sync``):
-:func:`release_memory_for_update` before the update and :func:`resume_memory_after_update` after it;
-the weight push that follows lets the servers generate again.
+In the recipe (``backend.release_memory_during_update=true``, ``train.mode=sync``) the loop calls
+``SGLangBackend.release_memory()`` before the update (every rank waits for it) and
+``resume_memory()`` after it; the weight push that follows lets the servers generate again.
 """
 
 from __future__ import annotations
@@ -62,8 +62,6 @@ __all__ = [
     "MEMORY_TAGS",
     "MemoryLifecycle",
     "cuda_free_bytes",
-    "release_memory_for_update",
-    "resume_memory_after_update",
     "wait_until_freed",
 ]
 
@@ -470,54 +468,3 @@ def _resolve_probe(probe: Probe | None | Literal["auto"]) -> Probe | None:
     import torch
 
     return cuda_free_bytes if torch.cuda.is_available() else None
-
-
-# --------------------------------------------------------------------------- the recipe's steps
-def _lifecycle_backend(run: Any) -> tuple[bool, Any]:
-    """(whether ``backend.release_memory_during_update`` is on, this rank's backend or None)."""
-    cfg = run.cfg
-    if not getattr(cfg.backend, "release_memory_during_update", False):
-        return False, None
-    if cfg.train.mode != "sync":
-        raise ValueError(
-            f"config: backend.release_memory_during_update=true needs train.mode=sync (got "
-            f"{cfg.train.mode!r}): async generation runs during the update, on the memory it "
-            "would release; set train.mode=sync or release_memory_during_update=false"
-        )
-    collector = getattr(run, "collector", None)
-    return True, None if collector is None else collector.env.backend
-
-
-def release_memory_for_update(run: Any) -> None:
-    """Before the trainer allocates for its update: the colocated servers release their memory
-    (rank 0, which holds the backend; the barrier waits for the device), then every rank waits
-    for it (``run.strategy.ctx.barrier()``). Nothing unless ``backend.release_memory_during_update``.
-
-    Example:
-        >>> from types import SimpleNamespace
-        >>> run = SimpleNamespace(cfg=SimpleNamespace(backend=SimpleNamespace()))
-        >>> release_memory_for_update(run)  # the key is off (or another backend): nothing happens
-    """
-    on, backend = _lifecycle_backend(run)
-    if not on:
-        return
-    if backend is not None:
-        backend.release_memory()
-    run.strategy.ctx.barrier()
-
-
-def resume_memory_after_update(run: Any) -> None:
-    """After the update: every rank is done with its memory (barrier), then the servers resume
-    theirs and flush their caches; the weight push that follows lets them generate again.
-
-    Example:
-        >>> from types import SimpleNamespace
-        >>> run = SimpleNamespace(cfg=SimpleNamespace(backend=SimpleNamespace()))
-        >>> resume_memory_after_update(run)
-    """
-    on, backend = _lifecycle_backend(run)
-    if not on:
-        return
-    run.strategy.ctx.barrier()
-    if backend is not None:
-        backend.resume_memory()

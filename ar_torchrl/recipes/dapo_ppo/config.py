@@ -409,6 +409,15 @@ class Config:
                 "continues after a tool answer): set tools (e.g. --config-name tool_arithmetic)"
             )
         self.algo.check(norm_length=self.rollout.max_new_tokens)
+        if (
+            getattr(self.backend, "release_memory_during_update", False)
+            and self.train.mode != "sync"
+        ):
+            raise ValueError(
+                f"config: backend.release_memory_during_update=true needs train.mode=sync (got "
+                f"{self.train.mode}): async generation runs during the update, on the memory it "
+                "would release; set train.mode=sync or backend.release_memory_during_update=false"
+            )
         if self.critic.kind == "separate" and not self.algo.critic_coeff > 0:
             raise ValueError(
                 f"config: critic=separate trains a second model on the value loss, which "

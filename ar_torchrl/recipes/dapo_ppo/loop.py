@@ -234,7 +234,9 @@ def train(run: Run, stop: Any) -> int:
             )
         else:
             # 2. Anchors: old log-probs and values (+ reference log-probs), training geometry
-            #    (under torchrun: each rank's share of the plan; the same anchors on every rank).
+            #    (under torchrun: each rank's share of the plan; the same anchors on every rank);
+            #    a colocated engine first releases its memory (backend.release_memory_during_update).
+            engine_memory(run, release=True)
             with run.timer("anchors"):
                 plan = anchors(run, td)
             # 3. Advantages (GAE, GRPO or RLOO), identical on every rank.
@@ -255,6 +257,7 @@ def train(run: Run, stop: Any) -> int:
                 losses.update(
                     update(run, td, plan, critic_only=step <= cfg.algo.critic_warmup_iters)
                 )
+            engine_memory(run, release=False)  # resumed; the push below lets it generate again
             # 5. Push the new weights (never the value head) to the rollout backend.
             with run.timer("sync"):
                 push_policy(run)
@@ -288,6 +291,21 @@ def anchors(run: Run, td):
     r = run.cfg.rollout
     plan = plan_micro_batches(td, r.token_budget, r.max_rows, packing=r.packing)
     return run.strategy.anchors(run.actor_critic, td, plan, run.ref_actor, run.critic)
+
+
+def engine_memory(run: Run, *, release: bool) -> None:
+    """``backend.release_memory_during_update``: a colocated SGLang engine releases its GPU memory
+    before the trainer allocates (every rank waits for it) and resumes it after the update (every
+    rank done first); nothing otherwise. The weight push after the update resumes generation."""
+    if not getattr(run.cfg.backend, "release_memory_during_update", False):
+        return
+    backend = run.collector.env.backend if run.collector is not None else None
+    if not release:
+        run.strategy.ctx.barrier()
+    if backend is not None:
+        backend.release_memory() if release else backend.resume_memory()
+    if release:
+        run.strategy.ctx.barrier()
 
 
 def push_policy(run: Run, *, resync: bool = False) -> None:
