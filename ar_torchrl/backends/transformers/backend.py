@@ -263,7 +263,10 @@ def _resolve_eos(model: nn.Module, eos_token_id) -> tuple[int, ...]:
     return tuple(int(e) for e in eos_token_id)
 
 
-def _to_completions(tokens, log_probs, lengths, stopped, index, aborted) -> list[Completion]:
+def _to_completions(tokens, log_probs, lengths, stopped, index, aborted=None) -> list[Completion]:
+    """Completions of a decoded chunk; ``aborted`` rows (a sync interrupted them) say "abort"."""
+    if aborted is None:
+        aborted = torch.zeros_like(stopped)
     tokens, log_probs, lengths, stopped, aborted = (
         x.cpu() for x in (tokens, log_probs, lengths, stopped, aborted)
     )
