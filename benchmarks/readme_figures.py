@@ -65,6 +65,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def recipe_command(run_dir: Path, *overrides: str) -> list[str]:
+    """The recipe's command line for ``overrides``; Hydra's flags among them (``--config-name X``,
+    ``--config-name=X``) go first, since its argparse refuses a flag after the positionals.
+
+    >>> recipe_command(Path("r"), "seed=1", "--config-name", "smollm2_arithmetic")[2:]
+    ['--config-name', 'smollm2_arithmetic', 'hydra.run.dir=r', 'train.plot=false', 'seed=1']
+    """
+    flags, rest, items = [], [], iter(overrides)
+    for item in items:
+        if item.startswith("--"):
+            flags += [item] if "=" in item else [item, next(items)]
+        else:
+            rest.append(item)
+    return [
+        sys.executable,
+        str(SCRIPT),
+        *flags,
+        f"hydra.run.dir={run_dir}",
+        "train.plot=false",
+        *rest,
+    ]
+
+
 def run_recipe(run_dir: Path, cache: Path, *overrides: str) -> dict:
     """One recipe run through a subprocess; its history, wall time and the load around it."""
     env = {
@@ -73,7 +96,7 @@ def run_recipe(run_dir: Path, cache: Path, *overrides: str) -> dict:
         "OMP_NUM_THREADS": "1",
         "TQDM_DISABLE": "1",
     }
-    cmd = [sys.executable, str(SCRIPT), f"hydra.run.dir={run_dir}", "train.plot=false", *overrides]
+    cmd = recipe_command(run_dir, *overrides)
     load_before, start = os.getloadavg(), time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start

@@ -70,3 +70,21 @@ def test_block_states_load_and_threads_and_replaces_the_readme_section(tmp_path)
     assert readme.read_text() == f"intro\n{mod.BEGIN}\n{block}\n{mod.END}\nrest\n"
     text = (ROOT / "README.md").read_text()
     assert text.count(mod.BEGIN) == text.count(mod.END) == 1  # the real README has the block
+
+
+def test_hydra_flags_go_before_the_overrides():
+    """``--config-name`` among the overrides (critic_budget.py's smollm2 task) must precede them:
+    Hydra's argparse refuses ``a=1 --config-name x b=2``."""
+    m = module()
+    cmd = m.recipe_command(Path("/r"), "--config-name", "x", "seed=1", "--config-dir=d", "a=2")
+    assert cmd[2:] == [
+        "--config-name",
+        "x",
+        "--config-dir=d",
+        "hydra.run.dir=/r",
+        "train.plot=false",
+        "seed=1",
+        "a=2",
+    ]
+    cmd = m.recipe_command(Path("/r"), "seed=1")
+    assert cmd[2:] == ["hydra.run.dir=/r", "train.plot=false", "seed=1"]
