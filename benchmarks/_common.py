@@ -53,6 +53,15 @@ def code_version() -> dict:
         return {"commit": None, "dirty": None, "git_error": str(err)}
 
 
+def read_history(run_dir: Path) -> list[dict]:
+    """A recipe run's ``metrics.jsonl`` records (``[]`` before its first; a torn last line, from a
+    run killed mid-write, is dropped with a warning: :func:`ar_torchrl.utils.read_jsonl`)."""
+    from ar_torchrl.utils import read_jsonl
+
+    path = Path(run_dir) / "metrics.jsonl"
+    return read_jsonl(path) if path.exists() else []
+
+
 def write_json(result: dict[str, Any], out: Path) -> None:
     """Write ``result`` to ``out`` atomically (a ``.json.tmp`` then a rename), making its folder."""
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,6 @@ Commands::
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shutil
@@ -30,7 +29,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from _common import code_version, machine_info, replace_marked_block, write_json
+from _common import code_version, machine_info, read_history, replace_marked_block, write_json
 from readme_figures import figures, run_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,13 +109,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _history(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def _all_finite(history: list[dict]) -> bool:
     return all(
         math.isfinite(v)
@@ -135,7 +127,7 @@ def one_run(
     diagnostics: tuple[str, ...],
 ) -> dict:
     """Run (unless ``run_dir`` already holds ``iterations`` iterations) and summarise one seed."""
-    history = _history(run_dir)
+    history = read_history(run_dir)
     done = sum("rollout/reward_mean" in h for h in history) >= iterations
     wall = None
     if not done:
@@ -150,7 +142,7 @@ def one_run(
             f"seed={seed}",
             *overrides,
         )
-        history, wall = _history(run_dir), run["wall_s"]
+        history, wall = read_history(run_dir), run["wall_s"]
     steps = [h for h in history if "rollout/reward_mean" in h]
     return {
         "seed": seed,

@@ -34,7 +34,6 @@ Commands::
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -42,7 +41,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from _common import code_version, machine_info, replace_marked_block, write_json
+from _common import code_version, machine_info, read_history, replace_marked_block, write_json
 from readme_figures import figures, run_recipe
 from smollm2_curves import seed_mean
 
@@ -112,13 +111,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _history(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def _finished(history: list[dict], iterations: int) -> bool:
     return sum("rollout/reward_mean" in h for h in history) >= iterations
 
@@ -126,7 +118,7 @@ def _finished(history: list[dict], iterations: int) -> bool:
 def one_run(args: argparse.Namespace, variant: str, seed: int, run_dir: Path, cache: Path) -> None:
     """Run ``variant`` with ``seed`` into ``run_dir`` until it has ``args.iterations`` iterations
     (resuming a stopped run from its checkpoint)."""
-    if _finished(_history(run_dir), args.iterations):
+    if _finished(read_history(run_dir), args.iterations):
         return
     resume = []
     if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
@@ -201,7 +193,7 @@ def measure(args: argparse.Namespace) -> dict:
                 future.result()
     results: dict[str, list[dict]] = {}
     for (name, seed), run_dir in dirs.items():
-        history = _history(run_dir)
+        history = read_history(run_dir)
         if _finished(history, args.iterations):
             results.setdefault(name, []).append({"seed": seed, **summarize(history)})
     if tmp:

@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+from _common import read_history
 
 RESULTS = Path(__file__).resolve().parent / "results" / "smollm2_curves.json"
 STAGES = ("time/generate", "time/anchors", "time/update", "time/sync")
@@ -26,8 +27,7 @@ COLORS = {"ppo": "tab:blue", "grpo": "tab:orange"}
 
 
 def load_run(path: Path) -> list[dict]:
-    lines = (path / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(x) for x in lines if x.strip()]
+    return read_history(path)
 
 
 def summarize(history: list[dict]) -> dict:

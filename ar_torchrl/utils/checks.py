@@ -15,6 +15,7 @@ import math
 import numbers
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal, get_args
+from urllib.parse import urlparse
 
 __all__ = [
     "AGGREGATION_MODES",
@@ -33,6 +34,7 @@ __all__ = [
     "check_ppo_loss_args",
     "check_ppo_update_args",
     "check_warm_start_args",
+    "is_server_url",
 ]
 
 #: Loss aggregation modes (``ar_torchrl.functional.aggregate_loss``), defined here so that a config
@@ -46,6 +48,20 @@ AGGREGATION_MODES: tuple[str, ...] = get_args(AggregationMode)
 #: multi-turn episode (reads ``turn_id``).
 GAETimestep = Literal["token", "turn"]
 GAE_TIMESTEPS: tuple[str, ...] = get_args(GAETimestep)
+
+
+def is_server_url(url: str) -> bool:
+    """Whether ``url`` is ``http(s)://host:port`` (a path is allowed, e.g. behind a proxy).
+
+    >>> is_server_url("http://127.0.0.1:30000"), is_server_url("http://h:x"), is_server_url("grpc://h:1")
+    (True, False, False)
+    """
+    parsed = urlparse(url)
+    try:
+        port = parsed.port
+    except ValueError:  # a port that is not a number, or out of range
+        port = None
+    return parsed.scheme in ("http", "https") and bool(parsed.hostname) and port is not None
 
 
 def _key(owner: str, name: str) -> str:

@@ -13,10 +13,9 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass, field
 from typing import Any, Optional
-from urllib.parse import urlparse
 
 from ar_torchrl.backends.registry import BackendContext, register_backend
-from ar_torchrl.utils.checks import check_choice, check_number
+from ar_torchrl.utils.checks import check_choice, check_number, is_server_url
 from ar_torchrl.weight_sync.registry import register_sync_method, sender_options, set_options
 
 # OmegaConf reads the annotations at run time: they must stay `Optional[...]`, not `X | None`.
@@ -45,12 +44,7 @@ def check_server_url(prefix: str, name: str, url: Any) -> str:
     key = f"{prefix}{name}" if prefix.endswith(".") else f"{prefix}: {name}"
     if not isinstance(url, str):
         raise TypeError(f"{key} must be a URL string, got {url!r} ({type(url).__name__})")
-    parsed = urlparse(url)
-    try:
-        port = parsed.port
-    except ValueError:
-        port = None
-    if parsed.scheme not in ("http", "https") or not parsed.hostname or port is None:
+    if not is_server_url(url):
         raise ValueError(
             f"{key}={url!r} is not a server URL: expected http://host:port or https://host:port"
         )

@@ -474,6 +474,43 @@ def _command(
     return [str(python), "-c", main, str(parent), str(secret_fd), *args]
 
 
+def spawn_guarded(
+    python: Path,
+    args: list[str],
+    secret: list[str],
+    log_path: Path,
+    env: Mapping[str, str],
+    *,
+    main: str = _SERVER_MAIN,
+    shm_prefixes: tuple[str, ...] = (),
+) -> subprocess.Popen:
+    """Start ``main`` (see :func:`_command`) in a new session, ``secret`` flags through a pipe
+    (never on a command line), output appended to ``log_path`` (mode 0600: private to this user,
+    SGLang logs its server arguments), and the process group in the reaper's care
+    (:func:`reaper.guard_process_group`, with ``shm_prefixes``)."""
+    read_fd = -1
+    if secret:  # a few bytes: the pipe holds them until the child reads them
+        read_fd, write_fd = os.pipe()
+        with os.fdopen(write_fd, "wb") as pipe:
+            pipe.write(json.dumps(secret).encode())
+    try:
+        with open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as log:
+            process = subprocess.Popen(
+                _command(python, args, read_fd, main=main),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=dict(env),
+                start_new_session=True,
+                pass_fds=(read_fd,) if read_fd >= 0 else (),
+            )
+    finally:
+        if read_fd >= 0:
+            os.close(read_fd)
+    reaper.guard_process_group(process.pid, shm_prefixes)
+    return process
+
+
 def _start_server(python, args, secret, host, port, log_path, timeout_s, env) -> SGLangServer:
     """Start one server process and wait until it is healthy (stopping it on failure)."""
     args = [*args, "--port", str(port)]
@@ -487,27 +524,7 @@ def _start_server(python, args, secret, host, port, log_path, timeout_s, env) ->
         log_path,
     )
     offset = log_path.stat().st_size if log_path.exists() else 0
-    read_fd = -1
-    if secret:  # a few bytes: the pipe holds them until the server reads them
-        read_fd, write_fd = os.pipe()
-        with os.fdopen(write_fd, "wb") as pipe:
-            pipe.write(json.dumps(secret).encode())
-    try:
-        # private to this user: SGLang logs its server arguments (the key is redacted, others not)
-        with open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as log:
-            process = subprocess.Popen(
-                _command(python, args, read_fd),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                start_new_session=True,
-                pass_fds=(read_fd,) if read_fd >= 0 else (),
-            )
-    finally:
-        if read_fd >= 0:
-            os.close(read_fd)
-    reaper.guard_process_group(process.pid, SHM_PREFIXES)
+    process = spawn_guarded(python, args, secret, log_path, env, shm_prefixes=SHM_PREFIXES)
     server = SGLangServer(
         url=f"http://{host}:{port}", process=process, log_path=log_path, port=port
     )

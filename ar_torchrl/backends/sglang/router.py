@@ -38,7 +38,6 @@ What the backend relies on, measured with sglang-router 0.3.2 in front of SGLang
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
@@ -49,7 +48,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import requests
 
@@ -57,14 +55,15 @@ from ar_torchrl.backends.sglang import reaper
 from ar_torchrl.backends.sglang.errors import SGLangLaunchError, SGLangResponseError
 from ar_torchrl.backends.sglang.launcher import (
     API_KEY_ENV,
-    _command,
     _server_python,
     _tempfile,
     free_port,
     log_tail,
     prelude,
+    spawn_guarded,
     split_secret_args,
 )
+from ar_torchrl.utils.checks import is_server_url
 
 __all__ = [
     "ROUTER_DROPPED_SAMPLING_KEYS",
@@ -150,12 +149,7 @@ def router_workers(answer: Any, router_url: str) -> list[RouterWorker]:
         url = item.get("url") if isinstance(item, dict) else None
         if not isinstance(url, str):
             raise SGLangResponseError(f"{where}: workers[{k}] has no 'url': {str(item)[:300]!r}")
-        parsed = urlparse(url)
-        try:
-            port = parsed.port
-        except ValueError:
-            port = None
-        if parsed.scheme not in ("http", "https") or not parsed.hostname or port is None:
+        if not is_server_url(url):
             raise SGLangResponseError(
                 f"{where}: worker {url!r} is not an http(s)://host:port server; weight syncs go to "
                 "each worker over HTTP (gRPC and dp-aware workers are not supported)"
@@ -317,26 +311,7 @@ def launch_sglang_router(
         f" + {' '.join(secret[::2])} through a pipe" if secret else "",
         log_path,
     )
-    read_fd = -1
-    if secret:  # a few bytes: the pipe holds them until the router reads them
-        read_fd, write_fd = os.pipe()
-        with os.fdopen(write_fd, "wb") as pipe:
-            pipe.write(json.dumps(secret).encode())
-    try:
-        with open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as log:
-            process = subprocess.Popen(
-                _command(python, args, read_fd, main=_ROUTER_MAIN),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=run_env,
-                start_new_session=True,
-                pass_fds=(read_fd,) if read_fd >= 0 else (),
-            )
-    finally:
-        if read_fd >= 0:
-            os.close(read_fd)
-    reaper.guard_process_group(process.pid)
+    process = spawn_guarded(python, args, secret, log_path, run_env, main=_ROUTER_MAIN)
     router = SGLangRouter(
         url=f"http://{host}:{port}",
         process=process,
