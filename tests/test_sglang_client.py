@@ -130,25 +130,8 @@ def test_the_servers_context_length_is_enforced(sglang_double):
     assert not sglang_double.generate_bodies()  # refused before sending
 
 
-def _accept_tensors(double, *, fail: bool = False):
-    def update(body):
-        if fail:
-            return 400, {"success": False, "message": "Failed to update weights: disk full"}
-        if "weight_version" in body:
-            double.weight_version = body["weight_version"]
-        return 200, {"success": True, "message": "Success"}
-
-    double.handlers.update(
-        {
-            "/begin_weight_update": lambda body: (404, {"detail": "Not Found"}),
-            "/end_weight_update": lambda body: (404, {"detail": "Not Found"}),
-            "/update_weights_from_tensor": update,
-        }
-    )
-
-
 def test_a_server_reporting_another_version_is_an_error(sglang_double):
-    _accept_tensors(sglang_double)
+    sglang_double.accept_weight_updates()
     with _backend(sglang_double.url, weight_sync="tensor") as backend:
         backend.sync_weights(named_policy_tensors(build_tiny_qwen3(99)), version=4)
         assert backend.generate([[1, 2]], 1, GREEDY)[0].policy_version == 4
@@ -163,8 +146,8 @@ def test_a_server_reporting_another_version_is_an_error(sglang_double):
 def test_one_failing_server_fails_the_sync_for_all(sglang_double):
     other, stop = serve_double()
     try:
-        _accept_tensors(sglang_double)
-        _accept_tensors(other, fail=True)
+        sglang_double.accept_weight_updates()
+        other.accept_weight_updates(fail=True)
         model = build_tiny_qwen3(99)
         with _backend([sglang_double.url, other.url], weight_sync="tensor") as backend:
             with pytest.raises(
@@ -175,7 +158,7 @@ def test_one_failing_server_fails_the_sync_for_all(sglang_double):
             assert sglang_double.weight_version == "1" and other.weight_version == "default"
             with pytest.raises(WeightSyncError, match="failed part-way"):  # never a mixed batch
                 backend.generate([[1, 2]] * 2, 1, GREEDY)
-            _accept_tensors(other)
+            other.accept_weight_updates()
             backend.sync_weights(named_policy_tensors(model), version=1)
             out = backend.generate([[1, 2]] * 2, 1, GREEDY)
         assert {c.meta["server_weight_version"] for c in out} == {

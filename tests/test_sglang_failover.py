@@ -153,24 +153,9 @@ def test_a_lone_stalled_server_is_named_while_the_client_waits(caplog):
     )
 
 
-def _accept_tensors(double) -> None:
-    def update(body):
-        if "weight_version" in body:
-            double.weight_version = body["weight_version"]
-        return 200, {"success": True, "message": "Success"}
-
-    double.handlers.update(
-        {
-            "/begin_weight_update": lambda body: (404, {"detail": "Not Found"}),
-            "/end_weight_update": lambda body: (404, {"detail": "Not Found"}),
-            "/update_weights_from_tensor": update,
-        }
-    )
-
-
 def test_a_stalled_server_fails_the_sync_and_the_version_stays(two_doubles):
     a, b = two_doubles
-    _accept_tensors(a), _accept_tensors(b)
+    a.accept_weight_updates(), b.accept_weight_updates()
     model = build_tiny_qwen3(99)
     with _backend([a.url, b.url], weight_sync="tensor", sync_timeout_s=1.0) as backend:
         b.sigstop()

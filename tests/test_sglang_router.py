@@ -208,25 +208,6 @@ def test_a_router_url_given_as_a_server_is_named_when_a_sync_gets_404(sglang_dou
 # ---------------------------------------------------------------------------------------------
 
 
-def _accept_updates(double, *, fail: bool = False) -> None:
-    """SGLang 0.5.23's answers to a tensor sync (no session needed: 404, as older servers)."""
-
-    def update(body):
-        if fail:
-            return 400, {"success": False, "message": "Failed to update weights: disk full"}
-        if "weight_version" in body:
-            double.weight_version = body["weight_version"]
-        return 200, {"success": True, "message": "Success"}
-
-    double.handlers.update(
-        {
-            "/begin_weight_update": lambda body: (404, {"detail": "Not Found"}),
-            "/end_weight_update": lambda body: (404, {"detail": "Not Found"}),
-            "/update_weights_from_tensor": update,
-        }
-    )
-
-
 @pytest.fixture
 def two_workers(tmp_path, sglang_api_key):
     """Two doubles that serve a local directory (the router loads its tokenizer from a worker's
@@ -238,7 +219,7 @@ def two_workers(tmp_path, sglang_api_key):
         (tmp_path / name).mkdir()
         double, stop = serve_double()
         double.model_path, double.api_key = str(tmp_path / name), sglang_api_key
-        _accept_updates(double)
+        double.accept_weight_updates()
         doubles.append((double, stop))
     yield [d for d, _ in doubles]
     for _, stop in doubles:
@@ -307,7 +288,7 @@ def test_requests_go_through_the_router_and_syncs_reach_each_worker(two_workers,
 @pytest.mark.sglang
 def test_a_worker_that_fails_its_sync_fails_the_sync_with_the_version_unchanged(two_workers):
     a, b = two_workers
-    _accept_updates(b, fail=True)
+    b.accept_weight_updates(fail=True)
     model = build_tiny_qwen3(99, seed=0)
     with launch_sglang_router([a.url, b.url], timeout_s=60) as router:
         with SGLangBackend(
