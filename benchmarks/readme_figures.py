@@ -40,6 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import read_history
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 SCRIPT = ROOT / "examples" / "dapo_ppo.py"
@@ -102,7 +104,7 @@ def run_recipe(run_dir: Path, cache: Path, *overrides: str) -> dict:
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    history = read_history(run_dir)
     return {
         "overrides": list(overrides),
         "wall_s": wall,
