@@ -5,7 +5,7 @@ time step (see ``docs/design.md`` section 1). Sub-packages:
 
 - :mod:`ar_torchrl.functional`: pure tensor math (GAE, GRPO, masked reductions, PPO terms).
 - :mod:`ar_torchrl.modules`: value head and :class:`~ar_torchrl.modules.LMActorCritic`.
-- :mod:`ar_torchrl.objectives`: ``TokenGAE``, ``GRPOAdvantage``, ``TokenPPOLoss``, anchors.
+- :mod:`ar_torchrl.objectives`: ``TokenGAE``, ``GRPOAdvantage``, ``TokenPPOLoss``.
 - :mod:`ar_torchrl.data`: micro-batch planning, datasets, collation.
 - :mod:`ar_torchrl.backends`, :mod:`ar_torchrl.envs`, :mod:`ar_torchrl.collectors`,
   :mod:`ar_torchrl.weight_sync`, :mod:`ar_torchrl.rewards`: rollouts.

@@ -1,10 +1,13 @@
-"""Old import paths of modules that moved (kept for one release, 0.1.x; removed in 0.2).
+"""Old import paths and names that moved (kept for one release, 0.1.x; removed in 0.2).
 
-``import ar_torchrl.checkpoint`` (and every other path in :data:`MOVED`) still works: a meta-path
-finder, installed by ``ar_torchrl/__init__.py``, imports the module's new home, emits a
-``DeprecationWarning`` naming it, and registers the same module object under the old name, so
-``from ar_torchrl.checkpoint import save_checkpoint`` gives the very function of
-``ar_torchrl.recipes.checkpoint``. This is the only place that knows the old layout.
+- Modules: ``import ar_torchrl.recipes.checkpoint`` (and every other path in :data:`MOVED`) still
+  works: a meta-path finder, installed by ``ar_torchrl/__init__.py``, imports the module's new home,
+  emits a ``DeprecationWarning`` naming it, and registers the same module object under the old name.
+- Names: ``from ar_torchrl.data import plan_micro_batches`` (and every name in :data:`RENAMED`)
+  still works: the package's lazy ``__getattr__`` (:mod:`ar_torchrl._lazy`) asks :func:`renamed`,
+  which warns with the new name and returns the very object found there.
+
+This is the only place that knows the old layout.
 """
 
 from __future__ import annotations
@@ -15,14 +18,13 @@ import importlib.machinery
 import sys
 import warnings
 
-__all__ = ["MOVED", "install"]
+__all__ = ["MOVED", "RENAMED", "install", "renamed"]
 
 #: old module path -> new module path (the 0.1 reorganisation, issue 15).
 MOVED: dict[str, str] = {
     "ar_torchrl.assets": "ar_torchrl.models.tiny",
     "ar_torchrl.warmstart": "ar_torchrl.models.warmstart",
     "ar_torchrl.checks": "ar_torchrl.utils.checks",
-    "ar_torchrl.checkpoint": "ar_torchrl.recipes.checkpoint",
     "ar_torchrl.reaper": "ar_torchrl.backends.sglang.reaper",
     "ar_torchrl.weight_sync.sglang_base": "ar_torchrl.backends.sglang.senders.base",
     "ar_torchrl.weight_sync.disk": "ar_torchrl.backends.sglang.senders.disk",
@@ -31,7 +33,62 @@ MOVED: dict[str, str] = {
     "ar_torchrl.weight_sync.trainside": "ar_torchrl.backends.transformers.sender",
     "ar_torchrl.backends.kv_cache": "ar_torchrl.backends.transformers.kv_cache",
     "ar_torchrl.backends.token_sampling": "ar_torchrl.backends.transformers.token_sampling",
+    # the house layout (issue 28): training/, checkpoint/, the converter's collation in interop/
+    "ar_torchrl.data.micro_batch": "ar_torchrl.training.micro_batch",
+    "ar_torchrl.objectives.anchors": "ar_torchrl.training.old_log_probs",
+    "ar_torchrl.data.collate": "ar_torchrl.interop.collate",
+    "ar_torchrl.recipes.checkpoint": "ar_torchrl.checkpoint.local",
+    "ar_torchrl.distributed.checkpoint": "ar_torchrl.checkpoint.sharded",
 }
+
+#: old public name (``package.name``) -> its new home (``module.name``), same object.
+RENAMED: dict[str, str] = {
+    **{
+        f"ar_torchrl.data.{name}": f"ar_torchrl.training.{name}"
+        for name in ("MicroBatch", "MicroBatchPlan", "Plan", "plan_micro_batches")
+    },
+    "ar_torchrl.data.completions_to_trajectory": "ar_torchrl.interop.completions_to_trajectory",
+    "ar_torchrl.objectives.recompute_anchors": (
+        "ar_torchrl.training.recompute_old_log_probs_and_values"
+    ),
+    "ar_torchrl.distributed.recompute_sharded_anchors": (
+        "ar_torchrl.distributed.recompute_sharded_old_log_probs_and_values"
+    ),
+    **{
+        f"ar_torchrl.distributed.{name}": f"ar_torchrl.checkpoint.{name}"
+        for name in (
+            "latest_distributed_checkpoint",
+            "load_distributed_checkpoint",
+            "load_distributed_critic",
+            "save_distributed_checkpoint",
+            "verify_checkpoint",
+        )
+    },
+}
+
+
+def renamed(package: str, name: str) -> object:
+    """The object an old public name ``package.name`` now is, with a ``DeprecationWarning`` naming
+    its new home; ``AttributeError`` when ``name`` was never a public name of ``package``.
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     fn = renamed("ar_torchrl.objectives", "recompute_anchors")
+        >>> fn.__name__, str(caught[0].message).split(";")[0]
+        ('recompute_old_log_probs_and_values', 'ar_torchrl.objectives.recompute_anchors is now ar_torchrl.training.recompute_old_log_probs_and_values')
+    """
+    new = RENAMED.get(f"{package}.{name}")
+    if new is None:
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+    module, _, attr = new.rpartition(".")
+    warnings.warn(
+        f"{package}.{name} is now {new}; the old name is removed in ar_torchrl 0.2",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return getattr(importlib.import_module(module), attr)
 
 
 class _Alias(importlib.abc.Loader):

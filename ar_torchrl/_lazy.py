@@ -12,6 +12,8 @@ import importlib
 import sys
 from collections.abc import Callable, Mapping
 
+from ar_torchrl import _compat
+
 __all__ = ["lazy_exports"]
 
 
@@ -33,8 +35,8 @@ def lazy_exports(
     """
 
     def __getattr__(name: str) -> object:
-        if name not in exports:
-            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        if name not in exports:  # an old name kept for one release, or AttributeError
+            return _compat.renamed(package, name)
         module = exports[name]
         module = module if module.startswith("ar_torchrl.") else f"{package}.{module}"
         value = getattr(importlib.import_module(module), name)

@@ -20,10 +20,8 @@ from typing import Any
 import torch
 
 from ar_torchrl.backends import TransformersBackend
-from ar_torchrl.data import plan_micro_batches
 from ar_torchrl.modules import save_policy
-from ar_torchrl.objectives import recompute_anchors
-from ar_torchrl.training import ppo_update
+from ar_torchrl.training import plan_micro_batches, ppo_update, recompute_old_log_probs_and_values
 from ar_torchrl.weight_sync import named_policy_tensors
 
 BACKENDS = ("trainside", "sglang")
@@ -83,7 +81,7 @@ def ppo_step(
     """
     td = env.collect()
     plan = plan_micro_batches(td, token_budget=4096)
-    recompute_anchors(actor_critic, td, plan)
+    recompute_old_log_probs_and_values(actor_critic, td, plan)
     extra = on_anchors(td) if on_anchors is not None else {}
     td = gae(td)
     out = ppo_update(loss_fn, optimizer, td, plan, epochs=1, num_minibatches=1, grad_clip=1.0)

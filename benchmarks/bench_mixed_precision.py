@@ -30,12 +30,11 @@ from pathlib import Path
 import torch
 from gpu_smoke import QWEN3_0_6B, RecordRatios, build_model, make_batch
 
-from ar_torchrl.data import plan_micro_batches
 from ar_torchrl.distributed import distributed, reshard, shard_actor_critic
 from ar_torchrl.functional import masked_mean
 from ar_torchrl.modules import LMActorCritic
-from ar_torchrl.objectives import TokenGAE, TokenPPOLoss, recompute_anchors
-from ar_torchrl.training import ppo_update
+from ar_torchrl.objectives import TokenGAE, TokenPPOLoss
+from ar_torchrl.training import plan_micro_batches, ppo_update, recompute_old_log_probs_and_values
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_mixed_precision.json"
 SMALL = dict(
@@ -83,7 +82,7 @@ def run_mode(mode: str, args, ctx, batch) -> tuple[dict, torch.Tensor]:
         torch.cuda.reset_peak_memory_stats(ctx.device)
     t0 = time.perf_counter()
     with amp:
-        recompute_anchors(ac, td, plan)
+        recompute_old_log_probs_and_values(ac, td, plan)
     reshard(ac)
     before = [_local(p).detach().clone() for p in policy]
     td = TokenGAE(gamma=1.0, lmbda=0.95, normalize_advantage=True)(td)

@@ -7,7 +7,7 @@ planned two ways with :func:`~ar_torchrl.data.plan_micro_batches` (``packing=Fal
 * ``padding %``: padding (packed: bin slack) as a fraction of the tokens the forwards compute
   (a variable-length attention kernel, ``--attn flash_attention_2`` or ``flex_attention``,
   computes the real tokens only: 0 %);
-* ``anchor tok/s``: real tokens per second of :func:`~ar_torchrl.objectives.recompute_anchors`
+* ``anchor tok/s``: real tokens per second of :func:`~ar_torchrl.objectives.recompute_old_log_probs_and_values`
   (no grad) over the plan;
 * ``train tok/s``: real tokens per second of the training forward + backward over the plan (the
   ``LMActorCritic`` forward on each crop, ``(log_prob + state_value).sum().backward()``).
@@ -53,10 +53,9 @@ from _common import machine_info, write_json
 from tensordict import TensorDict
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from ar_torchrl.data import plan_micro_batches
-from ar_torchrl.data.micro_batch import AUTO_PACKING_MIN_PADDING, MicroBatchPlan
 from ar_torchrl.modules import LMActorCritic, attach_value_head, is_varlen
-from ar_torchrl.objectives import recompute_anchors
+from ar_torchrl.training import plan_micro_batches, recompute_old_log_probs_and_values
+from ar_torchrl.training.micro_batch import AUTO_PACKING_MIN_PADDING, MicroBatchPlan
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODELS = {
@@ -164,7 +163,7 @@ def build_actor_critic(args: argparse.Namespace) -> LMActorCritic:
 
 # ----------------------------------------------------------------------------- passes
 def anchor_pass(ac: LMActorCritic, td: TensorDict, plan: MicroBatchPlan) -> None:
-    recompute_anchors(ac, td, plan)
+    recompute_old_log_probs_and_values(ac, td, plan)
 
 
 def train_pass(ac: LMActorCritic, td: TensorDict, plan: MicroBatchPlan) -> None:
@@ -176,8 +175,8 @@ def train_pass(ac: LMActorCritic, td: TensorDict, plan: MicroBatchPlan) -> None:
 
 def check_equal(ac: LMActorCritic, td: TensorDict, padded, packed, atol: float | None) -> dict:
     """Max |packed - padded| of log_prob and state_value over tokens that have them."""
-    a = recompute_anchors(ac, td.clone(), padded)
-    b = recompute_anchors(ac, td.clone(), packed)
+    a = recompute_old_log_probs_and_values(ac, td.clone(), padded)
+    b = recompute_old_log_probs_and_values(ac, td.clone(), packed)
     mask = td["attention_mask"]
     has = mask & (mask.long().cumsum(-1) > 1)
     diffs = {

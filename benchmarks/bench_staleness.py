@@ -55,13 +55,13 @@ from _common import code_version, machine_info, write_json
 
 from ar_torchrl.backends import SamplingParams, TransformersBackend
 from ar_torchrl.collectors import WeightSyncCollector
-from ar_torchrl.data import arithmetic_dataset, plan_micro_batches
+from ar_torchrl.data import arithmetic_dataset
 from ar_torchrl.envs import LLMEnv
 from ar_torchrl.models import build_char_tokenizer, build_tiny_qwen3
 from ar_torchrl.models.tiny import save_tiny_model
 from ar_torchrl.modules import LMActorCritic, attach_value_head
-from ar_torchrl.objectives import TokenGAE, TokenPPOLoss, recompute_anchors
-from ar_torchrl.training import ppo_update
+from ar_torchrl.objectives import TokenGAE, TokenPPOLoss
+from ar_torchrl.training import plan_micro_batches, ppo_update, recompute_old_log_probs_and_values
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -116,7 +116,7 @@ class Trainer:
 
     def update(self, batch, collector) -> None:
         plan = plan_micro_batches(batch, token_budget=4096)
-        recompute_anchors(self.actor_critic, batch, plan)
+        recompute_old_log_probs_and_values(self.actor_critic, batch, plan)
         batch = self.gae(batch)
         for _ in range(self.args.update_repeats):
             ppo_update(

@@ -10,7 +10,7 @@ update, sync; the rest of the iteration is logging/other) and, inside them, into
 * ``generate``: model forwards of the rollout engine (forward hooks on the trainside backend's
   model; with SGLang the whole ``/generate`` round trip, the server's compute), the reward
   (``RewardScorer``: the reward over every sample), and the rest (our decode loop, tokenisation, TensorDict assembly);
-* ``anchors`` / ``update``: ``LMActorCritic.forward`` (decoder + log-probs + value head), backward
+* ``old_log_probs`` / ``update``: ``LMActorCritic.forward`` (decoder + log-probs + value head), backward
   (``torch.autograd.backward``), grad clipping (``clip_grad_norm_``), ``optimizer.step``, and the
   rest (plan, cropping, loss glue).
 
@@ -64,10 +64,10 @@ SCENARIOS = {
     "smollm2_trainside": SMOLLM2,
     "smollm2_sglang": (*SMOLLM2, "backend=sglang"),
 }
-STAGES = ("generate", "anchors", "advantage", "update", "sync")
+STAGES = ("generate", "old_log_probs", "advantage", "update", "sync")
 COMPUTE = (
     "generate/model_forward",
-    "anchors/forward",
+    "old_log_probs/forward",
     "update/forward",
     "update/backward",
     "update/grad_clip",
@@ -242,7 +242,7 @@ def summarize(iterations: list[dict]) -> dict:
     rows = {
         "generation": get("generate") - get("generate/reward"),
         "reward": get("generate/reward"),
-        "anchors (old log-probs, values)": get("anchors"),
+        "old log-probs, values": get("old_log_probs"),
         "advantage": get("advantage"),
         "train fwd/bwd": get("update") - get("update/optimizer") - get("update/grad_clip"),
         "optimizer (+ grad clip)": get("update/optimizer") + get("update/grad_clip"),

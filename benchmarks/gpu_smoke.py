@@ -25,17 +25,16 @@ import torch
 from tensordict import TensorDict
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from ar_torchrl.data import plan_micro_batches
 from ar_torchrl.distributed import (
     broadcast_batch,
     distributed,
-    recompute_sharded_anchors,
+    recompute_sharded_old_log_probs_and_values,
     shard_actor_critic,
     shard_plan,
 )
 from ar_torchrl.modules import LMActorCritic, attach_value_head
 from ar_torchrl.objectives import TokenGAE, TokenPPOLoss
-from ar_torchrl.training import ppo_update
+from ar_torchrl.training import plan_micro_batches, ppo_update
 
 RESULTS = Path(__file__).resolve().parent / "results" / "gpu_smoke.json"
 QWEN3_0_6B = dict(
@@ -141,7 +140,7 @@ def run(args) -> dict:
             torch.cuda.reset_peak_memory_stats(ctx.device)
         _sync(ctx.device)
         t0 = time.perf_counter()
-        recompute_sharded_anchors(ac, td, sharded)
+        recompute_sharded_old_log_probs_and_values(ac, td, sharded)
         _sync(ctx.device)
         t_anchor = time.perf_counter() - t0
         td = TokenGAE(gamma=1.0, lmbda=0.95, normalize_advantage=True)(td)

@@ -22,7 +22,7 @@ import numpy as np
 from _common import read_history
 
 RESULTS = Path(__file__).resolve().parent / "results" / "smollm2_curves.json"
-STAGES = ("time/generate", "time/anchors", "time/update", "time/sync")
+STAGES = ("time/generate", "time/old_log_probs", "time/update", "time/sync")
 COLORS = {"ppo": "tab:blue", "grpo": "tab:orange"}
 
 

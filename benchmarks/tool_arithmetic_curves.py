@@ -27,7 +27,7 @@ import numpy as np
 from smollm2_curves import COLORS, load_run, seed_mean
 
 RESULTS = Path(__file__).resolve().parent / "results" / "tool_arithmetic_curves.json"
-STAGES = ("time/generate", "time/anchors", "time/advantage", "time/update", "time/sync")
+STAGES = ("time/generate", "time/old_log_probs", "time/advantage", "time/update", "time/sync")
 SAMPLED = ("rollout/reward_mean", "rollout/accuracy", "rollout/tool_call_rate", "rollout/turns")
 
 

@@ -23,12 +23,12 @@ import torch
 from torchrl.data import LazyTensorStorage, ReplayBuffer, SamplerWithoutReplacement
 
 from ar_torchrl.backends import SamplingParams, TransformersBackend
-from ar_torchrl.data import plan_micro_batches
 from ar_torchrl.data.datasets import arithmetic_dataset
 from ar_torchrl.envs import LLMEnv
 from ar_torchrl.models.config import warm_started_tiny_model
 from ar_torchrl.modules import LMActorCritic, attach_value_head
-from ar_torchrl.objectives import TokenGAE, TokenPPOLoss, recompute_anchors
+from ar_torchrl.objectives import TokenGAE, TokenPPOLoss
+from ar_torchrl.training import plan_micro_batches, recompute_old_log_probs_and_values
 from ar_torchrl.weight_sync import named_policy_tensors
 
 
@@ -76,7 +76,9 @@ def main(iterations: int, epochs: int = 2, minibatch_rows: int = 32, seed: int =
     for i in range(iterations):
         data = env.collect()  # [B, L]: each token position is a time step
         plan = plan_micro_batches(data, token_budget=4096)
-        recompute_anchors(actor_critic, data, plan)  # "old" log-probs and values, no grad
+        recompute_old_log_probs_and_values(
+            actor_critic, data, plan
+        )  # "old" log-probs and values, no grad
         advantage_module(data)  # writes "advantage" and "value_target"
 
         # As in TorchRL's PPO example: a buffer of this batch, sampled without replacement.

@@ -11,7 +11,7 @@ a value head with token-level GAE and clipped PPO. The lines this library adds a
     postproc=TokenTrajectory.from_policy(policy)                # TorchRL batch -> [B, L] trajectory
     actor_critic = LMActorCritic(model)                         # one forward: log-probs + values
     gae, loss_module = TokenGAE(...), TokenPPOLoss(actor_critic, ...)
-    recompute_anchors(actor_critic, data, plan); gae(data); ppo_update(loss_module, optim, data, plan)
+    recompute_old_log_probs_and_values(actor_critic, data, plan); gae(data); ppo_update(loss_module, optim, data, plan)
 
 Run:  python examples/torchrl_llm_critic.py --iterations 30
 
@@ -36,14 +36,14 @@ from torchrl.envs import StepCounter, Transform
 from torchrl.envs.llm import DatasetChatEnv
 from torchrl.modules.llm import TransformersWrapper
 
-from ar_torchrl.data import arithmetic_dataset, plan_micro_batches
+from ar_torchrl.data import arithmetic_dataset
 from ar_torchrl.interop import TokenTrajectory
 from ar_torchrl.models import build_char_tokenizer, build_tiny_qwen3
 from ar_torchrl.models.config import warm_started_tiny_model
 from ar_torchrl.modules import LMActorCritic, attach_value_head
-from ar_torchrl.objectives import TokenGAE, TokenPPOLoss, recompute_anchors
+from ar_torchrl.objectives import TokenGAE, TokenPPOLoss
 from ar_torchrl.rewards import dapo_math_reward
-from ar_torchrl.training import ppo_update
+from ar_torchrl.training import plan_micro_batches, ppo_update, recompute_old_log_probs_and_values
 
 
 class DapoMathReward(Transform):
@@ -181,7 +181,9 @@ def main(
     history = []
     for i, data in enumerate(collector):  # data: [B, L], each token a time step
         plan = plan_micro_batches(data, token_budget=512)
-        recompute_anchors(actor_critic, data, plan)  # [ar_torchrl] "old" log-probs and values
+        recompute_old_log_probs_and_values(
+            actor_critic, data, plan
+        )  # [ar_torchrl] "old" log-probs and values
         gae(data)  # writes "advantage" and "value_target"
         with first_minibatch(loss_module, optim) as first:
             metrics = ppo_update(  # [ar_torchrl] epochs x mini-batches x the plan's micro-batches

@@ -21,27 +21,28 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 from trajectories import VOCAB, make_trajectory
 
-from ar_torchrl.data import plan_micro_batches
+from ar_torchrl.checkpoint import (
+    latest_distributed_checkpoint,
+    load_distributed_checkpoint,
+    load_distributed_critic,
+    save_distributed_checkpoint,
+)
 from ar_torchrl.distributed import (
     broadcast_batch,
     build_meta_model,
     close_distributed,
     init_distributed,
-    latest_distributed_checkpoint,
-    load_distributed_checkpoint,
-    load_distributed_critic,
     load_pretrained_weights,
     push_weights,
-    recompute_sharded_anchors,
+    recompute_sharded_old_log_probs_and_values,
     reshard,
-    save_distributed_checkpoint,
     shard_actor_critic,
     shard_plan,
 )
 from ar_torchrl.models.tiny import build_tiny_qwen3
 from ar_torchrl.modules import LMActorCritic, LMCritic, attach_value_head, save_policy
-from ar_torchrl.objectives import TokenGAE, TokenPPOLoss, recompute_anchors
-from ar_torchrl.training import ppo_update
+from ar_torchrl.objectives import TokenGAE, TokenPPOLoss
+from ar_torchrl.training import plan_micro_batches, ppo_update, recompute_old_log_probs_and_values
 
 PROMPTS = [3, 1, 4, 2, 5, 1, 3, 2, 4]
 RESPONSES = [5, 2, 7, 1, 3, 6, 4, 8, 2]
@@ -92,9 +93,9 @@ def separate_optimizer(actor, critic, lr: float = 0.05, kind=torch.optim.SGD):
 def prepare(ac, td, plan, sharded=None):
     """Anchors (per rank when ``sharded``) and whitened GAE advantages over the whole batch."""
     if sharded is None:
-        recompute_anchors(ac, td, plan)
+        recompute_old_log_probs_and_values(ac, td, plan)
     else:
-        recompute_sharded_anchors(ac, td, sharded)
+        recompute_sharded_old_log_probs_and_values(ac, td, sharded)
     return TokenGAE(gamma=1.0, lmbda=0.95, normalize_advantage=True)(td)
 
 
@@ -352,7 +353,7 @@ def resume_checks(ctx, out: Path) -> None:
         damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
     ctx.barrier()
     handler = _Collect()
-    logging.getLogger("ar_torchrl.distributed.checkpoint").addHandler(handler)
+    logging.getLogger("ar_torchrl.checkpoint.sharded").addHandler(handler)
     path = latest_distributed_checkpoint(ckpt, ctx)
     torch.manual_seed(999)  # a fresh process: other weights, other RNG states
     ac2 = shard_actor_critic(actor_critic(seed=6), ctx, compute_dtype="bfloat16")
@@ -390,7 +391,7 @@ def _separate_steps(actor, critic, opt, ctx, steps, gen, ckpt=None, save_at=()):
         td = broadcast_batch(td, ctx)
         sharded = shard_plan(plan_micro_batches(td, 16), td, rank=ctx.rank, world_size=2)
         loss = ppo_loss(actor, critic=critic)
-        recompute_sharded_anchors(actor, td, sharded, loss=loss)
+        recompute_sharded_old_log_probs_and_values(actor, td, sharded, loss=loss)
         td = TokenGAE(gamma=1.0, lmbda=0.95, normalize_advantage=True)(td)
         metrics.append(ppo_update(loss, opt, td, sharded, epochs=2, grad_clip=1.0, generator=gen))
         if step in save_at:
@@ -418,7 +419,7 @@ def separate_critic_checks(ctx, out: Path) -> None:
     td = broadcast_batch(batch(seed=3) if ctx.is_main else None, ctx)
     sharded = shard_plan(plan_micro_batches(td, BUDGET), td, rank=ctx.rank, world_size=2)
     loss = ppo_loss(actor, critic=critic)
-    recompute_sharded_anchors(actor, td, sharded, loss=loss)
+    recompute_sharded_old_log_probs_and_values(actor, td, sharded, loss=loss)
     td = TokenGAE(gamma=1.0, lmbda=0.95, normalize_advantage=True)(td)
     metrics = ppo_update(
         loss, opt, td, sharded, epochs=2, grad_clip=0.05, generator=torch.Generator().manual_seed(0)

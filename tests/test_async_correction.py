@@ -13,17 +13,17 @@ from recipe_helpers import typed
 from test_objectives import _batch, _perturb
 from trajectories import tiny_actor_critic
 
-from ar_torchrl.data import plan_micro_batches
 from ar_torchrl.functional import masked_mean
-from ar_torchrl.objectives import TokenGAE, TokenPPOLoss, recompute_anchors
+from ar_torchrl.objectives import TokenGAE, TokenPPOLoss
 from ar_torchrl.recipes.dapo_ppo import build
+from ar_torchrl.training import plan_micro_batches, recompute_old_log_probs_and_values
 
 
 def test_the_weights_are_logged_and_multiply_the_policy_loss_only():
     ac = tiny_actor_critic(seed=1)
     td = _batch(seed=3)
     plan = plan_micro_batches(td, token_budget=1000)
-    recompute_anchors(ac, td, plan)
+    recompute_old_log_probs_and_values(ac, td, plan)
     TokenGAE(gamma=1.0, lmbda=0.9)(td)
     g = torch.Generator().manual_seed(0)
     # the behaviour policy: the anchors moved by up to +-1 nat (some weights above the cap)

@@ -51,7 +51,7 @@ def test_curve_summary_and_plot(tmp_path):
             "rollout/reward_mean": i / 10,
             "rollout/accuracy": i / 20,
             "time/generate": 2.0,
-            "time/anchors": 1.0,
+            "time/old_log_probs": 1.0,
             "time/update": 3.0,
             "time/sync": 0.0,
         }

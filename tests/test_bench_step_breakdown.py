@@ -39,7 +39,7 @@ def test_bench_step_breakdown_runs_the_recipe_on_tiny_sizes(tmp_path):
     parts = result["parts"]
     for key in (
         "generate/model_forward",
-        "anchors/forward",
+        "old_log_probs/forward",
         "update/forward",
         "update/backward",
         "update/grad_clip",
@@ -57,8 +57,8 @@ def test_summarize_splits_stages_and_computes_the_outside_fraction():
         "time/generate": 4.0,
         "time/generate/model_forward": 3.0,
         "time/generate/reward": 0.5,
-        "time/anchors": 1.0,
-        "time/anchors/forward": 0.8,
+        "time/old_log_probs": 1.0,
+        "time/old_log_probs/forward": 0.8,
         "time/advantage": 0.1,
         "time/update": 3.0,
         "time/update/forward": 1.0,

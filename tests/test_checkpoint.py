@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from ar_torchrl.models.tiny import build_tiny_qwen3
-from ar_torchrl.modules import attach_value_head
-from ar_torchrl.recipes.checkpoint import (
+from ar_torchrl.checkpoint.local import (
     checkpoint_step,
     latest_checkpoint,
     load_checkpoint,
     remove_partial_checkpoints,
     save_checkpoint,
 )
+from ar_torchrl.models.tiny import build_tiny_qwen3
+from ar_torchrl.modules import attach_value_head
 
 torch.set_num_threads(1)
 
@@ -186,6 +186,6 @@ def test_keep_last_must_keep_one(tmp_path):
 
 
 def test_module_imports_no_torch():
-    code = "import sys, ar_torchrl.recipes.checkpoint; print('torch' in sys.modules)"
+    code = "import sys, ar_torchrl.checkpoint.local; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -2,8 +2,8 @@
 overwritten) is skipped for the previous intact one with a warning naming the damaged file; naming
 a damaged one explicitly is an error naming it; checkpoints saved before checksums still load.
 
-Single-process ``.pt`` checkpoints (ar_torchrl.recipes.checkpoint), distributed ones on a one-rank
-gloo group with FSDP2 (ar_torchrl.distributed.checkpoint), the recipe's choice of the checkpoint to
+Single-process ``.pt`` checkpoints (ar_torchrl.checkpoint.local), distributed ones on a one-rank
+gloo group with FSDP2 (ar_torchrl.checkpoint.sharded), the recipe's choice of the checkpoint to
 resume (``train.resume_from``), and the recipe end to end (slow).
 """
 
@@ -20,17 +20,17 @@ import torch
 from recipe_helpers import load
 from test_recipe import COMMON, run_recipe, same_runs
 
-from ar_torchrl.distributed import checkpoint as dck
-from ar_torchrl.distributed import distributed, shard_actor_critic
-from ar_torchrl.models.tiny import build_tiny_qwen3
-from ar_torchrl.modules import LMActorCritic, attach_value_head
-from ar_torchrl.recipes import dapo_ppo
-from ar_torchrl.recipes.checkpoint import (
+from ar_torchrl.checkpoint.local import (
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
     verify_checkpoint_file,
 )
+from ar_torchrl.distributed import checkpoint as dck
+from ar_torchrl.distributed import distributed, shard_actor_critic
+from ar_torchrl.models.tiny import build_tiny_qwen3
+from ar_torchrl.modules import LMActorCritic, attach_value_head
+from ar_torchrl.recipes import dapo_ppo
 from ar_torchrl.recipes.strategy import FSDP2Strategy, LocalStrategy
 
 torch.set_num_threads(1)

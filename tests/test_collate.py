@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ar_torchrl.backends import Completion
-from ar_torchrl.data import completions_to_trajectory
+from ar_torchrl.interop import completions_to_trajectory
 
 PAD = 0
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 from trajectories import make_trajectory, tiny_actor_critic
 
-from ar_torchrl.data.micro_batch import plan_micro_batches
-from ar_torchrl.objectives import TokenGAE, TokenPPOLoss, recompute_anchors
+from ar_torchrl.objectives import TokenGAE, TokenPPOLoss
+from ar_torchrl.training import recompute_old_log_probs_and_values
+from ar_torchrl.training.micro_batch import plan_micro_batches
 
 POLICY_ROWS = 3  # rows 0-2 train the policy, rows 3-5 only the critic
 
@@ -18,7 +19,7 @@ POLICY_ROWS = 3  # rows 0-2 train the policy, rows 3-5 only the critic
 def batch(seed: int = 0):
     ac = tiny_actor_critic(seed)
     td = make_trajectory([3, 4, 2, 3, 2, 4], [5, 3, 6, 4, 6, 2], seed=seed)
-    recompute_anchors(ac, td, plan_micro_batches(td, token_budget=1000))
+    recompute_old_log_probs_and_values(ac, td, plan_micro_batches(td, token_budget=1000))
     with torch.no_grad():  # ratios != 1: perturb the policy after the anchors
         for p in ac.model.parameters():
             p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))

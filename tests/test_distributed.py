@@ -24,10 +24,9 @@ from dist_workers import (
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from ar_torchrl.data import plan_micro_batches
 from ar_torchrl.modules import attach_value_head
-from ar_torchrl.objectives import TokenGAE, recompute_anchors
-from ar_torchrl.training import ppo_update
+from ar_torchrl.objectives import TokenGAE
+from ar_torchrl.training import plan_micro_batches, ppo_update, recompute_old_log_probs_and_values
 
 torch.set_num_threads(1)
 
@@ -163,7 +162,7 @@ def test_two_ranks_with_a_separate_critic_train_like_one_process(two_ranks):
     td = batch(seed=3)
     plan = plan_micro_batches(td, BUDGET)
     loss = ppo_loss(actor, critic=critic)
-    recompute_anchors(actor, td, plan, loss=loss)
+    recompute_old_log_probs_and_values(actor, td, plan, loss=loss)
     td = TokenGAE(gamma=1.0, lmbda=0.95, normalize_advantage=True)(td)
     want = ppo_update(
         loss,

@@ -1,4 +1,4 @@
-"""ar_torchrl.distributed.checkpoint in one process: atomicity, damage detection, no code execution.
+"""ar_torchrl.checkpoint.sharded in one process: atomicity, damage detection, no code execution.
 
 DCP runs without a process group here; the 2-rank resume is in tests/test_distributed.py.
 """
@@ -18,9 +18,9 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
-import ar_torchrl.distributed.checkpoint as ckpt
+import ar_torchrl.checkpoint.sharded as ckpt
+from ar_torchrl.checkpoint._safe_io import TensorsOnlyPlanner
 from ar_torchrl.distributed import DistContext
-from ar_torchrl.distributed._safe_io import TensorsOnlyPlanner
 from ar_torchrl.models.tiny import build_tiny_qwen3
 from ar_torchrl.modules import attach_value_head
 
@@ -148,7 +148,7 @@ def test_bad_extra_and_other_model_fail_clearly(tmp_path):
 def test_extra_tensors_are_stored_as_raw_bytes():
     """A checkpoint's ``extra`` holds an async run's pending rollout batch: decimal lists made it
     ~10x its size (a 512 x 8k-token batch near 1 GB of JSON); raw bytes in base64 are 4/3."""
-    from ar_torchrl.distributed._safe_io import decode, encode
+    from ar_torchrl.checkpoint._safe_io import decode, encode
 
     tensors = [
         torch.randn(3, 4),

@@ -12,7 +12,6 @@ from dist_workers import Recorder, actor_critic, batch, ppo_loss, prepare
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ar_torchrl.data import plan_micro_batches
 from ar_torchrl.distributed import (
     DistContext,
     broadcast_batch,
@@ -28,7 +27,7 @@ from ar_torchrl.distributed import (
     shard_plan,
 )
 from ar_torchrl.models.tiny import build_tiny_qwen3, save_tiny_model
-from ar_torchrl.training import ppo_update
+from ar_torchrl.training import plan_micro_batches, ppo_update
 
 torch.set_num_threads(1)
 

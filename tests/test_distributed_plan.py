@@ -9,9 +9,8 @@ import torch
 from dist_workers import actor_critic, batch, ppo_loss, prepare
 from trajectories import make_trajectory
 
-from ar_torchrl.data import MicroBatch, plan_micro_batches
 from ar_torchrl.distributed import ShardedPlan, shard_plan
-from ar_torchrl.training import ppo_update
+from ar_torchrl.training import MicroBatch, plan_micro_batches, ppo_update
 
 torch.set_num_threads(1)
 

@@ -34,10 +34,11 @@ from torchrl.envs.llm import DatasetChatEnv
 from torchrl.modules.llm import TransformersWrapper
 from trajectories import PAD, VOCAB, first_update_has_ratio_one, make_trajectory, tiny_actor_critic
 
-from ar_torchrl.data import pad_trajectories, plan_micro_batches
+from ar_torchrl.data import pad_trajectories
 from ar_torchrl.interop import TokenTrajectory, policy_state_dict, prompt_group_id
 from ar_torchrl.models import build_char_tokenizer, build_tiny_qwen3
 from ar_torchrl.modules import attach_value_head
+from ar_torchrl.training import plan_micro_batches
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "torchrl_llm_critic.py"

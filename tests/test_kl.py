@@ -121,14 +121,14 @@ def test_token_ppo_loss_uses_the_estimator_on_trained_tokens(estimator):
     from test_objectives import _batch, _perturb
     from trajectories import tiny_actor_critic
 
-    from ar_torchrl.data import plan_micro_batches
     from ar_torchrl.functional import masked_mean
-    from ar_torchrl.objectives import TokenGAE, TokenPPOLoss, recompute_anchors
+    from ar_torchrl.objectives import TokenGAE, TokenPPOLoss
+    from ar_torchrl.training import plan_micro_batches, recompute_old_log_probs_and_values
 
     ac = tiny_actor_critic(seed=1)
     td = _batch(seed=3)
     plan = plan_micro_batches(td, token_budget=1000)
-    recompute_anchors(ac, td, plan)
+    recompute_old_log_probs_and_values(ac, td, plan)
     td["ref_log_prob"] = td["sample_log_prob"] - 0.1 * torch.rand(td["sample_log_prob"].shape)
     td = TokenGAE(gamma=1.0, lmbda=0.9)(td)
     _perturb(ac.model, scale=0.02, seed=4)  # the policy moved: log_prob != sample_log_prob

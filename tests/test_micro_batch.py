@@ -7,7 +7,7 @@ import torch
 from tensordict import TensorDict
 from trajectories import make_trajectory
 
-from ar_torchrl.data import plan_micro_batches
+from ar_torchrl.training import plan_micro_batches
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -1,4 +1,4 @@
-"""TokenGAE, GRPOAdvantage, TokenPPOLoss and recompute_anchors on a tiny Qwen3."""
+"""TokenGAE, GRPOAdvantage, TokenPPOLoss and recompute_old_log_probs_and_values on a tiny Qwen3."""
 
 from __future__ import annotations
 
@@ -15,11 +15,10 @@ from torchrl.data import LazyTensorStorage, ReplayBuffer
 from torchrl.objectives.value import ValueEstimatorBase
 from trajectories import make_trajectory, tiny_actor_critic
 
-from ar_torchrl.data import plan_micro_batches
 from ar_torchrl.functional import AGGREGATION_MODES
 from ar_torchrl.modules import LMActorCritic
-from ar_torchrl.objectives import GRPOAdvantage, TokenGAE, TokenPPOLoss, recompute_anchors
-from ar_torchrl.training import ppo_update
+from ar_torchrl.objectives import GRPOAdvantage, TokenGAE, TokenPPOLoss
+from ar_torchrl.training import plan_micro_batches, ppo_update, recompute_old_log_probs_and_values
 
 torch.set_num_threads(1)
 
@@ -45,7 +44,7 @@ def test_first_update_has_ratio_exactly_one_over_the_plan():
     td = _batch()
     plan = plan_micro_batches(td, token_budget=24)
     assert len(plan) >= 3
-    recompute_anchors(ac, td, plan)
+    recompute_old_log_probs_and_values(ac, td, plan)
     td = TokenGAE(gamma=1.0, lmbda=0.95)(td)
     loss = TokenPPOLoss(ac, clip_epsilon=(0.2, 0.28), clip_value=0.2, entropy_coeff=0.01)
     for mb in plan.split(td):
@@ -68,7 +67,7 @@ def test_anchors_follow_the_micro_batch_geometry():
     assert [(mb.rows, mb.width) for mb in apart.micro_batches] == [((0,), 7), ((1,), 4)]
     loss = TokenPPOLoss(ac, clip_value=0.2)
     for plan in (together, apart):
-        td = recompute_anchors(ac, base.clone(), plan)
+        td = recompute_old_log_probs_and_values(ac, base.clone(), plan)
         for sub in plan.split(td):
             with torch.no_grad():
                 direct = ac(sub.select("tokens", "attention_mask"))
@@ -86,7 +85,7 @@ def test_first_update_from_zero_head_gives_finite_loss_and_nonzero_head_grad():
     ac = tiny_actor_critic(seed=0)
     td = _batch()
     plan = plan_micro_batches(td, token_budget=1000)
-    recompute_anchors(ac, td, plan)
+    recompute_old_log_probs_and_values(ac, td, plan)
     td = TokenGAE(gamma=1.0, lmbda=0.95)(td)
     loss = TokenPPOLoss(ac, clip_value=0.2)
     (mb,) = plan.split(td)
@@ -117,7 +116,7 @@ def test_masked_positions_change_neither_loss_nor_gradients():
     _perturb(ac.model.value_head, scale=0.5)
     td = _batch(seed=3)
     plan = plan_micro_batches(td, token_budget=1000)
-    recompute_anchors(ac, td, plan)
+    recompute_old_log_probs_and_values(ac, td, plan)
     td["ref_log_prob"] = td["sample_log_prob"] - 0.1
     td = TokenGAE(gamma=1.0, lmbda=0.9)(td)
     _perturb(ac.model, scale=0.02, seed=4)  # ratios != 1
@@ -166,7 +165,7 @@ def test_metrics_are_computed_over_loss_mask_only():
     ac = tiny_actor_critic(seed=1)
     td = _batch(seed=3)
     plan = plan_micro_batches(td, token_budget=1000)
-    recompute_anchors(ac, td, plan)
+    recompute_old_log_probs_and_values(ac, td, plan)
     td = TokenGAE()(td)
     # a huge log-prob shift on masked tokens would blow up every unmasked metric
     td["sample_log_prob"] = torch.where(td["loss_mask"], td["sample_log_prob"], -30.0)
@@ -185,7 +184,7 @@ def test_gradient_accumulation_with_global_normalizer_equals_full_batch(mode):
     _perturb(ac.model.value_head, scale=0.5)
     td = _batch(seed=6)
     full_plan = plan_micro_batches(td, token_budget=10_000)
-    recompute_anchors(ac, td, full_plan)
+    recompute_old_log_probs_and_values(ac, td, full_plan)
     td["ref_log_prob"] = td["sample_log_prob"] + 0.05
     td = TokenGAE(gamma=1.0, lmbda=0.95)(td)
     _perturb(ac.model, scale=0.03, seed=7)
@@ -219,7 +218,7 @@ def test_gradient_accumulation_with_global_normalizer_equals_full_batch(mode):
 def _ppo_iteration(ac, adv_module, optimizer, seed):
     td = _batch(seed=seed, group_size=3)
     plan = plan_micro_batches(td, token_budget=30)
-    recompute_anchors(ac, td, plan)
+    recompute_old_log_probs_and_values(ac, td, plan)
     td = adv_module(td)
     loss = TokenPPOLoss(
         ac, clip_value=0.2, critic_coeff=1.0 if isinstance(adv_module, TokenGAE) else None
@@ -293,7 +292,7 @@ def test_token_gae_bootstrap_truncated_and_adaptive_lambda():
     ac = tiny_actor_critic(seed=0)
     _perturb(ac.model.value_head, scale=0.5)
     td = make_trajectory([2, 3], [3, 4], seed=2, terminated=[True, False])
-    recompute_anchors(ac, td, plan_micro_batches(td, token_budget=100))
+    recompute_old_log_probs_and_values(ac, td, plan_micro_batches(td, token_budget=100))
     boot = TokenGAE(gamma=1.0, lmbda=1.0, bootstrap_truncated=True)(td.clone())
     plain = TokenGAE(gamma=1.0, lmbda=1.0)(td.clone())
     mask = td["loss_mask"]
@@ -314,7 +313,9 @@ def test_token_gae_errors():
     with pytest.raises(ValueError, match=r"TokenGAE: lmbda must be >= 0 and <= 1, got 1.5"):
         TokenGAE(lmbda=1.5)
     td = _batch()
-    with pytest.raises(KeyError, match=r"missing key 'state_value' .*recompute_anchors"):
+    with pytest.raises(
+        KeyError, match=r"missing key 'state_value' .*recompute_old_log_probs_and_values"
+    ):
         TokenGAE()(td.clone())
     flat = TensorDict({"x": torch.zeros(3)}, [3])
     with pytest.raises(
@@ -419,7 +420,7 @@ def test_loss_builds_token_gae_when_advantage_is_missing():
     ac = tiny_actor_critic(seed=0)
     td = _batch()
     plan = plan_micro_batches(td, token_budget=1000)
-    recompute_anchors(ac, td, plan)
+    recompute_old_log_probs_and_values(ac, td, plan)
     loss = TokenPPOLoss(ac)
     loss.make_value_estimator(gamma=1.0, lmbda=0.5)
     assert isinstance(loss.value_estimator, TokenGAE) and loss.value_estimator.lmbda == 0.5
@@ -435,11 +436,15 @@ def test_plan_less_value_fallback_warns_and_says_why():
     td = _batch()
     td["sample_log_prob"] = torch.zeros(td.shape)
     loss = TokenPPOLoss(ac).make_value_estimator()
-    with pytest.warns(UserWarning, match=r"without the micro-batch plan.*recompute_anchors"):
+    with pytest.warns(
+        UserWarning, match=r"without the micro-batch plan.*recompute_old_log_probs_and_values"
+    ):
         loss.value_estimator(td)
     assert "state_value" in td.keys() and "advantage" in td.keys()
     anchored = _batch()
-    recompute_anchors(ac, anchored, plan_micro_batches(anchored, token_budget=1000))
+    recompute_old_log_probs_and_values(
+        ac, anchored, plan_micro_batches(anchored, token_budget=1000)
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # anchored values: no warning
         loss.value_estimator(anchored)
@@ -448,7 +453,7 @@ def test_plan_less_value_fallback_warns_and_says_why():
 def test_truncated_importance_sampling_weights_policy_loss():
     ac = tiny_actor_critic(seed=0)
     td = _batch()
-    recompute_anchors(ac, td, plan_micro_batches(td, token_budget=1000))
+    recompute_old_log_probs_and_values(ac, td, plan_micro_batches(td, token_budget=1000))
     td = TokenGAE()(td)
     plain = TokenPPOLoss(ac, critic_coeff=None)(td)["loss_objective"]
     td["rollout_log_prob"] = td["sample_log_prob"] - 0.5  # weight exp(0.5) capped at 1.2
@@ -491,7 +496,8 @@ def test_loss_errors():
         TokenPPOLoss(torch.nn.Linear(2, 2))
     td = TokenGAE()(_batch().set("state_value", torch.zeros(6, 13, 1)))
     with pytest.raises(
-        KeyError, match=r"missing key 'sample_log_prob' \(PPO anchors: run recompute_anchors"
+        KeyError,
+        match=r"missing key 'sample_log_prob' \(PPO anchors: run recompute_old_log_probs_and_values",
     ):
         TokenPPOLoss(ac)(td)
     td["sample_log_prob"] = torch.zeros(6, 13)
@@ -570,7 +576,7 @@ def _chain(ac, ref, td, renamed: bool):
             terminated=("task", "t"),
         )
     plan = plan_micro_batches(td, token_budget=24, attention_mask_key=ac.tensor_keys.attention_mask)
-    recompute_anchors(ac, td, plan, ref_actor=ref, loss=loss)
+    recompute_old_log_probs_and_values(ac, td, plan, ref_actor=ref, loss=loss)
     loss.value_estimator(td)  # the loss's TokenGAE follows the loss's keys
     opt = torch.optim.SGD(ac.parameters(), lr=0.1)
     return td, ppo_update(loss, opt, td, plan, epochs=2, generator=torch.Generator().manual_seed(0))
@@ -610,7 +616,7 @@ def test_grpo_set_keys_nested_and_unknown_name():
 def test_loss_emits_torchrl_metric_names_and_lists_every_key_in_out_keys():
     ac = tiny_actor_critic(seed=1)
     td = _batch(seed=3)
-    recompute_anchors(ac, td, plan_micro_batches(td, token_budget=1000))
+    recompute_old_log_probs_and_values(ac, td, plan_micro_batches(td, token_budget=1000))
     td["ref_log_prob"] = td["sample_log_prob"] - 0.1
     td = TokenGAE()(td)
     _perturb(ac.model, scale=0.02, seed=4)  # ratios != 1
@@ -656,7 +662,7 @@ def test_loss_stays_finite_at_extreme_log_ratios():
     """A log-ratio of 100 (exp overflows float32): finite loss, metrics and gradients."""
     ac = tiny_actor_critic(seed=0)
     td = _batch(seed=1)
-    recompute_anchors(ac, td, plan_micro_batches(td, token_budget=1000))
+    recompute_old_log_probs_and_values(ac, td, plan_micro_batches(td, token_budget=1000))
     td = TokenGAE()(td)
     mask = td["loss_mask"]
     td["sample_log_prob"] = torch.where(mask, td["sample_log_prob"] - 100.0, 0.0)
@@ -672,7 +678,7 @@ def test_loss_stays_finite_at_extreme_log_ratios():
 def test_loss_metrics_are_finite_for_one_and_zero_trained_tokens():
     ac = tiny_actor_critic(seed=0)
     td = _batch(seed=1)
-    recompute_anchors(ac, td, plan_micro_batches(td, token_budget=1000))
+    recompute_old_log_probs_and_values(ac, td, plan_micro_batches(td, token_budget=1000))
     td = TokenGAE()(td)
     one = torch.zeros_like(td["loss_mask"])
     one[2, int(td["loss_mask"][2].nonzero()[0])] = True
@@ -692,11 +698,13 @@ def test_actor_only_module_as_reference_and_critic_errors():
     assert ref.out_keys == ["log_prob"] and not hasattr(bare, "value_head")
     ac = tiny_actor_critic(seed=0)
     td = _batch(seed=2)
-    recompute_anchors(ac, td, plan_micro_batches(td, token_budget=1000), ref_actor=ref)
+    recompute_old_log_probs_and_values(
+        ac, td, plan_micro_batches(td, token_budget=1000), ref_actor=ref
+    )
     assert torch.equal(td["ref_log_prob"], td["sample_log_prob"])  # same weights
     actor_only = LMActorCritic(copy.deepcopy(bare), critic=False)
     td2 = _batch(seed=2)
-    recompute_anchors(actor_only, td2, plan_micro_batches(td2, token_budget=1000))
+    recompute_old_log_probs_and_values(actor_only, td2, plan_micro_batches(td2, token_budget=1000))
     assert "state_value" not in td2.keys() and ("next", "state_value") not in td2.keys(True)
     out = TokenPPOLoss(actor_only, critic_coeff=None)(GRPOAdvantage()(td2))
     assert torch.isfinite(out["loss_objective"]) and "loss_critic" not in out.keys()

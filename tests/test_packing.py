@@ -6,11 +6,10 @@ import pytest
 import torch
 from trajectories import make_trajectory, tiny_actor_critic
 
-from ar_torchrl.data import plan_micro_batches
-from ar_torchrl.data.micro_batch import AUTO_PACKING_MIN_PADDING
 from ar_torchrl.modules import PACKED_KEY, LMActorCritic, pack_rows, packed_layout
-from ar_torchrl.objectives import TokenGAE, TokenPPOLoss, recompute_anchors
-from ar_torchrl.training import ppo_update
+from ar_torchrl.objectives import TokenGAE, TokenPPOLoss
+from ar_torchrl.training import plan_micro_batches, ppo_update, recompute_old_log_probs_and_values
+from ar_torchrl.training.micro_batch import AUTO_PACKING_MIN_PADDING
 
 torch.set_num_threads(1)
 
@@ -136,7 +135,7 @@ def test_packed_plan_first_update_has_ratio_exactly_one(budget):
     td = make_trajectory(PROMPTS, RESPONSES, seed=4)
     plan = plan_micro_batches(td, token_budget=64, packing=True)
     assert len(plan) >= 2 and all(mb.packed for mb in plan.micro_batches)
-    recompute_anchors(ac, td, plan)
+    recompute_old_log_probs_and_values(ac, td, plan)
     td = TokenGAE(gamma=1.0, lmbda=0.95)(td)
     loss = TokenPPOLoss(ac, clip_epsilon=(0.2, 0.28), clip_value=0.2, entropy_coeff=0.01)
     for sub in plan.split(td):
@@ -198,7 +197,7 @@ def test_packed_reference_actor_without_value_head():
     ref = LMActorCritic(ac.model, critic=False)
     td = make_trajectory(PROMPTS, RESPONSES, seed=5)
     plan = plan_micro_batches(td, token_budget=64, packing=True)
-    recompute_anchors(ac, td, plan, ref_actor=ref)
+    recompute_old_log_probs_and_values(ac, td, plan, ref_actor=ref)
     assert torch.equal(td["ref_log_prob"], td["sample_log_prob"])  # same weights, same crops
     out = ref(_packed(td))
     assert set(out.keys()) == {"tokens", "attention_mask", PACKED_KEY, "log_prob"}

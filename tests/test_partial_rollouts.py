@@ -13,12 +13,12 @@ import torch
 from tensordict import TensorDict
 
 from ar_torchrl.backends import SamplingParams, TransformersBackend
-from ar_torchrl.data import plan_micro_batches
 from ar_torchrl.data.samples import Sample, Segment, sample_from_completion
 from ar_torchrl.data.trajectory import build_trajectory
 from ar_torchrl.models.tiny import build_tiny_qwen3
 from ar_torchrl.modules import LMActorCritic, attach_value_head
-from ar_torchrl.objectives import TokenGAE, TokenPPOLoss, recompute_anchors
+from ar_torchrl.objectives import TokenGAE, TokenPPOLoss
+from ar_torchrl.training import plan_micro_batches, recompute_old_log_probs_and_values
 from ar_torchrl.weight_sync import named_policy_tensors
 
 torch.set_num_threads(1)
@@ -101,7 +101,7 @@ def test_a_sync_splits_responses_and_every_token_keeps_its_version_and_log_prob(
     actor = LMActorCritic(attach_value_head(copy.deepcopy(new)))
     plan = plan_micro_batches(td, token_budget=1000)
     loss = TokenPPOLoss(actor, tis_cap=2.0)
-    recompute_anchors(actor, td, plan, loss=loss)
+    recompute_old_log_probs_and_values(actor, td, plan, loss=loss)
     td = TokenGAE(gamma=1.0, lmbda=0.95)(td)
     metrics = loss(td)
     ratio = (td["sample_log_prob"] - td["rollout_log_prob"]).exp()[mask]

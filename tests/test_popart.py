@@ -74,8 +74,9 @@ def test_rescale_closed_form():
 
 
 def test_the_value_loss_is_computed_on_the_normalised_scale():
-    from ar_torchrl.data.micro_batch import plan_micro_batches
-    from ar_torchrl.objectives import TokenGAE, TokenPPOLoss, recompute_anchors
+    from ar_torchrl.objectives import TokenGAE, TokenPPOLoss
+    from ar_torchrl.training import recompute_old_log_probs_and_values
+    from ar_torchrl.training.micro_batch import plan_micro_batches
 
     ac = tiny_actor_critic(0)
     model = ac.model
@@ -86,7 +87,7 @@ def test_the_value_loss_is_computed_on_the_normalised_scale():
     r = td["next", "reward"]  # outcomes 15, -5, 15: returns far from unit scale
     outcome = torch.tensor([15.0, -5.0, 15.0]).view(3, 1, 1)
     td["next", "reward"] = torch.where(r != 0, outcome.expand_as(r), r)
-    recompute_anchors(ac, td, plan_micro_batches(td, token_budget=1000))
+    recompute_old_log_probs_and_values(ac, td, plan_micro_batches(td, token_budget=1000))
     td = TokenGAE()(td)
     mask = td["loss_mask"]
     head.update_statistics(td["value_target"][mask])

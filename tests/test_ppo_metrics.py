@@ -440,7 +440,7 @@ def test_inherited_methods_and_schedulable_settings_are_honoured_or_raise():
     with pytest.raises(NotImplementedError, match=r"loss_critic\(td\) is ClipPPOLoss's unmasked"):
         loss.loss_critic(td)
     with pytest.raises(
-        ValueError, match=r"critic_network cannot be replaced \(the anchors, the value estimator"
+        ValueError, match=r"critic_network cannot be replaced \(the old values, the value estimator"
     ):
         loss.critic_network = tiny_actor_critic(seed=2)
     loss.critic_network = ac  # the same module: nothing changes

@@ -25,11 +25,11 @@ import torch
 from omegaconf import OmegaConf
 from recipe_helpers import load
 
+from ar_torchrl.checkpoint.local import save_checkpoint
 from ar_torchrl.data.datasets import make_row
 from ar_torchrl.models.tiny import save_tiny_model
 from ar_torchrl.recipes import dapo_ppo
 from ar_torchrl.recipes import run as runs
-from ar_torchrl.recipes.checkpoint import save_checkpoint
 from ar_torchrl.recipes.dapo_ppo import build as recipe
 from ar_torchrl.recipes.dapo_ppo import config as C
 from ar_torchrl.recipes.strategy import LocalStrategy
@@ -146,7 +146,7 @@ def test_cpu_default_short_run_learns(tmp_path, cache_dir):
     for h in history:  # every stage timed, every loss finite, nothing skipped
         assert {
             "time/generate",
-            "time/anchors",
+            "time/old_log_probs",
             "time/advantage",
             "time/update",
             "time/sync",

@@ -16,9 +16,9 @@ from recipe_helpers import typed
 from test_recipe import run_recipe, same_runs
 from test_recipe_tools import TOOLS
 
+from ar_torchrl.checkpoint.local import load_critic_weights, save_checkpoint
 from ar_torchrl.models.tiny import build_tiny_qwen3, save_tiny_model
 from ar_torchrl.modules import attach_value_head
-from ar_torchrl.recipes.checkpoint import load_critic_weights, save_checkpoint
 from ar_torchrl.recipes.strategy import LocalStrategy
 from ar_torchrl.training import lr_schedule_factor
 

@@ -11,7 +11,6 @@ import torch
 from tensordict import TensorDict
 from trajectories import VOCAB, make_trajectory
 
-from ar_torchrl.data import plan_micro_batches
 from ar_torchrl.models.tiny import build_tiny_qwen3
 from ar_torchrl.modules import (
     PACKED_KEY,
@@ -20,8 +19,8 @@ from ar_torchrl.modules import (
     attach_value_head,
     build_separate_critic,
 )
-from ar_torchrl.objectives import GRPOAdvantage, TokenGAE, TokenPPOLoss, recompute_anchors
-from ar_torchrl.training import ppo_update
+from ar_torchrl.objectives import GRPOAdvantage, TokenGAE, TokenPPOLoss
+from ar_torchrl.training import plan_micro_batches, ppo_update, recompute_old_log_probs_and_values
 
 PROMPTS, RESPONSES = [3, 5, 2, 4, 1, 6], [4, 1, 7, 3, 5, 2]
 
@@ -84,7 +83,9 @@ def test_first_update_has_ratio_one_and_exact_old_values_with_a_separate_critic(
     plan = plan_micro_batches(td, token_budget=40, packing=packed)
     assert len(plan) >= 2
     loss = TokenPPOLoss(actor, critic, clip_epsilon=(0.2, 0.28), clip_value=0.2)
-    recompute_anchors(actor, td, plan, loss=loss)  # the loss's critic gives the old values
+    recompute_old_log_probs_and_values(
+        actor, td, plan, loss=loss
+    )  # the loss's critic gives the old values
     assert td["state_value"][td["loss_mask"]].abs().sum() > 0
     td = TokenGAE(gamma=1.0, lmbda=0.95)(td)
     for sub in plan.split(td):
@@ -102,7 +103,7 @@ def test_gradients_stay_on_their_side():
     td = make_trajectory(PROMPTS, RESPONSES, seed=3)
     plan = plan_micro_batches(td, token_budget=1000)
     loss = TokenPPOLoss(actor, critic_network=critic, clip_value=0.2, entropy_coeff=0.01)
-    recompute_anchors(actor, td, plan, critic=critic)
+    recompute_old_log_probs_and_values(actor, td, plan, critic=critic)
     td = TokenGAE(gamma=1.0, lmbda=0.95)(td)
     params = {"actor": list(actor.parameters()), "critic": list(critic.parameters())}
     for term, gets, spared in (
@@ -128,7 +129,7 @@ def test_ppo_update_trains_both_and_grpo_targets_reach_the_separate_critic():
     td = make_trajectory(PROMPTS, RESPONSES, seed=4, group_size=2)
     plan = plan_micro_batches(td, token_budget=40)
     loss = TokenPPOLoss(actor, critic, clip_value=0.2)
-    recompute_anchors(actor, td, plan, loss=loss)
+    recompute_old_log_probs_and_values(actor, td, plan, loss=loss)
     td = GRPOAdvantage(critic_targets=True)(td)
     before = {
         "actor": [p.detach().clone() for p in actor.parameters()],
@@ -179,4 +180,6 @@ def test_the_loss_names_what_is_wrong_with_a_critic():
         loss.critic_network = copy.deepcopy(critic)
     td = make_trajectory(PROMPTS, RESPONSES, seed=5)
     with pytest.raises(ValueError, match=r"a separate critic was given but actor_critic computes"):
-        recompute_anchors(shared, td, plan_micro_batches(td, token_budget=1000), critic=critic)
+        recompute_old_log_probs_and_values(
+            shared, td, plan_micro_batches(td, token_budget=1000), critic=critic
+        )

@@ -20,7 +20,6 @@ from trajectories import first_update_has_ratio_one
 
 from ar_torchrl.backends import SamplingParams
 from ar_torchrl.backends.sglang import SGLangBackend
-from ar_torchrl.data import plan_micro_batches
 from ar_torchrl.data.tasks import tool_arithmetic_rows
 from ar_torchrl.envs import ToolEnv
 from ar_torchrl.models import build_char_tokenizer
@@ -28,6 +27,7 @@ from ar_torchrl.modules import LMActorCritic
 from ar_torchrl.rewards.math import ArithmeticReward
 from ar_torchrl.tools import Toolbox, ToolCall
 from ar_torchrl.tools.template import tool_delta_ids
+from ar_torchrl.training import plan_micro_batches
 from ar_torchrl.weight_sync import named_policy_tensors
 
 VERSION = 700

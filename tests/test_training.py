@@ -8,11 +8,15 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from ar_torchrl.data import plan_micro_batches
 from ar_torchrl.models.tiny import build_tiny_qwen3
 from ar_torchrl.modules import LMActorCritic, attach_value_head
-from ar_torchrl.objectives import TokenGAE, TokenPPOLoss, recompute_anchors
-from ar_torchrl.training import ppo_update, total_loss
+from ar_torchrl.objectives import TokenGAE, TokenPPOLoss
+from ar_torchrl.training import (
+    plan_micro_batches,
+    ppo_update,
+    recompute_old_log_probs_and_values,
+    total_loss,
+)
 
 torch.set_num_threads(1)
 
@@ -50,7 +54,7 @@ def setup(token_budget: int, seed: int = 0):
     ac = LMActorCritic(model)
     td = make_batch()
     plan = plan_micro_batches(td, token_budget=token_budget)
-    recompute_anchors(ac, td, plan)
+    recompute_old_log_probs_and_values(ac, td, plan)
     td = TokenGAE(gamma=1.0, lmbda=0.95)(td)
     loss = TokenPPOLoss(ac, clip_epsilon=0.2, clip_value=0.2, critic_coeff=1.0)
     return model, td, plan, loss

@@ -29,7 +29,7 @@ from reference import gae_loop, grpo_loop, whiten_loop
 from tensordict import TensorDict
 from trajectories import VOCAB, tiny_actor_critic
 
-from ar_torchrl import functional as F
+from ar_torchrl import functional
 from ar_torchrl.data.samples import Sample, Segment
 from ar_torchrl.data.trajectory import build_trajectory
 from ar_torchrl.modules import PACKED_KEY
@@ -188,10 +188,12 @@ HYPER = [
 def test_token_gae_over_tool_spans_matches_the_loop(seed, gamma, lmbda, critic_lmbda, dtype):
     ep = _episodes(seed, dtype=dtype)
     boot = _bootstrap_loop(ep)
-    assert not F._check_gae_inputs(ep["reward"], ep["value"], ep["mask"])  # the compacted path
+    assert not functional._check_gae_inputs(
+        ep["reward"], ep["value"], ep["mask"]
+    )  # the compacted path
     for bootstrap in (None, boot):
         b = None if bootstrap is None else bootstrap.to(dtype)
-        adv, tgt = F.token_gae(
+        adv, tgt = functional.token_gae(
             ep["reward"],
             ep["value"],
             ep["mask"],
@@ -222,7 +224,7 @@ def test_tool_tokens_consume_no_step(seed):
     packed["turn_id"] = torch.full(dense.shape, -1, dtype=torch.long)
     for k in packed:
         packed[k][dense] = ep[k][ep["mask"]]
-    for fn, extra in ((F.token_gae, ()), (F.turn_gae, ("turn_id",))):
+    for fn, extra in ((functional.token_gae, ()), (functional.turn_gae, ("turn_id",))):
         a, t = fn(
             ep["reward"],
             ep["value"],
@@ -252,7 +254,7 @@ def test_token_gae_carries_values_and_advantages_across_a_tool_span():
     mask = torch.tensor([[0, 0, 1, 1, 0, 0, 0, 1, 1]], dtype=torch.bool)
     reward = torch.tensor([[0.0, 0, 0, -0.5, 0, 0, 0, 0, 1.0]])
     value = torch.tensor([[7.0, 7, 0.2, 0.4, 99, 99, 99, 0.6, 0.8]])
-    adv, tgt = F.token_gae(reward, value, mask, gamma=1.0, lmbda=0.5)
+    adv, tgt = functional.token_gae(reward, value, mask, gamma=1.0, lmbda=0.5)
     d8 = 1.0 - 0.8  # turn 1, last token: terminal
     d7 = 0.8 - 0.6
     d3 = -0.5 + 0.6 - 0.4  # turn 0's last token: V_next = V at turn 1's first token
@@ -273,9 +275,11 @@ def test_a_reward_on_a_tool_token_is_an_error():
     ep["reward"][row, col] = 0.25
     msg = rf"1 non-zero reward\(s\) on masked tokens \(first at row {row}, position {col}"
     with pytest.raises(ValueError, match=rf"token_gae: {msg}"):
-        F.token_gae(ep["reward"], ep["value"], ep["mask"], gamma=1.0, lmbda=1.0)
+        functional.token_gae(ep["reward"], ep["value"], ep["mask"], gamma=1.0, lmbda=1.0)
     with pytest.raises(ValueError, match=rf"turn_gae: {msg}"):
-        F.turn_gae(ep["reward"], ep["value"], ep["mask"], ep["turn_id"], gamma=1.0, lmbda=1.0)
+        functional.turn_gae(
+            ep["reward"], ep["value"], ep["mask"], ep["turn_id"], gamma=1.0, lmbda=1.0
+        )
 
 
 # ----------------------------------------------------------------------------- turn level
@@ -286,7 +290,7 @@ def test_turn_gae_matches_the_loop(seed, gamma, lmbda, critic_lmbda, dtype):
     ep = _episodes(seed + 10, dtype=dtype, id_gaps=seed % 2 == 0)
     boot = _bootstrap_loop(ep)
     for bootstrap in (None, boot.to(dtype)):
-        adv, tgt = F.turn_gae(
+        adv, tgt = functional.turn_gae(
             ep["reward"],
             ep["value"],
             ep["mask"],
@@ -317,7 +321,7 @@ def test_turn_gae_per_row_lambda_and_long_episodes():
     ep = _episodes(3, batch=5, max_turns=40)
     lam = torch.tensor([0.0, 0.5, 0.9, 0.99, 1.0])
     boot = _bootstrap_loop(ep)
-    adv, tgt = F.turn_gae(
+    adv, tgt = functional.turn_gae(
         ep["reward"],
         ep["value"],
         ep["mask"],
@@ -330,7 +334,7 @@ def test_turn_gae_per_row_lambda_and_long_episodes():
     ref_adv, ref_tgt = turn_loop(
         ep["reward"], ep["value"], ep["mask"], ep["turn_id"], 0.99, lam, 1.0, boot
     )
-    assert int(F.count_turns(ep["mask"], ep["turn_id"]).max()) > 16
+    assert int(functional.count_turns(ep["mask"], ep["turn_id"]).max()) > 16
     assert _maxdiff(adv, ref_adv) < 1e-10 and _maxdiff(tgt, ref_tgt) < 1e-10
 
 
@@ -340,7 +344,7 @@ def test_turn_gae_hand_computed_and_one_token_turns_equal_token_gae():
     turn_id = torch.tensor([[-1, 0, 0, 0, -1, -1, 2, 2, -1]])
     reward = torch.tensor([[0.0, 0, 0, -0.5, 0, 0, 0, 1.0, 0]])
     value = torch.tensor([[5.0, 0.3, 8, 8, 8, 8, 0.6, 8, 8]])  # only each turn's first value counts
-    adv, tgt = F.turn_gae(
+    adv, tgt = functional.turn_gae(
         reward, value, mask, turn_id, gamma=0.9, lmbda=0.5, bootstrap_value=torch.tensor([2.0])
     )
     d1 = 1.0 + 0.9 * 2.0 - 0.6  # the last turn bootstraps (a truncated episode)
@@ -352,8 +356,8 @@ def test_turn_gae_hand_computed_and_one_token_turns_equal_token_gae():
     # every trained token its own turn: one step per token, token_gae's numbers
     ep = _episodes(5, batch=6)
     own = torch.where(ep["mask"], ep["mask"].long().cumsum(-1), -1)
-    a, t = F.turn_gae(ep["reward"], ep["value"], ep["mask"], own, gamma=0.95, lmbda=0.8)
-    ra, rt = F.token_gae(ep["reward"], ep["value"], ep["mask"], gamma=0.95, lmbda=0.8)
+    a, t = functional.turn_gae(ep["reward"], ep["value"], ep["mask"], own, gamma=0.95, lmbda=0.8)
+    ra, rt = functional.token_gae(ep["reward"], ep["value"], ep["mask"], gamma=0.95, lmbda=0.8)
     assert torch.allclose(a, ra, atol=1e-12) and torch.allclose(t, rt, atol=1e-12)
 
 
@@ -364,14 +368,14 @@ def test_turn_gae_edge_rows():
     turn_id = torch.tensor([[-1, -1, -1, -1], [-1, 4, -1, 4]])
     reward = torch.tensor([[0.0, 0, 0, 0], [0, 0.5, 0, 1.0]])
     value = torch.tensor([[3.0, 3, 3, 3], [3, 0.25, 3, 0.75]])
-    adv, tgt = F.turn_gae(reward, value, mask, turn_id, gamma=1.0, lmbda=1.0)
+    adv, tgt = functional.turn_gae(reward, value, mask, turn_id, gamma=1.0, lmbda=1.0)
     assert adv.tolist() == [[0, 0, 0, 0], [0, 1.25, 0, 1.25]]
     assert tgt.tolist() == [[0, 0, 0, 0], [0, 1.5, 0, 1.5]]
     none = torch.zeros(2, 4, dtype=torch.bool)
-    a, t = F.turn_gae(reward * 0, value, none, turn_id * 0 - 1, gamma=1.0, lmbda=1.0)
+    a, t = functional.turn_gae(reward * 0, value, none, turn_id * 0 - 1, gamma=1.0, lmbda=1.0)
     assert a.abs().sum() == 0 and t.abs().sum() == 0
     e = torch.zeros(0, 3)
-    a, t = F.turn_gae(e, e, e.bool(), e.long(), gamma=1.0, lmbda=0.5)
+    a, t = functional.turn_gae(e, e, e.bool(), e.long(), gamma=1.0, lmbda=0.5)
     assert a.shape == (0, 3) and t.shape == (0, 3)
 
 
@@ -384,29 +388,29 @@ def test_turn_gae_errors_name_what_is_wrong():
         match=r"turn_gae: turn_id is 0 at row 0, position 3, where loss_mask is False \(1 such "
         r"tokens\); turn_id must be -1 on prompt, tool/observation and padding tokens",
     ):
-        F.turn_gae(r, r, mask, torch.tensor([[-1, 0, 0, 0, 1]]), gamma=1.0, lmbda=1.0)
+        functional.turn_gae(r, r, mask, torch.tensor([[-1, 0, 0, 0, 1]]), gamma=1.0, lmbda=1.0)
     with pytest.raises(
         ValueError, match=r"turn_id goes back from 1 to 0 at row 0, position 4; turn ids must be"
     ):
-        F.turn_gae(r, r, mask, torch.tensor([[-1, 0, 1, -1, 0]]), gamma=1.0, lmbda=1.0)
+        functional.turn_gae(r, r, mask, torch.tensor([[-1, 0, 1, -1, 0]]), gamma=1.0, lmbda=1.0)
     with pytest.raises(
         ValueError, match=r"turn_id is -1 at row 0, position 2, a trained token \(loss_mask True\)"
     ):
-        F.turn_gae(r, r, mask, torch.tensor([[-1, 0, -1, -1, 1]]), gamma=1.0, lmbda=1.0)
+        functional.turn_gae(r, r, mask, torch.tensor([[-1, 0, -1, -1, 1]]), gamma=1.0, lmbda=1.0)
     with pytest.raises(
         TypeError, match=r"turn_id must be an integer tensor .* got dtype torch.float32"
     ):
-        F.turn_gae(r, r, mask, good.float(), gamma=1.0, lmbda=1.0)
+        functional.turn_gae(r, r, mask, good.float(), gamma=1.0, lmbda=1.0)
     with pytest.raises(ValueError, match=r"turn_id has shape \(1, 4\) but loss_mask has shape"):
-        F.turn_gae(r, r, mask, good[:, :4], gamma=1.0, lmbda=1.0)
+        functional.turn_gae(r, r, mask, good[:, :4], gamma=1.0, lmbda=1.0)
     with pytest.raises(ValueError, match=r"turn_gae: gamma must be >= 0 and <= 1, got 1.5"):
-        F.turn_gae(r, r, mask, good, gamma=1.5, lmbda=1.0)
+        functional.turn_gae(r, r, mask, good, gamma=1.5, lmbda=1.0)
     with pytest.raises(ValueError, match=r"lmbda must be in \[0, 1\]"):
-        F.turn_gae(r, r, mask, good, gamma=1.0, lmbda=-0.1)
+        functional.turn_gae(r, r, mask, good, gamma=1.0, lmbda=-0.1)
     with pytest.raises(ValueError, match=r"bootstrap_value must have shape \[B\]=\(1,\)"):
-        F.turn_gae(r, r, mask, good, gamma=1.0, lmbda=1.0, bootstrap_value=torch.zeros(2))
+        functional.turn_gae(r, r, mask, good, gamma=1.0, lmbda=1.0, bootstrap_value=torch.zeros(2))
     with pytest.raises(ValueError, match=r"count_turns: turn_id goes back"):
-        F.count_turns(mask, torch.tensor([[-1, 3, 1, -1, 1]]))
+        functional.count_turns(mask, torch.tensor([[-1, 3, 1, -1, 1]]))
 
 
 # ----------------------------------------------------------------------------- TokenGAE
@@ -485,7 +489,7 @@ def test_token_gae_turn_mode_keys_adaptive_lambda_and_errors():
     turns = torch.tensor(
         [len(turns_of(m.tolist(), i.tolist())) for m, i in zip(ep["mask"], ep["turn_id"])]
     )
-    assert torch.equal(F.count_turns(ep["mask"], ep["turn_id"]), turns)
+    assert torch.equal(functional.count_turns(ep["mask"], ep["turn_id"]), turns)
     lam = 1 - 1 / (0.5 * turns.double())  # VAPO's length-adaptive lambda over turns
     ref, _ = turn_loop(ep["reward"], ep["value"], ep["mask"], ep["turn_id"], 1.0, lam.clamp(0, 1))
     assert _maxdiff(out["advantage"].squeeze(-1), ref) < 1e-4
@@ -692,7 +696,7 @@ def test_peer_verl_carry_forward_across_observation_spans(seed, lam):
     ep = _episodes(seed + 30, batch=10)
     white, returns, raw = _verl_gae(ep["reward"], ep["value"], ep["mask"], 1.0, lam)
     m = ep["mask"]
-    adv, tgt = F.token_gae(ep["reward"], ep["value"], m, gamma=1.0, lmbda=lam)
+    adv, tgt = functional.token_gae(ep["reward"], ep["value"], m, gamma=1.0, lmbda=lam)
     assert _maxdiff(adv[m], raw[m]) < 1e-12 and _maxdiff(tgt[m], returns[m]) < 1e-12
     td = _td({k: v.float() if v.is_floating_point() else v for k, v in ep.items()})
     out = TokenGAE(gamma=1.0, lmbda=lam, normalize_advantage=True)(td)
@@ -731,14 +735,14 @@ def test_peer_areal_token_and_turn_mode(seed, lam, timestep):
         adv_a, ret_a = _areal_token_gae(
             a["rewards"], a["values"], a["loss_mask"], no_eos, 0.97, lam
         )
-        adv, tgt = F.token_gae(
+        adv, tgt = functional.token_gae(
             ep["reward"], ep["value"], ep["mask"], gamma=0.97, lmbda=lam, bootstrap_value=boot
         )
     else:
         adv_a, ret_a = _areal_turn_gae(
             a["rewards"], a["values"], a["loss_mask"], a["turn_ids"], no_eos, 0.97, lam
         )
-        adv, tgt = F.turn_gae(
+        adv, tgt = functional.turn_gae(
             ep["reward"],
             ep["value"],
             ep["mask"],

@@ -63,9 +63,10 @@ def first_update_has_ratio_one(ac: LMActorCritic, td: TensorDict, plan) -> None:
     """Anchors over ``plan``, GAE, then the PPO loss on every micro-batch of ``plan``: the first
     update's ratios are exactly 1 (min and max); each micro-batch's actor + critic loss is
     backpropagated (the caller checks the gradients it cares about)."""
-    from ar_torchrl.objectives import TokenGAE, TokenPPOLoss, recompute_anchors
+    from ar_torchrl.objectives import TokenGAE, TokenPPOLoss
+    from ar_torchrl.training import recompute_old_log_probs_and_values
 
-    recompute_anchors(ac, td, plan)
+    recompute_old_log_probs_and_values(ac, td, plan)
     TokenGAE(gamma=1.0, lmbda=0.95)(td)
     loss = TokenPPOLoss(ac)
     for mb in plan.micro_batches:

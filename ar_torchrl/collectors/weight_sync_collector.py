@@ -4,7 +4,7 @@ Usage (the PPO loop)::
 
     collector = WeightSyncCollector(env, model, total_batches=100, mode="async", max_policy_lag=1)
     for batch in collector:          # batch["policy_version"] says which weights produced it
-        ...                          # anchors, advantages, PPO epochs
+        ...                          # old log-probs, advantages, PPO epochs
         collector.update_policy_weights_()   # push named_policy_tensors(model), version += 1
     collector.shutdown()
 

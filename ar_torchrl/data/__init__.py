@@ -1,6 +1,9 @@
-"""Micro-batch planning, datasets and tasks (registered), and collation to the token trajectory.
+"""Rollout records and prompt sources: samples and segments, the one builder of the token
+trajectory, padding to a common width, datasets and tasks (registered), prompt checks.
 
-Names are imported on first use: the datasets, tasks and the task registry need no torch.
+The ground floor beside :mod:`ar_torchrl.functional`: nothing here imports a backend, a module or
+the training layer. Names are imported on first use: the datasets, tasks and the task registry need
+no torch.
 """
 
 from __future__ import annotations
@@ -8,8 +11,6 @@ from __future__ import annotations
 from ar_torchrl._lazy import lazy_exports
 
 _EXPORTS = {
-    **dict.fromkeys(["MicroBatch", "MicroBatchPlan", "Plan", "plan_micro_batches"], "micro_batch"),
-    "completions_to_trajectory": "collate",
     **dict.fromkeys(["ROW_KEYS", "pad_trajectories"], "pad"),
     **dict.fromkeys(
         [

@@ -5,7 +5,7 @@ to the batch's longest prompt ``P_i``, responses right-padded after column ``P_i
 different iterations (a replay buffer holding several of them) cannot be stacked as they are:
 TorchRL's ``LazyTensorStorage`` refuses a second width (``indexed destination TensorDict batch
 size ... differs``) and ``LazyStackStorage`` samples a ragged lazy stack that the micro-batch plan,
-the anchors and the loss cannot stack. :func:`pad_trajectories` re-pads each batch to the common
+the old-log-prob pass and the loss cannot stack. :func:`pad_trajectories` re-pads each batch to the common
 layout: prompts padded on the left to the widest prompt part, responses on the right to the widest
 response part, so every row's response starts at the same column again. It is also the
 ``collate_fn`` of a ``ReplayBuffer(storage=LazyStackStorage(...))``.

@@ -6,7 +6,7 @@ One controller: rank 0 owns the collector; the batch reaches every rank
 (:func:`shard_actor_critic`); the weight push gathers full tensors one at a time
 (:func:`push_weights`); large models load shard by shard (:func:`build_meta_model`,
 :func:`load_pretrained_weights`); checkpoints use ``torch.distributed.checkpoint``
-(:mod:`ar_torchrl.distributed.checkpoint`).
+(:mod:`ar_torchrl.checkpoint.sharded`).
 
 Names are imported on first use, so ``ar_torchrl.training`` (which only needs
 :class:`ShardedPlan`) does not pay for FSDP, DCP and transformers imports.
@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import importlib
 
+from ar_torchrl import _compat
+
 _EXPORTS = {
     "broadcast_batch": "batch",
-    "recompute_sharded_anchors": "batch",
+    "recompute_sharded_old_log_probs_and_values": "batch",
     "DistContext": "context",
     "close_distributed": "context",
     "distributed": "context",
@@ -34,19 +36,14 @@ _EXPORTS = {
     "shard_plan": "plan",
     "FullTensorStream": "weights",
     "push_weights": "weights",
-    "latest_distributed_checkpoint": "checkpoint",
-    "load_distributed_checkpoint": "checkpoint",
-    "load_distributed_critic": "checkpoint",
-    "save_distributed_checkpoint": "checkpoint",
-    "verify_checkpoint": "checkpoint",
 }
 
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'ar_torchrl.distributed' has no attribute {name!r}")
+    if name not in _EXPORTS:  # an old name kept for one release, or AttributeError
+        return _compat.renamed(__name__, name)
     return getattr(importlib.import_module(f"ar_torchrl.distributed.{_EXPORTS[name]}"), name)
 
 

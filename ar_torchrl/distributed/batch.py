@@ -1,9 +1,9 @@
-"""One controller: rank 0's rollout batch reaches every rank; anchors are computed per rank, shared.
+"""One controller: rank 0's rollout batch reaches every rank; old log-probs and values are computed per rank, shared.
 
 Rank 0 owns the collector (rollouts and rewards). :func:`broadcast_batch` sends its ``[B, L]``
 TensorDict to every rank (tensordict's consolidated broadcast: one metadata message and one storage
-buffer). Each rank then computes the PPO anchors of the micro-batches it owns
-(:func:`recompute_sharded_anchors`) and the ranks sum them, so every rank holds the anchors of the
+buffer). Each rank then computes the old log-probs and values of the micro-batches it owns
+(:func:`recompute_sharded_old_log_probs_and_values`) and the ranks sum them, so every rank holds the anchors of the
 whole batch (needed by whole-batch statistics such as advantage whitening) while each rank's own
 rows carry exactly the numbers its own forward produced (ratio exactly 1 on the first update).
 """
@@ -17,9 +17,9 @@ from ar_torchrl.distributed.context import DistContext
 from ar_torchrl.distributed.fsdp import reshard
 from ar_torchrl.distributed.plan import ShardedPlan
 from ar_torchrl.modules import LMActorCritic, LMCritic
-from ar_torchrl.objectives.anchors import _anchor_keys, recompute_anchors
+from ar_torchrl.training.old_log_probs import _output_keys, recompute_old_log_probs_and_values
 
-__all__ = ["broadcast_batch", "recompute_sharded_anchors"]
+__all__ = ["broadcast_batch", "recompute_sharded_old_log_probs_and_values"]
 
 
 def broadcast_batch(td: TensorDictBase | None, ctx: DistContext, src: int = 0) -> TensorDictBase:
@@ -41,10 +41,10 @@ def broadcast_batch(td: TensorDictBase | None, ctx: DistContext, src: int = 0) -
         out = td.to(ctx.device).broadcast(src, device=ctx.device)
     else:
         out = TensorDict().broadcast(src, device=ctx.device)
-    return out.unlock_()  # consolidated TensorDicts come locked; the anchors are added to it
+    return out.unlock_()  # consolidated TensorDicts come locked; the old log-probs are added to it
 
 
-def recompute_sharded_anchors(
+def recompute_sharded_old_log_probs_and_values(
     actor_critic: LMActorCritic,
     td: TensorDictBase,
     sharded: ShardedPlan,
@@ -53,20 +53,20 @@ def recompute_sharded_anchors(
     loss: ClipPPOLoss | None = None,
     critic: LMCritic | None = None,
 ) -> TensorDictBase:
-    """:func:`~ar_torchrl.objectives.recompute_anchors` over this rank's micro-batches, then summed.
+    """:func:`~ar_torchrl.objectives.recompute_old_log_probs_and_values` over this rank's micro-batches, then summed.
 
     Every rank runs the same number of forwards (its micro-batches plus padding passes, which FSDP's
-    all-gathers need); each writes the anchors of its own rows and zeros elsewhere; the sum over ranks
-    is exact (``x + 0 = x``). Arguments and keys are those of ``recompute_anchors``; returns ``td``.
+    all-gathers need); each writes the old log-probs and values of its own rows and zeros elsewhere; the sum over ranks
+    is exact (``x + 0 = x``). Arguments and keys are those of ``recompute_old_log_probs_and_values``; returns ``td``.
     Afterwards the FSDP roots are resharded (FSDP2 keeps a root gathered after a forward without
     backward, which would also hide the fp32 shards from an optimizer built now).
     """
     if critic is None and getattr(loss, "separate_critic", False):
         critic = loss.critic_network
-    recompute_anchors(
+    recompute_old_log_probs_and_values(
         actor_critic, td, sharded.local_plan, ref_actor=ref_actor, loss=loss, critic=critic
     )
-    for key in _anchor_keys(actor_critic, ref_actor, loss, critic):
+    for key in _output_keys(actor_critic, ref_actor, loss, critic):
         sharded.all_reduce_(td.get(key))
     for module in (actor_critic, ref_actor, critic):
         if module is not None:

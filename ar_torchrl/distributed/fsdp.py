@@ -105,7 +105,7 @@ def shard_actor_critic(
 
     Build the optimizer right after this call, before any forward: its parameters must be the fp32
     DTensor shards (FSDP2 leaves the root's gathered parameters registered after a forward without
-    backward until :func:`reshard`; :func:`~ar_torchrl.distributed.recompute_sharded_anchors`
+    backward until :func:`reshard`; :func:`~ar_torchrl.distributed.recompute_sharded_old_log_probs_and_values`
     reshards). Works on meta-device models too (then materialise with
     :func:`~ar_torchrl.distributed.load_pretrained_weights`).
 
@@ -155,7 +155,7 @@ def shard_actor_critic(
 
 def reshard(module: nn.Module) -> None:
     """Reshard every FSDP unit of ``module`` (the root keeps its gathered parameters after a
-    forward without backward, e.g. the anchor pass); a no-op on plain modules."""
+    forward without backward, e.g. the old-log-prob pass); a no-op on plain modules."""
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
             sub.reshard()

@@ -3,7 +3,7 @@
 Every rank holds the whole rollout batch and the same :class:`~ar_torchrl.data.MicroBatchPlan`.
 :func:`shard_plan` gives each micro-batch an owner rank (longest-processing-time first on the padded
 token counts, after splitting micro-batches when there are fewer than ranks). A rank computes the
-anchors of exactly the micro-batches it owns and trains on exactly those, so the first update still
+old log-probs and values of exactly the micro-batches it owns and trains on exactly those, so the first update still
 sees ratio exactly 1. FSDP's collectives need the same number of forward/backward passes on every
 rank: a rank with fewer micro-batches runs *padding* passes (:attr:`MicroBatch.padding`: a 1-row,
 2-token crop that contributes nothing). Loss normalisers and metrics are summed over ranks
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 
-from ar_torchrl.data.micro_batch import MicroBatch, MicroBatchPlan, _row_spans
+from ar_torchrl.training.micro_batch import MicroBatch, MicroBatchPlan, _row_spans
 
 __all__ = ["ShardedPlan", "shard_plan"]
 
@@ -38,7 +38,7 @@ class ShardedPlan:
 
     Example:
         >>> from tensordict import TensorDict
-        >>> from ar_torchrl.data import plan_micro_batches
+        >>> from ar_torchrl.training import plan_micro_batches
         >>> td = TensorDict({"attention_mask": torch.ones(5, 4, dtype=torch.bool)}, [5, 4])
         >>> plan = plan_micro_batches(td, token_budget=8)  # 3 micro-batches: 2 + 2 + 1 rows
         >>> rank1 = shard_plan(plan, td, rank=1, world_size=2, collective=False)
@@ -78,8 +78,8 @@ class ShardedPlan:
     def local_plan(self) -> MicroBatchPlan:
         """This rank's micro-batches plus padding passes up to the largest rank's count.
 
-        Pass it to :func:`~ar_torchrl.objectives.recompute_anchors`: every rank runs the same
-        number of forwards, each fills the anchors of its own rows (then :meth:`all_reduce_` them).
+        Pass it to :func:`~ar_torchrl.objectives.recompute_old_log_probs_and_values`: every rank runs the same
+        number of forwards, each fills the old log-probs and values of its own rows (then :meth:`all_reduce_` them).
         """
         most = max(sum(o == r for o in self.owners) for r in range(self.world_size))
         mine = self.owned()
@@ -119,7 +119,7 @@ class ShardedPlan:
     @property
     def spans_ranks(self) -> bool:
         """Always: a rank's share runs in lockstep with the other ranks' (every backward pass runs,
-        :class:`~ar_torchrl.data.micro_batch.Plan`); at world size 1 :meth:`reduce` is the identity."""
+        :class:`~ar_torchrl.training.micro_batch.Plan`); at world size 1 :meth:`reduce` is the identity."""
         return True
 
     def reduce(self, values: Mapping[str, float]) -> dict[str, float]:
@@ -132,7 +132,7 @@ class ShardedPlan:
         return dict(zip(keys, packed.tolist()))
 
     def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum ``tensor`` over ranks in place (anchors: each rank filled its own rows, 0 elsewhere)."""
+        """Sum ``tensor`` over ranks in place (old log-probs and values: each rank filled its own rows, 0 elsewhere)."""
         if self.collective and self.world_size > 1:
             dist.all_reduce(tensor)
         return tensor
@@ -188,7 +188,7 @@ def shard_plan(
         plan: the micro-batch plan of ``td`` (:func:`~ar_torchrl.data.plan_micro_batches`).
         td: the ``[B, L]`` batch (its ``attention_mask`` places splits and the padding pass).
         rank, world_size: this rank and the number of ranks (``DistContext.rank/world_size``).
-        collective: sum normalisers, metrics and anchors with ``torch.distributed``.
+        collective: sum normalisers, metrics and old log-probs with ``torch.distributed``.
 
     Raises:
         ValueError: a ``td`` of another batch size than ``plan``, or bad rank/world size.

@@ -56,7 +56,7 @@ def kl_penalty(
         ref_log_prob: ``[B, L]`` the reference policy's.
         mask: ``[B, L]`` bool, the trained tokens.
         estimator: ``"k1" | "k2" | "k3" | "k3_unbiased"``.
-        old_log_prob: ``[B, L]`` the sampling policy's log-probs (the PPO anchor); required by
+        old_log_prob: ``[B, L]`` the sampling policy's log-probs (``sample_log_prob``, the PPO old log-probs); required by
             ``"k3_unbiased"`` (its importance weight ``exp(log_prob - old_log_prob)``).
 
     Returns:
@@ -85,7 +85,7 @@ def kl_penalty(
         if old_log_prob is None:
             raise ValueError(
                 "kl_penalty: estimator='k3_unbiased' needs old_log_prob (the sampling policy's "
-                "log-probs, the PPO anchor 'sample_log_prob') for its importance weight"
+                "log-probs, the PPO old log-probs 'sample_log_prob') for its importance weight"
             )
         _check_same_shape("old_log_prob", old_log_prob, "log_prob", log_prob)
         weight = torch.exp(masked_log_ratio(log_prob, old_log_prob, mask))

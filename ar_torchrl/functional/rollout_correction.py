@@ -1,7 +1,7 @@
 """Rollout correction: importance weights and rejection masks for ``pi_old / pi_rollout``, and the
 mismatch metrics.
 
-``pi_old`` is the trainer's recomputed policy (``sample_log_prob``, the PPO anchor) and
+``pi_old`` is the trainer's recomputed policy (``sample_log_prob``, the PPO old log-probs) and
 ``pi_rollout`` the policy that sampled the tokens as the engine reported it (``rollout_log_prob``):
 the two differ by engine-vs-trainer numerics (bf16 kernels, another attention implementation) and,
 in async mode, by one weight update (decoupled PPO). With ``lr_t = clamp(log pi_old_t -

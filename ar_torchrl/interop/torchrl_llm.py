@@ -3,7 +3,7 @@
 :class:`TokenTrajectory` turns a batch of TorchRL 0.14.1's LLM collector (``tokens.prompt`` /
 ``tokens.response`` lists, ``log_probs.response``, a reward per row) into the ``[B, L]`` token
 trajectory of docs/design.md section 1, so that ``TokenGAE``, ``TokenPPOLoss``,
-``recompute_anchors`` and ``ppo_update`` run on it unchanged. Pass it as the collector's
+``recompute_old_log_probs_and_values`` and ``ppo_update`` run on it unchanged. Pass it as the collector's
 ``postproc``::
 
     collector = LLMCollector(env, policy=policy, postproc=TokenTrajectory.from_policy(policy), ...)
@@ -40,7 +40,7 @@ from tensordict.utils import NestedKey
 from torch import nn
 
 from ar_torchrl.backends.base import Completion
-from ar_torchrl.data.collate import completions_to_trajectory
+from ar_torchrl.interop.collate import completions_to_trajectory
 from ar_torchrl.weight_sync.names import named_policy_tensors
 
 __all__ = ["PolicyStateDict", "TokenTrajectory", "policy_state_dict", "prompt_group_id"]
@@ -92,8 +92,8 @@ class TokenTrajectory:
             cannot sample the pad id (checked by :meth:`from_policy`) rules it out.
         rollout_log_prob: what becomes ``rollout_log_prob``:
 
-            - ``"drop"`` (default): nothing; the key is left out. The library's PPO anchors are
-              recomputed by the trainer (``recompute_anchors``), so the engine's log-probs only feed
+            - ``"drop"`` (default): nothing; the key is left out. The library's old log-probs are
+              recomputed by the trainer (``recompute_old_log_probs_and_values``), so the engine's log-probs only feed
               drift metrics and truncated importance sampling, and TorchRL 0.14.1's are wrong on
               the first token. Leaving the key out (rather than zeros plus a flag) keeps
               ``TokenPPOLoss`` from reporting a drift against zeros, and ``tis_cap`` then fails
@@ -282,20 +282,20 @@ class TokenTrajectory:
                 raise ValueError(
                     f"{_OWNER}: row {r}: the first generated token's log-prob is exactly 0.0, "
                     "TorchRL 0.14.1 TransformersWrapper's defect (it overwrites it); use "
-                    "rollout_log_prob='drop' (anchors are recomputed by the trainer anyway) or "
+                    "rollout_log_prob='drop' (old log-probs are recomputed by the trainer anyway) or "
                     "'recompute'"
                 )
         return [lp.tolist() for lp in lps]
 
     def _recompute(self, td: TensorDict) -> torch.Tensor:
-        from ar_torchrl.data.micro_batch import plan_micro_batches
         from ar_torchrl.modules import LMActorCritic
-        from ar_torchrl.objectives.anchors import recompute_anchors
+        from ar_torchrl.training.micro_batch import plan_micro_batches
+        from ar_torchrl.training.old_log_probs import recompute_old_log_probs_and_values
 
         actor = LMActorCritic(self.model, critic=False, temperature=self.temperature)
         inputs = td.select("tokens", "attention_mask")
         plan = plan_micro_batches(inputs, token_budget=self.token_budget)
-        recompute_anchors(actor, inputs, plan)
+        recompute_old_log_probs_and_values(actor, inputs, plan)
         return torch.where(td["loss_mask"], inputs["sample_log_prob"], 0.0)
 
 

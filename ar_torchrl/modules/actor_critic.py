@@ -46,7 +46,7 @@ class LMActorCritic(TensorDictModuleBase):
     reference policy of the KL term) no value head is needed and no value key is written.
 
     Keys are TorchRL-style: declared once in :class:`_AcceptedKeys` and changed with
-    :meth:`set_keys`; :func:`~ar_torchrl.objectives.recompute_anchors` and
+    :meth:`set_keys`; :func:`~ar_torchrl.objectives.recompute_old_log_probs_and_values` and
     :class:`~ar_torchrl.objectives.TokenPPOLoss` read them from the module.
 
     Args:
@@ -150,7 +150,7 @@ class LMActorCritic(TensorDictModuleBase):
     def select_inputs(self, tensordict: TensorDictBase) -> TensorDictBase:
         """The entries :meth:`forward` reads: ``in_keys`` and, when present, ``PACKED_KEY``.
 
-        Callers that hand the module a selection (``recompute_anchors``, ``TokenPPOLoss``) use it
+        Callers that hand the module a selection (``recompute_old_log_probs_and_values``, ``TokenPPOLoss``) use it
         so a packed micro-batch crop stays packed.
         """
         keys = list(self.in_keys)

@@ -10,7 +10,7 @@ critic does it this way (verl, OpenRLHF, NeMo-RL, ...); sharing the trunk can hu
 The critic writes the same keys with the same alignment as the shared head
 (``state_value[t] = V(h[t - 1])``, the state before token ``t``; ``("next", "state_value")[t] =
 V(h[t])``), over padded or packed micro-batch crops, so :class:`~ar_torchrl.objectives.TokenGAE`,
-:class:`~ar_torchrl.objectives.GRPOAdvantage`, :func:`~ar_torchrl.objectives.recompute_anchors`
+:class:`~ar_torchrl.objectives.GRPOAdvantage`, :func:`~ar_torchrl.objectives.recompute_old_log_probs_and_values`
 and :class:`~ar_torchrl.objectives.TokenPPOLoss` serve both. Its LM head is never used; it is never
 sent to the rollout engine.
 """

@@ -4,7 +4,7 @@ The ``[N, V]`` float32 logits are never materialised for all positions: the LM h
 log-softmax run over chunks of token positions, sized by a memory budget that knows the
 vocabulary (:func:`chunk_tokens_for_budget`), each chunk wrapped in activation checkpointing when
 gradients are on (only the hidden states are kept for backward). The chunk size never depends on
-the grad mode, so the no-grad anchor pass and the training forward compute identical numbers.
+the grad mode, so the no-grad old-log-prob pass and the training forward compute identical numbers.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ LOGITS_MEMORY_BUDGET = 2**30
 # Float32 [chunk, V] buffers alive at the peak of one chunk: the backward of a recomputed chunk
 # with entropies (logits, log-softmax, its exp, their gradients; measured on CPU with
 # benchmarks/bench_logprob_memory.py; without entropies or without grad fewer are alive). One
-# constant for every mode: the no-grad anchor pass and the training forward, with or without
+# constant for every mode: the no-grad old-log-prob pass and the training forward, with or without
 # entropies, must cut the positions into the same chunks, or the matmuls round differently and the
 # first PPO ratio is no longer exactly 1.
 _LIVE_BUFFERS = 5

@@ -28,7 +28,6 @@ from ar_torchrl.objectives.registry import (
 )
 
 if TYPE_CHECKING:
-    from ar_torchrl.objectives.anchors import recompute_anchors
     from ar_torchrl.objectives.gae import TokenGAE
     from ar_torchrl.objectives.grpo import GRPOAdvantage
     from ar_torchrl.objectives.kl_reward import KLRewardShaping
@@ -41,7 +40,6 @@ _LAZY = {
     "RLOOAdvantage": "rloo",
     "TokenGAE": "gae",
     "TokenPPOLoss": "ppo",
-    "recompute_anchors": "anchors",
 }
 
 __all__ = [
@@ -59,7 +57,6 @@ __all__ = [
     "make_policy_loss",
     "needs_critic",
     "policy_loss_names",
-    "recompute_anchors",
     "register_advantage",
     "register_policy_loss",
 ]

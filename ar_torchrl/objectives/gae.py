@@ -35,8 +35,8 @@ class TokenGAE(ValueEstimatorBase):
 
     A thin wrapper around :func:`ar_torchrl.functional.token_gae` (``timestep="token"``, the
     default) or :func:`ar_torchrl.functional.turn_gae` (``timestep="turn"``); see them for the
-    equations. Reads ``("next", "reward")``, ``state_value`` (the anchor values from
-    :func:`~ar_torchrl.objectives.recompute_anchors`) and ``loss_mask`` (and ``turn_id`` per turn);
+    equations. Reads ``("next", "reward")``, ``state_value`` (the old values from
+    :func:`~ar_torchrl.objectives.recompute_old_log_probs_and_values`) and ``loss_mask`` (and ``turn_id`` per turn);
     writes ``advantage`` and ``value_target`` ``[B, L, 1]``. Keys follow TorchRL and are changed
     with :meth:`set_keys` (``loss_mask``, ``turn_id`` and ``attention_mask`` are ours).
 
@@ -71,7 +71,7 @@ class TokenGAE(ValueEstimatorBase):
             multi-turn episode, read from ``turn_id``: AReaL's ``gae_timestep_unit: turn``;
             ``adaptive_lmbda_alpha`` then counts turns, not tokens).
         value_network: optional; if given and ``state_value`` is missing it is computed (no grad)
-            on the whole batch. Prefer :func:`recompute_anchors` with a micro-batch plan.
+            on the whole batch. Prefer :func:`recompute_old_log_probs_and_values` with a micro-batch plan.
 
     Example:
         >>> from tensordict import TensorDict
@@ -164,15 +164,18 @@ class TokenGAE(ValueEstimatorBase):
                 "TokenGAE: no 'state_value' in the batch, computing it with value_network in one "
                 "pass over the whole batch, without the micro-batch plan: these values differ (in "
                 "the last bits) from what the training forward computes, so value clipping is not "
-                "anchored at the values the loss sees and the first update's ratio is not exactly "
-                "1; run recompute_anchors(actor_critic, td, plan) with the plan ppo_update uses",
+                "centred on the values the loss sees and the first update's ratio is not exactly "
+                "1; run recompute_old_log_probs_and_values(actor_critic, td, plan) with the plan ppo_update uses",
                 UserWarning,
                 stacklevel=3,
             )
             with torch.no_grad():
                 self.value_network(td)
         return require_key(
-            td, key, "TokenGAE", "the anchor values: run recompute_anchors(actor_critic, td, plan)"
+            td,
+            key,
+            "TokenGAE",
+            "the anchor values: run recompute_old_log_probs_and_values(actor_critic, td, plan)",
         )
 
     def _bootstrap(self, td: TensorDictBase, mask: torch.Tensor) -> torch.Tensor | None:

@@ -2,7 +2,7 @@
 
 The classic PPO-RLHF form (InstructGPT; verl's ``algorithm.use_kl_in_reward``): every trained token
 gets ``-beta * k(x_t)`` added to its reward, with ``k`` a per-token estimate of
-KL(pi_old || pi_ref) over the *sampling* policy's log-probs (the PPO anchors, no gradient). GAE
+KL(pi_old || pi_ref) over the *sampling* policy's log-probs (the PPO old log-probs ``sample_log_prob``, no gradient). GAE
 then turns the penalty into advantages and value targets: the critic learns the KL-regularised
 return, and the policy gradient of the penalty is a proper score-function gradient of the reverse
 KL (unlike a ``k3`` loss term, whose gradient is the forward KL's; see
@@ -33,9 +33,9 @@ class KLRewardShaping(Transform):
     Args:
         beta: the KL coefficient (``> 0``).
         estimator: ``"k1"`` (default, unbiased), ``"k2"`` or ``"k3"`` (the sampling policy's
-            log-probs are the anchors, so ``"k3_unbiased"`` would equal ``"k3"`` and is refused).
+            log-probs are ``sample_log_prob``, so ``"k3_unbiased"`` would equal ``"k3"`` and is refused).
 
-    Reads ``sample_log_prob`` and ``ref_log_prob`` (``recompute_anchors(..., ref_actor=...)``) and
+    Reads ``sample_log_prob`` and ``ref_log_prob`` (``recompute_old_log_probs_and_values(..., ref_actor=...)``) and
     ``loss_mask``; writes the shaped reward in place. :attr:`last_kl` is the mean penalty term
     ``k`` over the trained tokens of the last call (a metric). Keys are renamed with
     :meth:`set_keys`.
@@ -99,9 +99,14 @@ class KLRewardShaping(Transform):
                 f"{owner} expects a [B, L] token trajectory, got batch_size {tuple(td.batch_size)}"
             )
         mask = require_key(td, k.loss_mask, owner, "bool [B, L]").bool()
-        old = require_key(td, k.sample_log_prob, owner, "the anchors: recompute_anchors(...)")
+        old = require_key(
+            td, k.sample_log_prob, owner, "the anchors: recompute_old_log_probs_and_values(...)"
+        )
         ref = require_key(
-            td, k.ref_log_prob, owner, "reference log-probs: recompute_anchors(..., ref_actor=...)"
+            td,
+            k.ref_log_prob,
+            owner,
+            "reference log-probs: recompute_old_log_probs_and_values(..., ref_actor=...)",
         )
         reward = require_key(td, k.reward, owner, "per-token reward")
         kl = kl_penalty(old.detach(), ref.detach(), mask, estimator=self.estimator)

@@ -9,7 +9,7 @@ Departures from ``torchrl.objectives.ClipPPOLoss`` (docs/design.md section 8 lis
 - every ``loss_*`` term **and every metric** is reduced over ``loss_mask`` only, with the
   aggregation mode of :func:`ar_torchrl.functional.aggregate_loss` and an optional global normaliser
   (``loss(td, normalizer=...)``) so gradient accumulation over micro-batches equals one big batch;
-- the value loss is ``0.5 * max((V - R)^2, (V_clip - R)^2)`` anchored at the recomputed
+- the value loss is ``0.5 * max((V - R)^2, (V_clip - R)^2)`` centred on the recomputed
   ``state_value`` (on the normalised scale ``(x - mu) / sigma`` with a
   :class:`~ar_torchrl.modules.PopArtValueHead`); optional dual-clip, k3 KL to a reference policy and truncated importance sampling
   against ``rollout_log_prob`` (Yao et al. 2025, "Your efficient RL framework secretly brings you
@@ -30,7 +30,7 @@ from torchrl.objectives import ClipPPOLoss
 from torchrl.objectives.utils import ValueEstimators
 from torchrl.objectives.value import ValueEstimatorBase
 
-from ar_torchrl import functional as F
+from ar_torchrl import functional
 from ar_torchrl.functional import AggregationMode
 from ar_torchrl.modules import LMActorCritic, LMCritic, PopArtValueHead
 from ar_torchrl.objectives._keys import policy_tokens, require_key, squeeze_feature
@@ -90,7 +90,7 @@ UNSUPPORTED_CLIP_PPO_SETTINGS: dict[str, tuple[Any, str]] = {
     ),
     "delay_actor": (
         False,
-        "the proximal policy is sample_log_prob (recompute_anchors); to correct for the rollout "
+        "the proximal policy is sample_log_prob (recompute_old_log_probs_and_values); to correct for the rollout "
         "policy pass rollout_log_prob and tis_cap",
     ),
     "max_importance_ratio": (
@@ -157,7 +157,7 @@ class TokenPPOLoss(ClipPPOLoss):
             trains the critic's parameters only, the policy terms the actor's only.
         clip_epsilon: ``eps`` or ``(eps_low, eps_high)`` (DAPO clip-higher).
         dual_clip: dual-clip constant ``c > 1`` for negative advantages (``None``: off).
-        clip_value: value-clip range around the anchor values (``None``: unclipped).
+        clip_value: value-clip range around the old values ``state_value`` (``None``: unclipped).
         entropy_coeff: weight of the entropy bonus (0 disables it and skips entropy computation).
         critic_coeff: weight of the value loss (``None`` or 0: no critic term).
         kl_coeff: weight of the KL penalty to ``ref_log_prob`` (0: off; the key is then not needed).
@@ -295,8 +295,8 @@ class TokenPPOLoss(ClipPPOLoss):
         ...     "done": torch.tensor([[[False], [False], [False], [True]]]),
         ...     "terminated": torch.tensor([[[False], [False], [False], [True]]])}}, [1, 4])
         >>> with torch.no_grad():
-        ...     anchors = ac(td.select("tokens", "attention_mask"))
-        >>> td["sample_log_prob"], td["state_value"] = anchors["log_prob"], anchors["state_value"]
+        ...     old = ac(td.select("tokens", "attention_mask"))
+        >>> td["sample_log_prob"], td["state_value"] = old["log_prob"], old["state_value"]
         >>> out = TokenPPOLoss(ac, clip_epsilon=(0.2, 0.28), clip_value=0.2)(td)
         >>> out["min_ratio"].item(), out["max_ratio"].item(), out["kl_approx"].item()
         (1.0, 1.0, 0.0)
@@ -411,7 +411,7 @@ class TokenPPOLoss(ClipPPOLoss):
         number = isinstance(value, numbers.Real)  # bool included: check_number rejects it
         if name == "critic_network" and value is not self.critic_network:
             raise ValueError(
-                f"{_OWNER}.critic_network cannot be replaced (the anchors, the value estimator and "
+                f"{_OWNER}.critic_network cannot be replaced (the old values, the value estimator and "
                 "the optimizer were built for it): build a new TokenPPOLoss(actor_critic, "
                 "critic_network=...)"
             )
@@ -578,11 +578,11 @@ class TokenPPOLoss(ClipPPOLoss):
         tds = [tensordicts] if isinstance(tensordicts, TensorDictBase) else list(tensordicts)
         k = self.tensor_keys
         masks = [require_key(td, k.loss_mask, _OWNER, "bool [B, L]").bool() for td in tds]
-        critic = sum(F.loss_normalizer(m, self.loss_agg_mode) for m in masks)
+        critic = sum(functional.loss_normalizer(m, self.loss_agg_mode) for m in masks)
         if not any(td.get(k.policy_mask, None) is not None for td in tds):
             return critic
         policy = sum(
-            F.loss_normalizer(self._policy_mask(td, m), self.loss_agg_mode)
+            functional.loss_normalizer(self._policy_mask(td, m), self.loss_agg_mode)
             for td, m in zip(tds, masks)
         )
         return {"policy": policy, "critic": critic}
@@ -603,7 +603,7 @@ class TokenPPOLoss(ClipPPOLoss):
         return normalizer, normalizer
 
     def _agg(self, x: torch.Tensor, mask: torch.Tensor, normalizer) -> torch.Tensor:
-        return F.aggregate_loss(
+        return functional.aggregate_loss(
             x, mask, self.loss_agg_mode, normalizer, norm_length=self.norm_length
         )
 
@@ -643,26 +643,32 @@ class TokenPPOLoss(ClipPPOLoss):
                 )
         if self.entropy_bonus or self.actor_network.return_entropy:
             entropy = new.get(self.actor_network.entropy_key)
-            out["entropy"] = F.masked_mean(entropy.detach(), mask)
+            out["entropy"] = functional.masked_mean(entropy.detach(), mask)
             if self.entropy_bonus:
                 out["loss_entropy"] = -self.entropy_coeff * self._agg(entropy, mask, normalizer)
         if self.kl_coeff:
             ref = self._get(
                 tensordict,
                 k.ref_log_prob,
-                "reference log-probs: recompute_anchors(..., ref_actor=...)",
+                "reference log-probs: recompute_old_log_probs_and_values(..., ref_actor=...)",
             )
             old = tensordict.get(k.sample_log_prob) if self.kl_estimator == "k3_unbiased" else None
-            kl = F.kl_penalty(log_prob, ref, mask, estimator=self.kl_estimator, old_log_prob=old)
+            kl = functional.kl_penalty(
+                log_prob, ref, mask, estimator=self.kl_estimator, old_log_prob=old
+            )
             out["loss_kl"] = self.kl_coeff * self._agg(kl, mask, normalizer)
-            k3 = kl if self.kl_estimator == "k3" else F.k3_kl(log_prob.detach(), ref, mask)
-            out["kl_ref"] = F.masked_mean(k3.detach(), mask)  # the k3 estimate, any estimator
+            k3 = kl if self.kl_estimator == "k3" else functional.k3_kl(log_prob.detach(), ref, mask)
+            out["kl_ref"] = functional.masked_mean(
+                k3.detach(), mask
+            )  # the k3 estimate, any estimator
         return TensorDict(out, batch_size=[])
 
     def _policy_terms(self, td, log_prob, mask, normalizer, out) -> None:
         k = self.tensor_keys
         old = self._get(
-            td, k.sample_log_prob, "PPO anchors: run recompute_anchors(actor_critic, td, plan)"
+            td,
+            k.sample_log_prob,
+            "PPO anchors: run recompute_old_log_probs_and_values(actor_critic, td, plan)",
         )
         adv = self._get(td, k.advantage, "advantage [B, L, 1]")
         low, high = (
@@ -671,7 +677,7 @@ class TokenPPOLoss(ClipPPOLoss):
             else (self.clip_epsilon,) * 2
         )
         if self.policy_loss == "clip":  # the clip range read now: it may be scheduled
-            loss, ratio, clipped = F.clipped_surrogate(
+            loss, ratio, clipped = functional.clipped_surrogate(
                 log_prob,
                 old,
                 adv,
@@ -685,10 +691,10 @@ class TokenPPOLoss(ClipPPOLoss):
         rollout = td.get(k.rollout_log_prob, None)
         if rollout is not None:
             rollout = squeeze_feature(rollout, k.rollout_log_prob, td.batch_size, _OWNER)
-            out["rollout_log_prob_abs_diff"] = F.masked_mean(
+            out["rollout_log_prob_abs_diff"] = functional.masked_mean(
                 (log_prob.detach() - rollout).abs(), mask
             )
-            out.update(F.rollout_mismatch_metrics(old, rollout, mask))
+            out.update(functional.rollout_mismatch_metrics(old, rollout, mask))
         rc = self.rollout_correction
         if rc is not None:
             if rollout is None:
@@ -697,11 +703,13 @@ class TokenPPOLoss(ClipPPOLoss):
                     f"{k.rollout_log_prob!r} (the engine's log-probs of the sampled tokens), "
                     "missing from the batch"
                 )
-            weight, keep, metrics = F.rollout_correction(old, rollout, mask, **rc.arguments())
+            weight, keep, metrics = functional.rollout_correction(
+                old, rollout, mask, **rc.arguments()
+            )
             loss = torch.where(keep, loss * weight, torch.zeros((), dtype=loss.dtype))
             out.update(metrics)
         out["loss_objective"] = self._agg(loss, mask, normalizer)
-        log_ratio = F.masked_log_ratio(log_prob.detach(), old, mask)
+        log_ratio = functional.masked_log_ratio(log_prob.detach(), old, mask)
         out.update(_ratio_metrics(log_ratio, mask, self._clip_bounds))
         if self.policy_loss == "clip":
             out.update(
@@ -714,7 +722,11 @@ class TokenPPOLoss(ClipPPOLoss):
 
     def _critic_terms(self, td, value, mask, normalizer, out) -> None:
         k = self.tensor_keys
-        old = self._get(td, k.value, "anchor values: run recompute_anchors(actor_critic, td, plan)")
+        old = self._get(
+            td,
+            k.value,
+            "anchor values: run recompute_old_log_probs_and_values(actor_critic, td, plan)",
+        )
         target = self._get(
             td,
             k.value_target,
@@ -726,7 +738,7 @@ class TokenPPOLoss(ClipPPOLoss):
         head = getattr(self.critic_network.model, "value_head", None)
         if isinstance(head, PopArtValueHead):  # the loss (and its clip) in the layer's own scale
             value, old, target = (head.normalize(x) for x in (value, old, target))
-        loss, _ = F.clipped_value_loss(value, old, target, mask, clip_value=clip)
+        loss, _ = functional.clipped_value_loss(value, old, target, mask, clip_value=clip)
         out["loss_critic"] = self.critic_coeff * self._agg(loss, mask, normalizer)
         out.update(_critic_metrics(value.detach(), old, target, mask, clip))
 
@@ -816,7 +828,7 @@ _CRITIC_METRICS = (
 
 
 def _fraction(flags: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return F.masked_mean((flags & mask).float(), mask)
+    return functional.masked_mean((flags & mask).float(), mask)
 
 
 def _ratio_metrics(
@@ -832,8 +844,8 @@ def _ratio_metrics(
     outside = log_ratio.clamp(low, high) != log_ratio
     out = {
         "clip_fraction": _fraction(outside, mask),
-        "kl_approx": F.masked_mean(-log_ratio, mask),
-        "approx_kl": F.masked_mean(torch.expm1(log_ratio) - log_ratio, mask),
+        "kl_approx": functional.masked_mean(-log_ratio, mask),
+        "approx_kl": functional.masked_mean(torch.expm1(log_ratio) - log_ratio, mask),
     }
     if not bool(mask.any()):
         return {**out, "mean_ratio": one, "max_ratio": one, "min_ratio": one, "ESS": one}
@@ -883,7 +895,7 @@ def _critic_metrics(
     """TorchRL's, verl's and our critic diagnostics over ``mask`` (``[B, L]`` tensors, detached)."""
     zero = torch.zeros((), dtype=value.dtype, device=value.device)
     v, old, tgt = (torch.where(mask, x, zero) for x in (value, old_value, target))
-    out = {"explained_variance_finite": F.explained_variance(value, target, mask)}
+    out = {"explained_variance_finite": functional.explained_variance(value, target, mask)}
     if clip_value is None:
         out["value_clip_fraction"], out["vf_clipfrac"] = zero.clone(), zero.clone()
     else:

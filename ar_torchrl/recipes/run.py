@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ar_torchrl.recipes.checkpoint import checkpoint_step, remove_partial_checkpoints
+from ar_torchrl.checkpoint.local import checkpoint_step, remove_partial_checkpoints
 from ar_torchrl.utils.history import read_jsonl, truncate_jsonl
 from ar_torchrl.utils.loggers import truncate_csv_logs
 

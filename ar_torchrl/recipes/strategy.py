@@ -1,16 +1,16 @@
 """The execution strategy: how a recipe runs, in one process or as FSDP2 ranks under torchrun.
 
 A recipe never branches on "sharded": it asks its :class:`ExecutionStrategy` to build and wrap the
-policy and its reference, compute the anchors, push the weights, save and load checkpoints, share
+policy and its reference, recompute the old log-probs and values, push the weights, save and load checkpoints, share
 the batch and agree on stopping. Two implementations:
 
 - :class:`LocalStrategy`: one float32 process, no process group, ``.pt`` checkpoints
-  (:mod:`ar_torchrl.recipes.checkpoint`). This is what ``python examples/dapo_ppo.py`` runs.
+  (:mod:`ar_torchrl.checkpoint.local`). This is what ``python examples/dapo_ppo.py`` runs.
 - :class:`FSDP2Strategy`: ``torch.distributed`` FSDP2 (``fully_shard`` with fp32 master shards and
   low-precision compute, :mod:`ar_torchrl.distributed`), under torchrun or on a one-rank group when
   the compute dtype is not float32; ``torch.distributed.checkpoint`` directories. One controller:
   rank 0 owns the collector, the logs, the evaluation and the checkpoint metadata; every rank holds
-  the batch, trains on its token-balanced share of the micro-batch plan (its own anchors, ratio
+  the batch, trains on its token-balanced share of the micro-batch plan (its own old log-probs and values, ratio
   exactly 1 per rank), takes part in the weight push and writes its shards of each checkpoint.
   Every collective is reached by every rank in the same order, the decision to stop included.
 
@@ -30,9 +30,9 @@ from typing import Any, Protocol
 import torch
 from tensordict import TensorDictBase
 
-from ar_torchrl.data.micro_batch import MicroBatchPlan
 from ar_torchrl.distributed.context import DistContext
 from ar_torchrl.modules import LMActorCritic, LMCritic, attach_value_head
+from ar_torchrl.training.micro_batch import MicroBatchPlan
 
 __all__ = ["ExecutionStrategy", "FSDP2Strategy", "LocalStrategy", "open_strategy"]
 
@@ -61,7 +61,7 @@ class ExecutionStrategy(Protocol):
         self, model: Any, tokenizer: Any, start_dir: Path | None, model_path: str | None
     ) -> tuple[Any, Path | None]: ...
     def prepare(self, modules: list[tuple[Any, Path | None]]) -> None: ...
-    def anchors(
+    def old_log_probs_and_values(
         self, actor_critic: Any, td: TensorDictBase, plan: MicroBatchPlan, ref: Any, critic: Any
     ): ...
     def push_weights(
@@ -145,10 +145,10 @@ class LocalStrategy:
             if module is not None and self.gradient_checkpointing and _trained(module):
                 checkpoint_decoder_layers(module.model)
 
-    def anchors(self, actor_critic, td, plan, ref, critic=None):
-        from ar_torchrl.objectives import recompute_anchors
+    def old_log_probs_and_values(self, actor_critic, td, plan, ref, critic=None):
+        from ar_torchrl.training import recompute_old_log_probs_and_values
 
-        recompute_anchors(actor_critic, td, plan, ref_actor=ref, critic=critic)
+        recompute_old_log_probs_and_values(actor_critic, td, plan, ref_actor=ref, critic=critic)
         return plan
 
     def push_weights(self, actor_critic, collector, *, resync: bool, dtype: Any) -> None:
@@ -160,7 +160,7 @@ class LocalStrategy:
     def save(
         self, directory, step, *, actor_critic, optimizer, extra, keep_last, critic=None
     ) -> Path:
-        from ar_torchrl.recipes.checkpoint import save_checkpoint
+        from ar_torchrl.checkpoint.local import save_checkpoint
 
         return save_checkpoint(
             directory,
@@ -173,7 +173,7 @@ class LocalStrategy:
         )
 
     def load(self, checkpoint, *, actor_critic, optimizer, critic=None) -> dict:
-        from ar_torchrl.recipes.checkpoint import load_checkpoint
+        from ar_torchrl.checkpoint.local import load_checkpoint
 
         return load_checkpoint(
             checkpoint,
@@ -185,18 +185,18 @@ class LocalStrategy:
     def load_critic(self, source: Path, *, critic, actor_critic) -> str:
         """The critic of an earlier run's ``.pt`` checkpoint into ``critic`` (separate) or the
         policy's value head (shared); returns what was loaded, for the log."""
-        from ar_torchrl.recipes.checkpoint import load_critic_weights
+        from ar_torchrl.checkpoint.local import load_critic_weights
 
         separate = None if critic is None else critic.model
         return load_critic_weights(source, critic=separate, model=actor_critic.model)
 
     def latest_checkpoint(self, directory: Path) -> Path | None:
-        from ar_torchrl.recipes.checkpoint import latest_checkpoint
+        from ar_torchrl.checkpoint.local import latest_checkpoint
 
         return latest_checkpoint(directory)
 
     def check_checkpoint(self, checkpoint: Path, *, key: str = "train.resume_from") -> None:
-        from ar_torchrl.recipes.checkpoint import verify_checkpoint_file
+        from ar_torchrl.checkpoint.local import verify_checkpoint_file
 
         _check_kind(checkpoint, sharded=False, key=key)
         problem = verify_checkpoint_file(checkpoint)
@@ -377,13 +377,15 @@ class FSDP2Strategy:
             if start_dir is not None:
                 load_pretrained_weights(module, start_dir, device=self.ctx.device)
 
-    def anchors(self, actor_critic, td, plan, ref, critic=None):
-        """This rank's :class:`~ar_torchrl.distributed.ShardedPlan` and its anchors (summed)."""
-        from ar_torchrl.distributed.batch import recompute_sharded_anchors
+    def old_log_probs_and_values(self, actor_critic, td, plan, ref, critic=None):
+        """This rank's :class:`~ar_torchrl.distributed.ShardedPlan` and its old log-probs and values (summed)."""
+        from ar_torchrl.distributed.batch import recompute_sharded_old_log_probs_and_values
         from ar_torchrl.distributed.plan import shard_plan
 
         sharded = shard_plan(plan, td, rank=self.ctx.rank, world_size=self.ctx.world_size)
-        recompute_sharded_anchors(actor_critic, td, sharded, ref_actor=ref, critic=critic)
+        recompute_sharded_old_log_probs_and_values(
+            actor_critic, td, sharded, ref_actor=ref, critic=critic
+        )
         return sharded
 
     def push_weights(self, actor_critic, collector, *, resync: bool, dtype: Any) -> None:
@@ -403,7 +405,7 @@ class FSDP2Strategy:
     def save(
         self, directory, step, *, actor_critic, optimizer, extra, keep_last, critic=None
     ) -> Path:
-        from ar_torchrl.distributed.checkpoint import save_distributed_checkpoint
+        from ar_torchrl.checkpoint.sharded import save_distributed_checkpoint
 
         return save_distributed_checkpoint(
             directory,
@@ -416,7 +418,7 @@ class FSDP2Strategy:
         )
 
     def load(self, checkpoint, *, actor_critic, optimizer, critic=None) -> dict:
-        from ar_torchrl.distributed.checkpoint import load_distributed_checkpoint
+        from ar_torchrl.checkpoint.sharded import load_distributed_checkpoint
 
         return load_distributed_checkpoint(
             checkpoint, model=_checkpointed(actor_critic, critic), optimizer=optimizer, ctx=self.ctx
@@ -425,17 +427,17 @@ class FSDP2Strategy:
     def load_critic(self, source: Path, *, critic, actor_critic) -> str:
         """The critic of an earlier run's distributed checkpoint into ``critic`` (separate) or the
         policy's value head (shared; the FSDP root is the policy's ``LMActorCritic``)."""
-        from ar_torchrl.distributed.checkpoint import load_distributed_critic
+        from ar_torchrl.checkpoint.sharded import load_distributed_critic
 
         return load_distributed_critic(source, critic=critic, policy=actor_critic, ctx=self.ctx)
 
     def latest_checkpoint(self, directory: Path) -> Path | None:
-        from ar_torchrl.distributed.checkpoint import latest_distributed_checkpoint
+        from ar_torchrl.checkpoint.sharded import latest_distributed_checkpoint
 
         return latest_distributed_checkpoint(directory)
 
     def check_checkpoint(self, checkpoint: Path, *, key: str = "train.resume_from") -> None:
-        from ar_torchrl.distributed.checkpoint import verify_checkpoint
+        from ar_torchrl.checkpoint.sharded import verify_checkpoint
 
         _check_kind(checkpoint, sharded=True, key=key)
         problem = verify_checkpoint(checkpoint)

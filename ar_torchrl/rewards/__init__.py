@@ -6,9 +6,9 @@ from ar_torchrl.rewards.math import (
     dapo_math_reward,
     extract_answer,
     normalize_final_answer,
-    overlong_penalty,
 )
 from ar_torchrl.rewards.registry import REWARDS, TaskReward, is_correct, register_reward
+from ar_torchrl.rewards.shaping import overlong_penalty
 
 __all__ = [
     "REWARDS",

@@ -28,6 +28,7 @@ from ar_torchrl.rewards._math_verify_worker import (
     require_math_verify,
 )
 from ar_torchrl.rewards.registry import TaskReward, register_reward
+from ar_torchrl.rewards.shaping import overlong_penalty
 
 __all__ = [
     "MATH_VERIFY_MAX_CHARS",
@@ -233,37 +234,6 @@ def dapo_math_reward(
     if use_math_verify and raw is not None and _math_verify_equal(pred, truth):
         return 1.0
     return -1.0
-
-
-def overlong_penalty(
-    length: int, max_len: int, buffer_len: int, penalty_factor: float = 1.0
-) -> float:
-    """DAPO's soft overlong punishment (a value ``<= 0`` added to the task reward).
-
-    With ``expected = max_len - buffer_len``: ``min(0, -(length - expected) / buffer_len *
-    penalty_factor)``, i.e. 0 up to ``expected`` tokens, then linear down to ``-penalty_factor`` at
-    ``max_len`` (and below it beyond, as in DAPO's code).
-
-    Args:
-        length: generated tokens of the response.
-        max_len: the generation cap (``max_new_tokens``).
-        buffer_len: length of the punishment interval before ``max_len``.
-        penalty_factor: penalty at ``length == max_len``.
-
-    Example:
-        >>> overlong_penalty(10, max_len=20, buffer_len=5), overlong_penalty(20, 20, 5, 1.0)
-        (0.0, -1.0)
-        >>> overlong_penalty(17, 20, 4, 0.5)
-        -0.125
-    """
-    if not 0 < buffer_len <= max_len:
-        raise ValueError(
-            f"overlong_penalty: buffer_len must be in (0, max_len={max_len}], got {buffer_len}"
-        )
-    if length < 0:
-        raise ValueError(f"overlong_penalty: length must be >= 0, got {length}")
-    expected = max_len - buffer_len
-    return min(0.0, -(length - expected) / buffer_len * penalty_factor)
 
 
 @register_reward("dapo_math", help="DAPO's +1/-1 rule on the last Answer: line (correct: +1)")

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from ar_torchrl.registry import Registry
+from ar_torchrl.rewards.shaping import overlong_penalty
 
 __all__ = [
     "REWARDS",
@@ -151,8 +152,6 @@ class OverlongPenalty:
         return f"{self.reward.name}+overlong"
 
     def score(self, sample: Any) -> float:
-        from ar_torchrl.rewards.math import overlong_penalty
-
         penalty = overlong_penalty(
             sample.num_trained, self.max_len, self.buffer_len, self.penalty_factor
         )

@@ -184,7 +184,7 @@ DECOUPLED_TIS_CAP = 2.0
 def tis_cap(cfg: Config) -> float | None:
     """The loss's ``tis_cap``: ``algo.tis_cap``, else in async mode the decoupled-PPO default.
 
-    In async mode the batch was sampled by the previous weights while the anchors (and so the
+    In async mode the batch was sampled by the previous weights while the old log-probs (and so the
     clip) come from the current ones: decoupled PPO (AReaL) weights each token's policy loss by
     the truncated ``pi_old / pi_behaviour``. ``train.async_correction=none`` opts out, with a warning.
     """
@@ -195,7 +195,7 @@ def tis_cap(cfg: Config) -> float | None:
     if cfg.train.async_correction == "none":
         logger.warning(
             "train.mode=async with train.async_correction=none: the batch was sampled by the "
-            "previous weights and nothing corrects for it (the clip is anchored to a policy that "
+            "previous weights and nothing corrects for it (the clip is centred on a policy that "
             "did not generate the data); set train.async_correction=decoupled or algo.tis_cap"
         )
         return None

@@ -1,6 +1,6 @@
 """The DAPO-PPO loop: :func:`setup` builds every piece of a run, :func:`train` runs it.
 
-One iteration: collect a batch of rollouts -> recompute the PPO anchors (old log-probs and values)
+One iteration: collect a batch of rollouts -> recompute the old log-probs and values
 with the trainer's own model and micro-batch plan -> advantages (a registered estimator: GAE, GRPO,
 RLOO) -> ``ppo_epochs`` over mini-batches of the plan's micro-batches (gradient accumulation,
 gradient clipping) -> push the new weights to the rollout engine. The execution strategy
@@ -22,7 +22,6 @@ from tqdm.auto import tqdm
 
 from ar_torchrl.collectors import WeightSyncCollector
 from ar_torchrl.collectors.sampling import episode_stats
-from ar_torchrl.data import plan_micro_batches
 from ar_torchrl.envs import LLMEnv
 from ar_torchrl.functional import masked_mean
 from ar_torchrl.modules import LMActorCritic, LMCritic
@@ -30,7 +29,7 @@ from ar_torchrl.objectives import TokenPPOLoss
 from ar_torchrl.recipes.dapo_ppo import build
 from ar_torchrl.recipes.dapo_ppo.config import Config
 from ar_torchrl.recipes.strategy import ExecutionStrategy
-from ar_torchrl.training import lr_schedule_factor, ppo_update
+from ar_torchrl.training import lr_schedule_factor, plan_micro_batches, ppo_update
 from ar_torchrl.utils import StageTimer, append_jsonl, log_metrics, make_logger
 
 __all__ = ["Run", "setup", "train"]
@@ -234,11 +233,11 @@ def train(run: Run, stop: Any) -> int:
             )
         else:
             # 2. Anchors: old log-probs and values (+ reference log-probs), training geometry
-            #    (under torchrun: each rank's share of the plan; the same anchors on every rank);
+            #    (under torchrun: each rank's share of the plan; the same old log-probs and values on every rank);
             #    a colocated engine first releases its memory (backend.release_memory_during_update).
             engine_memory(run, release=True)
-            with run.timer("anchors"):
-                plan = anchors(run, td)
+            with run.timer("old_log_probs"):
+                plan = old_log_probs_and_values(run, td)
             # 3. Advantages (GAE, GRPO or RLOO), identical on every rank.
             with run.timer("advantage"):
                 if run.kl_reward is not None:  # -beta * k1 on every trained token, before GAE
@@ -285,12 +284,14 @@ def progress_fields(metrics: dict[str, float]) -> dict[str, str]:
     return {k: f"{metrics[v]:.2f}" for k, v in shown.items() if metrics.get(v) is not None}
 
 
-def anchors(run: Run, td):
-    """The micro-batch plan (this rank's share under FSDP2) and the anchors of ``td`` computed with
+def old_log_probs_and_values(run: Run, td):
+    """The micro-batch plan (this rank's share under FSDP2) and the old log-probs and values of ``td`` computed with
     exactly those micro-batches (ratio exactly 1 on the first update)."""
     r = run.cfg.rollout
     plan = plan_micro_batches(td, r.token_budget, r.max_rows, packing=r.packing)
-    return run.strategy.anchors(run.actor_critic, td, plan, run.ref_actor, run.critic)
+    return run.strategy.old_log_probs_and_values(
+        run.actor_critic, td, plan, run.ref_actor, run.critic
+    )
 
 
 def engine_memory(run: Run, *, release: bool) -> None:

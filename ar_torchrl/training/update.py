@@ -1,7 +1,7 @@
 """One PPO update over a rollout batch: epochs x mini-batches x micro-batches, with NaN/inf skipping.
 
 The micro-batches are those of the :class:`~ar_torchrl.data.MicroBatchPlan` that computed the
-anchors, so at unchanged weights the first forward reproduces ``sample_log_prob`` and
+old log-probs and values, so at unchanged weights the first forward reproduces ``sample_log_prob`` and
 ``state_value`` exactly (docs/design.md section 4). Each epoch shuffles the micro-batches and groups them
 into ``num_minibatches`` mini-batches; a mini-batch accumulates the gradients of its micro-batches,
 each loss divided by the mini-batch's *global* normaliser, so the accumulated gradient equals the
@@ -20,7 +20,7 @@ from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 from torch import nn
 
-from ar_torchrl.data.micro_batch import Plan
+from ar_torchrl.training.micro_batch import Plan
 from ar_torchrl.utils.checks import check_ppo_update_args
 
 __all__ = ["lr_schedule_factor", "ppo_update", "total_loss"]
@@ -202,9 +202,9 @@ def ppo_update(
         loss_fn: called as ``loss_fn(micro_batch, normalizer=norm)``, returns a TensorDict of
             ``loss_*`` terms and scalar metrics (e.g. :class:`~ar_torchrl.objectives.TokenPPOLoss`).
         optimizer: steps once per mini-batch.
-        td: the ``[B, L]`` rollout batch carrying anchors and advantages.
-        plan: the micro-batch plan the anchors were computed with: any
-            :class:`~ar_torchrl.data.micro_batch.Plan`, e.g. a :class:`~ar_torchrl.data.MicroBatchPlan`
+        td: the ``[B, L]`` rollout batch carrying old log-probs, values and advantages.
+        plan: the micro-batch plan the old log-probs and values were computed with: any
+            :class:`~ar_torchrl.training.micro_batch.Plan`, e.g. a :class:`~ar_torchrl.data.MicroBatchPlan`
             or, in data-parallel training, this rank's :class:`~ar_torchrl.distributed.ShardedPlan`
             (each rank trains on the micro-batches it owns; normalisers and metrics are summed over
             ranks).
@@ -233,7 +233,7 @@ def ppo_update(
         >>> w = nn.Parameter(torch.tensor([1.0]))
         >>> def loss_fn(td, normalizer):
         ...     return TensorDict({"loss_objective": (w * td["x"]).sum() / normalizer}, [])
-        >>> from ar_torchrl.data import plan_micro_batches
+        >>> from ar_torchrl.training import plan_micro_batches
         >>> td = TensorDict({"x": torch.ones(4, 3), "attention_mask": torch.ones(4, 3, dtype=torch.bool),
         ...                  "loss_mask": torch.ones(4, 3, dtype=torch.bool)}, [4, 3])
         >>> plan = plan_micro_batches(td, token_budget=6)  # 2 micro-batches of 2 rows

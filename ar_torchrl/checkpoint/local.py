@@ -64,7 +64,7 @@ _PARTIAL = re.compile(r"^\.step_\d+\.pt(\.manifest\.json)?-.*\.tmp$")
 _MANIFEST_FORMAT = 1
 #: checkpoints without a manifest already reported as unverified (logged once per file)
 _UNVERIFIED: set[str] = set()
-# torch.distributed.checkpoint directories (ar_torchrl.distributed.checkpoint): step_<N>/, written
+# torch.distributed.checkpoint directories (ar_torchrl.checkpoint.sharded): step_<N>/, written
 # as .step_<N>.tmp/ and renamed; .step_<N>.old/ is a replaced one being deleted.
 _DCP_NAME = re.compile(r"^step_(\d+)$")
 _DCP_PARTIAL = re.compile(r"^\.step_\d+\.(tmp|old)$")
@@ -305,7 +305,7 @@ def _checkpoints(directory: Path) -> list[Path]:
 
 def checkpoint_step(path: str | os.PathLike) -> int:
     """The step of a checkpoint: a file ``step_<step>.pt`` or a distributed checkpoint directory
-    ``step_<step>`` (:mod:`ar_torchrl.distributed.checkpoint`).
+    ``step_<step>`` (:mod:`ar_torchrl.checkpoint.sharded`).
 
     Example:
         >>> checkpoint_step("runs/a/checkpoints/step_40.pt"), checkpoint_step("runs/b/checkpoints/step_8")
@@ -450,7 +450,7 @@ def _read_checkpoint(path: str | os.PathLike, owner: str) -> dict[str, Any]:
     except pickle.UnpicklingError as err:
         raise ValueError(
             f"checkpoint {str(path)!r} holds objects other than tensors and plain containers, so "
-            "it was not written by ar_torchrl.recipes.checkpoint.save_checkpoint (or it was tampered "
+            "it was not written by ar_torchrl.checkpoint.local.save_checkpoint (or it was tampered "
             "with); it is not loaded, as unpickling it could run code. "
             f"{str(err).splitlines()[0]}"
         ) from None

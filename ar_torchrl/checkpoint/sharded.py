@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from ar_torchrl.distributed._safe_io import (
+from ar_torchrl.checkpoint._safe_io import (
     SafeReader,
     TensorsOnlyPlanner,
     decode,
@@ -49,7 +49,7 @@ from ar_torchrl.distributed._safe_io import (
     rng_state,
     write_json,
 )
-from ar_torchrl.distributed._safe_io import restore_rng as _restore_rng_state
+from ar_torchrl.checkpoint._safe_io import restore_rng as _restore_rng_state
 from ar_torchrl.distributed.context import DistContext
 from ar_torchrl.distributed.fsdp import reshard
 from ar_torchrl.utils.files import file_sha256

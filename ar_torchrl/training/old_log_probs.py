@@ -7,14 +7,14 @@ from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 from torchrl.objectives import ClipPPOLoss
 
-from ar_torchrl.data.micro_batch import MicroBatchPlan
 from ar_torchrl.modules import LMActorCritic, LMCritic
+from ar_torchrl.training.micro_batch import MicroBatchPlan
 
-__all__ = ["recompute_anchors"]
+__all__ = ["recompute_old_log_probs_and_values"]
 
 
 @torch.no_grad()
-def recompute_anchors(
+def recompute_old_log_probs_and_values(
     actor_critic: LMActorCritic,
     td: TensorDictBase,
     plan: MicroBatchPlan,
@@ -23,7 +23,7 @@ def recompute_anchors(
     loss: ClipPPOLoss | None = None,
     critic: LMCritic | None = None,
 ) -> TensorDictBase:
-    """Fill the PPO anchors of ``td`` in place (no grad), one forward per micro-batch of ``plan``.
+    """Fill the old log-probs and values of ``td`` in place (no grad), one forward per micro-batch of ``plan``.
 
     Writes the old log-probs ``sample_log_prob`` ``[B, L]``, and when ``actor_critic`` has a critic
     (or a separate ``critic`` is given) the old values ``state_value`` ``[B, L, 1]`` and
@@ -34,7 +34,7 @@ def recompute_anchors(
 
     Keys: the modules' own. Values go to the critic's (``actor_critic``'s or ``critic``'s)
     ``value``/``next_value`` keys; the
-    log-prob anchors to ``loss.tensor_keys.sample_log_prob`` / ``ref_log_prob`` when ``loss`` (the
+    old log-probs to ``loss.tensor_keys.sample_log_prob`` / ``ref_log_prob`` when ``loss`` (the
     :class:`~ar_torchrl.objectives.TokenPPOLoss` that will read them) is given, else to TorchRL's
     default names ``"sample_log_prob"`` and ``"ref_log_prob"``. With ``loss``, the values go to its
     ``value`` key and ``("next", *value)`` (where the loss and its :class:`TokenGAE` read them), and
@@ -43,18 +43,18 @@ def recompute_anchors(
     Example:
         >>> from tensordict import TensorDict
         >>> from ar_torchrl.models.tiny import build_tiny_qwen3
-        >>> from ar_torchrl.data import plan_micro_batches
+        >>> from ar_torchrl.training import plan_micro_batches
         >>> from ar_torchrl.modules import attach_value_head
         >>> ac = LMActorCritic(attach_value_head(build_tiny_qwen3(99)))
         >>> td = TensorDict({"tokens": torch.randint(3, 99, (3, 5)),
         ...                  "attention_mask": torch.ones(3, 5, dtype=torch.bool)}, [3, 5])
-        >>> _ = recompute_anchors(ac, td, plan_micro_batches(td, token_budget=10))
+        >>> _ = recompute_old_log_probs_and_values(ac, td, plan_micro_batches(td, token_budget=10))
         >>> td["sample_log_prob"].shape, td["state_value"].shape
         (torch.Size([3, 5]), torch.Size([3, 5, 1]))
     """
     if critic is None and getattr(loss, "separate_critic", False):
         critic = loss.critic_network  # the loss's own separate critic
-    outputs = _anchor_keys(actor_critic, ref_actor, loss, critic)
+    outputs = _output_keys(actor_critic, ref_actor, loss, critic)
     full: dict[NestedKey, torch.Tensor | None] = {key: None for key in outputs}
     for mb, sub in zip(plan.micro_batches, plan.split(td)):
         results = {id(actor_critic): actor_critic(actor_critic.select_inputs(sub))}
@@ -71,7 +71,7 @@ def recompute_anchors(
     return td
 
 
-def _anchor_keys(
+def _output_keys(
     actor_critic: LMActorCritic,
     ref_actor: LMActorCritic | None,
     loss: ClipPPOLoss | None,
@@ -80,7 +80,7 @@ def _anchor_keys(
     """Destination key -> (module, the module's output key)."""
     if critic is not None and actor_critic.critic:
         raise ValueError(
-            "recompute_anchors: a separate critic was given but actor_critic computes values too "
+            "recompute_old_log_probs_and_values: a separate critic was given but actor_critic computes values too "
             "(its value head); pass the actor as LMActorCritic(model, critic=False)"
         )
     k = actor_critic.tensor_keys

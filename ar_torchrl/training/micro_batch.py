@@ -1,7 +1,7 @@
-"""Micro-batch geometry shared by the anchor pass and the training forward (docs/design.md section 4).
+"""Micro-batch geometry shared by the old-log-prob pass and the training forward (docs/design.md section 4).
 
 A :class:`MicroBatchPlan` fixes which rows go together and the column span each micro-batch is
-cropped to. Running the anchor pass (:func:`~ar_torchrl.objectives.recompute_anchors`) and the
+cropped to. Running the anchor pass (:func:`~ar_torchrl.objectives.recompute_old_log_probs_and_values`) and the
 training forward over the *same* plan makes the first PPO update see ratio exactly 1: the two
 forwards see identical inputs with identical shapes. Mini-batches for PPO epochs are groups of the
 plan's micro-batches (:meth:`MicroBatchPlan.minibatches`), so shuffling never changes the geometry.
@@ -42,7 +42,7 @@ class MicroBatch:
     ``padding=True`` marks a padding pass of data-parallel training
     (:func:`ar_torchrl.distributed.shard_plan`): a rank with fewer micro-batches than the others
     still runs a forward (and backward) so that every rank makes the same collective calls, but the
-    pass contributes no gradient, no metric and no anchor (:meth:`MicroBatchPlan.scatter` skips it).
+    pass contributes no gradient, no metric and no old log-prob (:meth:`MicroBatchPlan.scatter` skips it).
     """
 
     rows: tuple[int, ...]
@@ -69,7 +69,7 @@ class MicroBatch:
 
 @runtime_checkable
 class Plan(Protocol):
-    """What :func:`~ar_torchrl.training.ppo_update` and the anchors need of a micro-batch plan.
+    """What :func:`~ar_torchrl.training.ppo_update` and the old-log-prob pass need of a micro-batch plan.
 
     :class:`MicroBatchPlan` (one process) and :class:`~ar_torchrl.distributed.ShardedPlan` (this
     rank's share of a plan over several ranks) implement it. ``spans_ranks``: the plan is a rank's
