@@ -36,7 +36,7 @@ Run (from the repository root):
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_staleness.py --quick --backends trainside
 
 Prints a table and writes ``benchmarks/results/bench_staleness[_quick].json`` (``--out``). The
-learning curves of the three modes on the CPU default are ``benchmarks/critic_budget.py --task cpu
+learning curves of the three modes on the CPU default are ``benchmarks/experiments/critic_budget.py --task cpu
 --variants staleness`` (same runner, same table).
 """
 

@@ -15,8 +15,8 @@ import contextlib
 import os
 
 import pytest
-from sglang_double import serve_double
-from sglang_helpers import ParentServer, require_schema, require_sglang_venv
+from support.sglang_double import serve_double
+from support.sglang_helpers import ParentServer, require_schema, require_sglang_venv
 
 from ar_torchrl.backends.sglang.launcher import API_KEY_ENV, launch_sglang_server
 from ar_torchrl.models.tiny import save_tiny_model
@@ -45,10 +45,9 @@ def cache_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def separate_run(tmp_path_factory, cache_dir):
     """One process of the recipe with ``critic=separate`` on the tool task
-    (tests/test_recipe_critic.py's ``SEPARATE``): ``(run directory, history)``; the torchrun test
+    (tests/recipes/test_recipe_critic.py's ``SEPARATE``): ``(run directory, history)``; the torchrun test
     compares 2 ranks with it."""
-    from test_recipe import run_recipe
-    from test_recipe_critic import SEPARATE, TOOL_CONFIG
+    from support.recipe_runs import SEPARATE, TOOL_CONFIG, run_recipe
 
     run_dir = tmp_path_factory.mktemp("separate")
     return run_dir, run_recipe(run_dir, cache_dir, *SEPARATE, config_name=TOOL_CONFIG)[1]
@@ -113,7 +112,7 @@ def second_server(sglang_model_dir, sglang_api_key, tmp_path_factory):
 
 @pytest.fixture
 def sglang_double():
-    """A fresh in-process protocol double (see ``tests/sglang_double.py``)."""
+    """A fresh in-process protocol double (see ``tests/support/sglang_double.py``)."""
     require_schema()
     double, stop = serve_double()
     yield double

@@ -22,7 +22,7 @@ estimator          per-token term                             expected gradient 
                                                               importance weight keeps its gradient
 =================  =========================================  ===========================================
 
-``tests/test_kl.py`` enumerates a small vocabulary and checks each row of this table exactly.
+``tests/functional/test_kl.py`` enumerates a small vocabulary and checks each row of this table exactly.
 """
 
 from __future__ import annotations

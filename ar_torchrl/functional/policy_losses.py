@@ -9,7 +9,7 @@ any ``loss_agg_mode``). A row of ``[B, L]`` is one sequence (an episode, in mult
 
 With ``lr_t = clamp(log pi_t - log pi_old_t, -20, 20)``, ``n`` the row's number of trained tokens,
 ``A_t`` the advantage and ``sg`` the stop-gradient, the per-token gradient of each loss w.r.t.
-``log pi_t`` (the closed forms ``tests/test_policy_losses.py`` checks against autograd):
+``log pi_t`` (the closed forms ``tests/objectives/test_policy_losses.py`` checks against autograd):
 
 =================  ===============================================  ===================================
 loss               per-token loss                                   ``d loss / d log pi_t``

@@ -19,7 +19,7 @@ log pi_rollout_t, -20, 20)`` on a row's trained tokens (a row is one sequence, o
 
 The bounds compare ``exp(lr)`` with ``[low, high]`` directly (verl's ``*_k1`` rejection options
 bound ``-lr``, i.e. the inverse ratio; with their symmetric defaults ``low = 1 / high`` the two
-agree, and ``tests/test_rollout_correction.py`` checks the presets against verl's code).
+agree, and ``tests/functional/test_rollout_correction.py`` checks the presets against verl's code).
 """
 
 from __future__ import annotations

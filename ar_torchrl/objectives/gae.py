@@ -93,7 +93,7 @@ class TokenGAE(ValueEstimatorBase):
         TorchRL 0.14.1 workaround: ``ValueEstimatorBase.set_keys`` checks names against
         ``_AcceptedKeys.__dict__``, which for a dataclass subclass only lists the fields declared in
         the subclass itself, so the inherited keys are re-declared here (pinned by
-        ``tests/test_objectives.py::test_token_gae_set_keys_accepts_inherited_names``).
+        ``tests/objectives/test_objectives.py::test_token_gae_set_keys_accepts_inherited_names``).
         """
 
         advantage: NestedKey = "advantage"

@@ -4,7 +4,7 @@ SGLang 0.5.x validates every ``/generate`` body with the generated msgspec modul
 ``sglang/api/v1/api_types.py`` (``GenerateRequest``, ``GenerateResponse``, ...). That file imports only
 ``msgspec``, so it can be loaded by path with :func:`importlib.util.spec_from_file_location` without
 importing ``sglang`` (which would pull torch 2.14 and triton into the library's environment). The
-light test double (``tests/sglang_double.py``) uses these helpers to stay exactly on protocol.
+light test double (``tests/support/sglang_double.py``) uses these helpers to stay exactly on protocol.
 
 Where the file is looked up, first hit wins:
 

@@ -1,0 +1,317 @@
+"""PPO with the shared value head, PPO with a separate critic, GRPO and RLOO at the same budget
+(``--variants critic``, the default); or sync vs async vs bounded staleness with partial rollouts
+(``--variants staleness``: does staleness break learning?).
+
+Same prompts, samples, iterations and seeds for every variant (only the advantage estimator and
+where the values come from differ); per task:
+
+- ``cpu``: the CPU default (``configs/dapo_ppo.yaml``), ``--iterations`` (default 100, the CI
+  version) over 5 seeds;
+- ``smollm2``: SmolLM2-135M-Instruct on ``--config-name smollm2_arithmetic`` (10 iterations, held-out
+  evaluation every 5) over 3 seeds.
+
+Per run: reward rise (mean reward of the last 20 % of iterations minus the first 20 %), held-out
+greedy accuracy at step 0 and at the end, the run-mean of ``train/explained_variance`` (PPO and the
+critic targets of GRPO/RLOO when a critic is trained; none for critic-free GRPO/RLOO) and seconds per
+iteration (the stages' sum, ``time/*``). Per variant: mean [min, max] over the seeds, and the
+mean curves (sampled reward per iteration, held-out accuracy per evaluation) in one PNG.
+
+Runs live in ``--runs`` (default ``outputs/critic_budget``) with a checkpoint every
+``--checkpoint-every`` iterations: a finished run is not repeated and an unfinished one resumes
+from its checkpoint (``train.resume_from=<run dir>``), so the table can be built over several
+sittings. ``--jobs 2`` runs two at once (then seconds per iteration compare only within a run of the
+script, not with single-job numbers).
+
+Commands::
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/experiments/critic_budget.py --task cpu --jobs 2
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/experiments/critic_budget.py --task cpu --variants staleness
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/experiments/critic_budget.py --task smollm2 --jobs 2
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/experiments/critic_budget.py --task cpu --quick   # smoke test
+    .venv/bin/python benchmarks/experiments/critic_budget.py --task cpu --report-only --write-readme
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # benchmarks/_common.py
+from _common import code_version, machine_info, read_history, replace_marked_block, write_json
+from readme_figures import figures, run_recipe
+from smollm2_curves import seed_mean
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: variant -> recipe overrides (everything else is the task's configuration), per variant set.
+VARIANT_SETS: dict[str, dict[str, tuple[str, ...]]] = {
+    "critic": {
+        "ppo_shared": ("critic=shared",),
+        "ppo_separate": ("critic=separate",),
+        "grpo": ("algo=grpo",),
+        "rloo": ("algo=rloo",),
+    },
+    "staleness": {
+        "sync": (),
+        "async": ("train.mode=async",),
+        "lag2_partial": (
+            "train.mode=async",
+            "train.max_policy_lag=2",
+            "train.partial_rollouts=true",
+        ),
+    },
+}
+VARIANTS = {name: o for variants in VARIANT_SETS.values() for name, o in variants.items()}
+COLORS = {
+    "sync": "tab:blue",
+    "async": "tab:purple",
+    "lag2_partial": "tab:brown",
+    "ppo_shared": "tab:blue",
+    "ppo_separate": "tab:green",
+    "grpo": "tab:orange",
+    "rloo": "tab:red",
+}
+
+#: task -> (config overrides, seeds, iterations, evaluate every, checkpoint every)
+TASKS: dict[str, tuple[tuple[str, ...], int, int, int, int]] = {
+    "cpu": ((), 5, 100, 100, 50),
+    "smollm2": (("--config-name", "smollm2_arithmetic"), 3, 10, 5, 1),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--task", choices=sorted(TASKS), default="cpu")
+    p.add_argument("--variants", choices=sorted(VARIANT_SETS), default="critic")
+    p.add_argument("--only", nargs="+", choices=sorted(VARIANTS), help="these variants only")
+    p.add_argument("--iterations", type=int, default=None, help="default: the task's")
+    p.add_argument("--seeds", type=int, default=None, help="default: the task's")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once")
+    p.add_argument("--runs", type=Path, default=ROOT / "outputs" / "critic_budget")
+    p.add_argument("--quick", action="store_true", help="3 iterations, 1 seed, a temporary dir")
+    p.add_argument("--report-only", action="store_true", help="summarise the runs there, run none")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--png", type=Path, default=None)
+    p.add_argument("--write-readme", action="store_true", help="replace the README's table block")
+    args = p.parse_args(argv)
+    _, seeds, iterations, eval_every, checkpoint_every = TASKS[args.task]
+    args.iterations = args.iterations or iterations
+    args.seeds = args.seeds or seeds
+    args.eval_every = min(eval_every, args.iterations)
+    args.checkpoint_every = min(checkpoint_every, args.iterations)
+    if args.quick:
+        args.iterations, args.seeds, args.eval_every, args.checkpoint_every = 3, 1, 3, 2
+    stem = _stem(args.variants, args.task) + ("_quick" if args.quick else "")
+    args.out = args.out or ROOT / "benchmarks" / "results" / f"{stem}.json"
+    args.png = args.png or args.out.with_suffix(".png")
+    return args
+
+
+def _finished(history: list[dict], iterations: int) -> bool:
+    return sum("rollout/reward_mean" in h for h in history) >= iterations
+
+
+def one_run(args: argparse.Namespace, variant: str, seed: int, run_dir: Path, cache: Path) -> None:
+    """Run ``variant`` with ``seed`` into ``run_dir`` until it has ``args.iterations`` iterations
+    (resuming a stopped run from its checkpoint)."""
+    if _finished(read_history(run_dir), args.iterations):
+        return
+    resume = []
+    if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
+        resume = [f"train.resume_from={run_dir}"]
+    config, *_ = TASKS[args.task]
+    run_recipe(
+        run_dir,
+        cache,
+        *config,
+        f"train.iterations={args.iterations}",
+        f"train.eval_every={args.eval_every}",
+        f"train.checkpoint_every={args.checkpoint_every}",
+        "train.keep_checkpoints=1",
+        "logger=none",
+        f"seed={seed}",
+        *VARIANTS[variant],
+        *resume,
+    )
+
+
+def summarize(history: list[dict]) -> dict:
+    """One run: :func:`readme_figures.figures` plus the run-mean explained variance (``None``
+    without a critic), seconds per iteration and the curves.
+
+    Example:
+        >>> h = [{"step": 0, "eval/accuracy": 0.5}] + [
+        ...     {"step": i, "rollout/reward_mean": i / 10, "rollout/accuracy": 0.5,
+        ...      "train/explained_variance": -0.5, "time/update": 2.0} for i in range(1, 6)]
+        >>> s = summarize(h)
+        >>> round(s["reward_rise"], 2), s["explained_variance"], s["seconds_per_iteration"]
+        (0.4, -0.5, 2.0)
+    """
+    steps = [h for h in history if "rollout/reward_mean" in h]
+    ev = [h["train/explained_variance"] for h in steps if "train/explained_variance" in h]
+    return {
+        **figures(history),
+        "explained_variance": sum(ev) / len(ev) if ev else None,
+        "seconds_per_iteration": sum(
+            v for h in steps for k, v in h.items() if k.startswith("time/")
+        )
+        / max(1, len(steps)),
+        "all_finite": all(
+            math.isfinite(v)
+            for h in history
+            for v in h.values()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        ),
+        "reward_curve": [(h["step"], h["rollout/reward_mean"]) for h in steps],
+        "eval_curve": [(h["step"], h["eval/accuracy"]) for h in history if "eval/accuracy" in h],
+    }
+
+
+def measure(args: argparse.Namespace) -> dict:
+    names = args.only or list(VARIANT_SETS[args.variants])
+    cache = Path(os.environ.get("AR_TORCHRL_CACHE", ROOT / ".cache" / "ar_torchrl"))
+    tmp = tempfile.TemporaryDirectory(prefix="critic_budget_") if args.quick else None
+    runs = Path(tmp.name) if tmp else args.runs / args.task
+    if args.variants != "critic" and not tmp:
+        runs = args.runs.parent / args.variants / args.task
+    dirs = {
+        (name, seed): runs / f"{name}_it{args.iterations}_s{seed}"
+        for name in names
+        for seed in range(args.seeds)
+    }
+    if not args.report_only:
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            futures = [
+                pool.submit(one_run, args, name, seed, run_dir, cache)
+                for (name, seed), run_dir in dirs.items()
+            ]
+            for future in futures:
+                future.result()
+    results: dict[str, list[dict]] = {}
+    for (name, seed), run_dir in dirs.items():
+        history = read_history(run_dir)
+        if _finished(history, args.iterations):
+            results.setdefault(name, []).append({"seed": seed, **summarize(history)})
+    if tmp:
+        tmp.cleanup()
+    return {
+        "machine": machine_info(),
+        "code": code_version(),
+        "task": args.task,
+        "variant_set": args.variants,
+        "iterations": args.iterations,
+        "variants": {
+            name: {"overrides": list(VARIANTS[name]), "runs": results[name]}
+            for name in names
+            if name in results
+        },
+    }
+
+
+def _span(xs: list[float], fmt: str) -> str:
+    if not xs:
+        return "-"
+    if len(xs) == 1:
+        return format(xs[0], fmt)
+    return f"{format(sum(xs) / len(xs), fmt)} [{format(min(xs), fmt)}, {format(max(xs), fmt)}]"
+
+
+def table(result: dict) -> str:
+    """A markdown table: one row per variant (mean and [min, max] over its seeds)."""
+    lines = [
+        "| variant | overrides | seeds | reward rise | held-out acc. start -> end | "
+        "`train/explained_variance` | s / iteration | finite |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, v in result["variants"].items():
+        runs = v["runs"]
+        ev = [r["explained_variance"] for r in runs if r["explained_variance"] is not None]
+        acc0 = _span([r["eval_accuracy_start"] or 0.0 for r in runs], ".2f")
+        acc1 = _span([r["eval_accuracy_end"] or 0.0 for r in runs], ".2f")
+        lines.append(
+            f"| {name} | {' '.join(f'`{o}`' for o in v['overrides'])} | {len(runs)} | "
+            f"{_span([r['reward_rise'] for r in runs], '+.2f')} | {acc0} -> {acc1} | "
+            f"{_span(ev, '.3f')} | {_span([r['seconds_per_iteration'] for r in runs], '.2f')} | "
+            f"{'yes' if all(r['all_finite'] for r in runs) else 'NO'} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(result: dict, png: Path) -> None:
+    """Left: sampled reward per iteration (mean over seeds, each run thin); right: held-out
+    greedy accuracy per evaluation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for name, v in result["variants"].items():
+        color, runs = COLORS.get(name), v["runs"]
+        for r in runs:
+            left.plot(*zip(*r["reward_curve"]), color=color, alpha=0.15, lw=0.6)
+        label = f"{name} ({len(runs)} seeds)"
+        left.plot(*seed_mean([r["reward_curve"] for r in runs]), color=color, lw=1.6, label=label)
+        right.plot(
+            *seed_mean([r["eval_curve"] for r in runs]),
+            color=color,
+            lw=1.6,
+            marker="o",
+            label=label,
+        )
+    left.set(title=f"sampled reward ({result['task']})", xlabel="iteration", ylim=(-1.05, 1.05))
+    right.set(title="greedy held-out accuracy", xlabel="iteration", ylim=(0, 1.02))
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=80)
+    plt.close(fig)
+
+
+def _stem(variants: str, task: str) -> str:
+    return f"{'critic_budget' if variants == 'critic' else variants}_{task}"
+
+
+def begin_end(stem: str) -> tuple[str, str]:
+    return f"<!-- {stem}:begin -->", f"<!-- {stem}:end -->"
+
+
+def readme_block(result: dict) -> str:
+    stem = _stem(result.get("variant_set", "critic"), result["task"])
+    m, (begin, end) = result["machine"], begin_end(stem)
+    return (
+        f"{begin}\n{table(result)}\n\n{result['iterations']} iterations per run, mean [min, max] over "
+        f"the seeds; written by `OMP_NUM_THREADS=1 .venv/bin/python benchmarks/experiments/critic_budget.py "
+        f"--task {result['task']} --variants {result.get('variant_set', 'critic')} --jobs 2 "
+        f"--write-readme` (`benchmarks/results/{stem}.json`; torch {m['torch']}, "
+        f"{m['cpu_count']} cores).\n{end}"
+    )
+
+
+def write_readme(block: str, stem: str, readme: Path = ROOT / "README.md") -> None:
+    """Replace the README's ``<stem>`` block (e.g. ``critic_budget_cpu``) with ``block``."""
+    replace_marked_block(readme, *begin_end(stem), block)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    result = measure(args)
+    if not result["variants"]:
+        raise SystemExit(f"no finished run under {args.runs / args.task}")
+    write_json(result, args.out)
+    plot(result, args.png)
+    print(table(result))
+    if args.write_readme:
+        write_readme(readme_block(result), _stem(args.variants, args.task))
+    print(f"\nwrote {args.out} and {args.png}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

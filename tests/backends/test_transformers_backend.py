@@ -1,0 +1,347 @@
+"""TransformersBackend: log-probs vs a plain full forward, EOS/stop handling, padding, top-k/top-p, seeds."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ar_torchrl.backends import SamplingParams, TransformersBackend, next_token_log_probs
+from ar_torchrl.backends.transformers.kv_cache import PreallocatedLayer
+from ar_torchrl.models.tiny import build_tiny_qwen3
+from ar_torchrl.modules import attach_value_head
+from ar_torchrl.weight_sync import WeightSyncError, named_policy_tensors
+
+torch.set_num_threads(1)
+
+VOCAB = 99
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]  # ragged
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_tiny_qwen3(VOCAB, seed=0)
+
+
+def reference_log_probs(model, prompt, completion, sampling) -> torch.Tensor:
+    """Plain full forward of prompt + completion (no padding, no cache), fp32 log-softmax at T."""
+    seq = torch.tensor([list(prompt) + list(completion)])
+    with torch.no_grad():
+        logits = model(seq).logits[0].float()
+    steps = logits[len(prompt) - 1 : -1]  # logits at t-1 predict token t
+    return next_token_log_probs(steps, sampling).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def hand_filtered_probs(
+    logits: list[float], temperature: float, top_k: int, top_p: float
+) -> list[float]:
+    """Obviously-correct twin of next_token_log_probs for one row (Python floats, loops)."""
+    scaled = [x / temperature for x in logits]
+    keep = set(range(len(scaled)))
+    if top_k != -1:
+        kth = sorted(scaled, reverse=True)[top_k - 1]
+        keep = {i for i in keep if scaled[i] >= kth}
+    if top_p < 1.0:
+        z = sum(math.exp(scaled[i]) for i in keep)
+        mass, kept = 0.0, set()
+        for i in sorted(keep, key=lambda i: -scaled[i]):
+            if mass < top_p:
+                kept.add(i)
+            mass += math.exp(scaled[i]) / z
+        keep = kept
+    z = sum(math.exp(scaled[i]) for i in keep)
+    return [math.exp(scaled[i]) / z if i in keep else 0.0 for i in range(len(scaled))]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_log_probs_match_full_forward_including_first_token(model, temperature):
+    sampling = SamplingParams(max_new_tokens=12, temperature=temperature, seed=3)
+    out = TransformersBackend(model).generate(PROMPTS, n=2, sampling=sampling)
+    assert [c.prompt_index for c in out] == [0, 0, 1, 1, 2, 2]
+    for c in out:
+        ref = reference_log_probs(model, PROMPTS[c.prompt_index], c.token_ids, sampling)
+        torch.testing.assert_close(torch.tensor(c.log_probs), ref, atol=1e-5, rtol=0)
+        assert c.log_probs[0] < 0  # the first generated token has a real log-prob, not 0
+
+
+def test_greedy_matches_hf_generate(model):
+    sampling = SamplingParams(max_new_tokens=10, temperature=0.0)
+    out = TransformersBackend(model).generate(PROMPTS, n=1, sampling=sampling)
+    for c in out:
+        prompt = torch.tensor([PROMPTS[c.prompt_index]])
+        ref = model.generate(
+            prompt, max_new_tokens=10, do_sample=False, eos_token_id=2, pad_token_id=0
+        )
+        assert c.token_ids == ref[0, prompt.shape[1] :].tolist()
+
+
+def test_stop_tokens_are_kept_and_end_the_completion(model):
+    stops = tuple(range(20, 60))  # frequent enough that most completions stop early
+    sampling = SamplingParams(max_new_tokens=16, temperature=1.0, stop_token_ids=stops, seed=0)
+    out = TransformersBackend(model).generate(PROMPTS, n=4, sampling=sampling)
+    reasons = {c.finish_reason for c in out}
+    assert reasons == {"stop", "length"} or reasons == {"stop"}
+    for c in out:
+        hits = [i for i, t in enumerate(c.token_ids) if t in stops or t == 2]
+        if c.finish_reason == "stop":
+            assert hits == [len(c) - 1]  # the stop token is kept, and it is the last one
+        else:
+            assert hits == [] and len(c) == 16
+        ref = reference_log_probs(model, PROMPTS[c.prompt_index], c.token_ids, sampling)
+        torch.testing.assert_close(torch.tensor(c.log_probs), ref, atol=1e-5, rtol=0)
+
+
+def test_finished_rows_are_dropped_and_results_do_not_change(model, monkeypatch):
+    # Greedy rows of this model repeat one token; these stop ids end two of the eight rows at
+    # once and one at step 7, so the loop drops finished rows from the batch (the cache's
+    # batch_select_indices runs). Every row must still decode as it does alone, and as
+    # `model.generate` decodes it.
+    stops = (49, 18, 3)
+    calls = []
+    original = PreallocatedLayer.batch_select_indices
+    monkeypatch.setattr(
+        PreallocatedLayer,
+        "batch_select_indices",
+        lambda self, idx: calls.append(len(idx)) or original(self, idx),
+    )
+    greedy = SamplingParams(max_new_tokens=16, temperature=0.0, stop_token_ids=stops)
+    prompts = PROMPTS + [[p + 1 for p in row] for row in PROMPTS] + [[3, 4, 5], [60, 61]]
+    batched = TransformersBackend(model).generate(prompts, 1, greedy)
+    assert calls, "no row was dropped: the test does not exercise the shrinking batch"
+    assert len({len(c) for c in batched}) > 1
+    for c in batched:
+        alone = TransformersBackend(model).generate([prompts[c.prompt_index]], 1, greedy)[0]
+        assert c.token_ids == alone.token_ids
+        torch.testing.assert_close(
+            torch.tensor(c.log_probs), torch.tensor(alone.log_probs), atol=1e-5, rtol=0
+        )
+        ref = model.generate(
+            torch.tensor([prompts[c.prompt_index]]),
+            max_new_tokens=16,
+            do_sample=False,
+            eos_token_id=[2, *stops],
+            pad_token_id=0,
+        )
+        assert c.token_ids == ref[0, len(prompts[c.prompt_index]) :].tolist()
+
+
+def test_preallocated_cache_layer_equals_the_dynamic_layer():
+    from transformers.cache_utils import DynamicLayer
+
+    ours, ref = PreallocatedLayer(capacity=6), DynamicLayer()
+    steps = [torch.randn(3, 2, 4, 5), torch.randn(3, 2, 1, 5), torch.randn(3, 2, 1, 5)]
+    for k in steps:
+        got, want = ours.update(k, -k), ref.update(k, -k)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert ours.get_seq_length() == ref.get_seq_length()
+        assert ours.get_mask_sizes(1) == ref.get_mask_sizes(1)
+    keep = torch.tensor([2, 0])
+    ours.batch_select_indices(keep)
+    ref.batch_select_indices(keep)
+    assert torch.equal(ours.keys, ref.keys) and torch.equal(ours.values, ref.values)
+    with pytest.raises(RuntimeError, match="7 positions exceed the capacity of 6"):
+        ours.update(torch.randn(2, 2, 1, 5), torch.randn(2, 2, 1, 5))
+
+
+def test_eos_override_and_pad_equal_eos(model):
+    # A tokenizer with pad == eos: the EOS token (which equals the pad id) stays in the completion.
+    eos = 44
+    sampling = SamplingParams(max_new_tokens=30, temperature=1.5, seed=1)
+    backend = TransformersBackend(model, eos_token_id=eos, pad_token_id=eos)
+    out = backend.generate(PROMPTS, n=4, sampling=sampling)
+    stopped = [c for c in out if c.finish_reason == "stop"]
+    assert stopped, "expected some completions to hit EOS"
+    assert all(c.token_ids[-1] == eos and eos not in c.token_ids[:-1] for c in stopped)
+
+
+def test_results_do_not_depend_on_the_pad_id(model):
+    # The pad id is only ever written under a False attention mask; sampled tokens equal to it
+    # (here: every id in turn is a candidate) are tracked by length, never dropped.
+    sampling = SamplingParams(max_new_tokens=12, temperature=1.0, seed=5)
+    base = TransformersBackend(model, pad_token_id=0).generate(PROMPTS, 3, sampling)
+    sampled = {t for c in base for t in c.token_ids}
+    pad = next(iter(sorted(sampled - {2})))
+    other = TransformersBackend(model, pad_token_id=pad).generate(PROMPTS, 3, sampling)
+    assert [c.token_ids for c in other] == [c.token_ids for c in base]
+    assert any(pad in c.token_ids for c in other)
+    for a, b in zip(base, other):
+        torch.testing.assert_close(
+            torch.tensor(a.log_probs), torch.tensor(b.log_probs), atol=1e-6, rtol=0
+        )
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(5, 1.0), (-1, 0.6), (7, 0.8), (1, 1.0)])
+def test_top_k_top_p_against_hand_loop(top_k, top_p):
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 20, generator=gen) * 2
+    sampling = SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p)
+    probs = next_token_log_probs(logits, sampling).exp()
+    for row in range(4):
+        hand = hand_filtered_probs(logits[row].tolist(), 0.8, top_k, top_p)
+        torch.testing.assert_close(probs[row], torch.tensor(hand), atol=1e-6, rtol=0)
+
+
+def test_default_log_probs_are_unfiltered_temperature_scaled_under_top_k_top_p(model):
+    # The project's convention (and SGLang's): log softmax(logits / T) of the unfiltered
+    # distribution, also when top-k/top-p filter what is sampled.
+    sampling = SamplingParams(max_new_tokens=10, temperature=0.9, top_k=3, top_p=0.9, seed=2)
+    out = TransformersBackend(model).generate(PROMPTS, n=3, sampling=sampling)
+    unfiltered = SamplingParams(temperature=0.9)
+    for c in out:
+        filtered = reference_log_probs(model, PROMPTS[c.prompt_index], c.token_ids, sampling)
+        assert torch.isfinite(filtered).all()  # every sampled token is inside the filtered support
+        ref = reference_log_probs(model, PROMPTS[c.prompt_index], c.token_ids, unfiltered)
+        torch.testing.assert_close(torch.tensor(c.log_probs), ref, atol=1e-5, rtol=0)
+
+
+def test_processed_logprob_mode_reports_the_filtered_distribution(model):
+    sampling = SamplingParams(max_new_tokens=8, temperature=0.9, top_k=4, seed=2)
+    default = TransformersBackend(model).generate(PROMPTS, 2, sampling)
+    processed = TransformersBackend(model, logprob_mode="processed").generate(PROMPTS, 2, sampling)
+    for a, b in zip(default, processed):
+        assert a.token_ids == b.token_ids  # same draws, only the reported log-prob differs
+        ref = reference_log_probs(model, PROMPTS[b.prompt_index], b.token_ids, sampling)
+        torch.testing.assert_close(torch.tensor(b.log_probs), ref, atol=1e-5, rtol=0)
+        assert all(x >= y - 1e-6 for x, y in zip(b.log_probs, a.log_probs))  # renormalised >= raw
+        assert b.log_probs != a.log_probs
+    with pytest.raises(ValueError, match="logprob_mode must be 'temperature' or 'processed'"):
+        TransformersBackend(model, logprob_mode="filtered")
+
+
+def test_seeding(model):
+    seeded = SamplingParams(max_new_tokens=10, seed=7)
+    a = TransformersBackend(model).generate(PROMPTS, 2, seeded)
+    b = TransformersBackend(model, seed=123).generate(PROMPTS, 2, seeded)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]  # per-call seed wins
+    unseeded = SamplingParams(max_new_tokens=10)
+    x, y = TransformersBackend(model, seed=1), TransformersBackend(model, seed=1)
+    first, second = x.generate(PROMPTS, 2, unseeded), x.generate(PROMPTS, 2, unseeded)
+    assert [c.token_ids for c in first] != [c.token_ids for c in second]  # the stream advances
+    assert [c.token_ids for c in y.generate(PROMPTS, 2, unseeded)] == [c.token_ids for c in first]
+    state = x.state_dict()
+    third = x.generate(PROMPTS, 2, unseeded)
+    y.load_state_dict(state)
+    assert [c.token_ids for c in y.generate(PROMPTS, 2, unseeded)] == [c.token_ids for c in third]
+
+
+def test_max_batch_size_chunks_give_the_same_greedy_output(model):
+    sampling = SamplingParams(max_new_tokens=8, temperature=0.0)
+    whole = TransformersBackend(model).generate(PROMPTS, 2, sampling)
+    chunked = TransformersBackend(model, max_batch_size=4).generate(PROMPTS, 2, sampling)
+    assert [c.token_ids for c in whole] == [c.token_ids for c in chunked]
+
+
+def lp(completions) -> list[list[float]]:
+    return [c.log_probs for c in completions]
+
+
+def test_copy_mode_sync_loads_new_weights_and_drops_value_head():
+    trainer = attach_value_head(build_tiny_qwen3(VOCAB, seed=1))
+    backend = TransformersBackend(build_tiny_qwen3(VOCAB, seed=0), mode="copy")
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
+    copy_backend = TransformersBackend(trainer)
+    assert hasattr(trainer, "value_head") and not hasattr(copy_backend.model, "value_head")
+    assert copy_backend.model is not trainer and not any(
+        p.requires_grad for p in copy_backend.model.parameters()
+    )
+    expected = copy_backend.generate(PROMPTS, 1, greedy)
+    before = backend.generate(PROMPTS, 1, greedy)
+    assert lp(before) != lp(expected)
+    backend.sync_weights(trainer.state_dict().items(), version=3)  # raw state_dict: head dropped
+    after = backend.generate(PROMPTS, 1, greedy)
+    assert [c.token_ids for c in after] == [c.token_ids for c in expected]
+    assert lp(after) == lp(expected)
+    assert backend.policy_version == 3 and after[0].policy_version == 3
+
+
+def test_rejected_syncs_keep_the_version():
+    backend = TransformersBackend(build_tiny_qwen3(VOCAB, seed=0), mode="copy")
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
+    before = lp(backend.generate(PROMPTS, 1, greedy))
+    other = list(named_policy_tensors(build_tiny_qwen3(VOCAB, seed=2)))
+    first = other[0][0]
+    # refused at the first tensor: nothing copied, generation goes on with the old weights
+    with pytest.raises(WeightSyncError, match=rf"shape of '{first}' is \(3,\)") as info:
+        backend.sync_weights([(first, torch.zeros(3)), *other[1:]], 4)
+    assert not info.value.partial and backend.policy_version == 0
+    assert lp(backend.generate(PROMPTS, 1, greedy)) == before
+    # refused after some tensors were copied: partial, generation refused until a good sync
+    with pytest.raises(WeightSyncError, match=r"missing \['lm_head.weight'\]") as info:
+        backend.sync_weights([(n, t) for n, t in other if n != "lm_head.weight"], 4)
+    assert info.value.partial and backend.policy_version == 0
+    with pytest.raises(WeightSyncError, match="failed part-way"):
+        backend.generate(PROMPTS, 1, greedy)
+    backend.sync_weights(other, 5)
+    assert backend.policy_version == 5 and lp(backend.generate(PROMPTS, 1, greedy)) != before
+
+
+def test_copy_mode_consumes_the_tensors_one_at_a_time():
+    trainer = build_tiny_qwen3(VOCAB, seed=1)
+    backend = TransformersBackend(build_tiny_qwen3(VOCAB, seed=0), mode="copy")
+    rollout = backend.model.state_dict()
+    copied_before_next = []
+
+    def stream():
+        previous = None
+        for name, tensor in named_policy_tensors(trainer):
+            if previous is not None:  # the previous tensor is already in the rollout model
+                copied_before_next.append(
+                    torch.equal(rollout[previous], trainer.state_dict()[previous])
+                )
+            previous = name
+            yield name, tensor
+
+    backend.sync_weights(stream(), version=1)
+    assert copied_before_next and all(copied_before_next)
+
+
+def test_share_mode_samples_from_the_trainer_module(model):
+    backend = TransformersBackend(model, mode="share")
+    assert backend.model is model
+    backend.sync_weights(named_policy_tensors(model), version=1)
+    assert backend.policy_version == 1
+
+
+def test_bad_arguments(model):
+    backend = TransformersBackend(model)
+    with pytest.raises(ValueError, match=r"prompts \[1\] are empty"):
+        backend.generate([[1, 2], []], 1, SamplingParams())
+    with pytest.raises(ValueError, match="n must be >= 1, got 0"):
+        backend.generate([[1, 2]], 0, SamplingParams())
+    with pytest.raises(ValueError, match="mode must be 'copy' or 'share', got 'ref'"):
+        TransformersBackend(model, mode="ref")
+
+
+@pytest.mark.slow  # a benchmark script or a multi-process run: full tier only
+def test_benchmark_script_runs_quick(tmp_path):
+    """Smoke test so ``benchmarks/bench_trainside_generate.py`` can't rot (no timing asserted)."""
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_trainside_generate.py"
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, str(script), "--quick", "--models", "tiny_h64_l2", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["results"]
+    assert {r["path"] for r in rows} == {
+        "backend",
+        "backend_legacy",
+        "hf_generate",
+        "hf_generate_logprobs",
+    }
+    assert all(0 < r["tokens"] <= 4 * 2 * 16 and r["tokens_per_s"] > 0 for r in rows)
+    assert all(r["tokens_per_s"] == pytest.approx(r["tokens"] / r["seconds"]) for r in rows)
+
+
+def test_list_of_eos_ids_from_the_generation_config():
+    model = build_tiny_qwen3(VOCAB, seed=0)
+    model.generation_config.eos_token_id = [2, 30, 31, 32, 33, 34, 35]  # Qwen configs list several
+    backend = TransformersBackend(model)
+    assert backend.eos_token_ids == (2, 30, 31, 32, 33, 34, 35)
+    out = backend.generate(PROMPTS, 4, SamplingParams(max_new_tokens=40, temperature=1.5, seed=0))
+    stopped = [c for c in out if c.finish_reason == "stop"]
+    assert stopped and all(c.token_ids[-1] in backend.eos_token_ids for c in stopped)
+    assert all(not set(c.token_ids[:-1]) & set(backend.eos_token_ids) for c in out)

@@ -1,0 +1,122 @@
+"""Smoke tests: ``benchmarks/bench_multi_turn.py --quick`` runs and writes a consistent JSON (so it
+can't rot); no timings are asserted, only the structure and the invariants of the token counts
+(every turn runs to its cap, the contexts grow by the earlier turns and the tool deltas)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ar_torchrl.models import build_char_tokenizer
+from ar_torchrl.tools.template import tool_delta_ids
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_multi_turn.py"
+KS = (1, 2, 4)
+T, B = 48, 4  # --quick
+
+
+def run_quick(tmp_path: Path, *args: str) -> dict:
+    out = tmp_path / "bench_multi_turn.json"
+    cmd = [sys.executable, str(SCRIPT), "--quick", "--reps", "1", "--out", str(out), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ratio = time(K turns) / time(1 generation)" in proc.stdout
+    return json.loads(out.read_text())
+
+
+def submitted_tokens(prompt: int, k: int, delta: int, short_deltas: int = 0) -> int:
+    """Prompt tokens sent over the k turns of B episodes: turn j sends the prompt, j turns of
+    T // k tokens and j tool deltas (a turn that sampled EOS last gets a delta 1 token shorter)."""
+    return B * sum(prompt + j * (T // k + delta) for j in range(k)) - short_deltas
+
+
+def check(data: dict, backends: list[str]) -> None:
+    cfg, result = data["config"], data["results"]
+    assert cfg["quick"] and cfg["reps"] == 1 and cfg["threads"] == 1 and cfg["backends"] == backends
+    assert (cfg["total_tokens"], cfg["episodes"], cfg["ks"]) == (T, B, list(KS))
+    assert len(cfg["commit"]) == 40 and not cfg["eos_stops"]
+    delta = tool_delta_ids(build_char_tokenizer(), ["42"], include_end_of_turn=True)
+    assert cfg["tool_delta_tokens"] == len(delta)
+    rows = {(r["backend"], r["turns"]): r for r in result["rows"]}
+    assert sorted(rows) == sorted((b, k) for b in backends for k in KS)
+    assert set(result["ratios"]) == set(backends)
+    for name in backends:
+        assert set(result["ratios"][name]) == {str(k) for k in KS}
+        assert result["ratios"][name]["1"] == 1.0
+        for k in KS:
+            r = rows[name, k]
+            (rep,) = r["reps"]
+            assert result["ratios"][name][str(k)] == r["ratio"] > 0
+            assert r["ratio_reps"] == [r["ratio"]]
+            assert r["ratio"] == pytest.approx(rep["seconds"] / rows[name, 1]["reps"][0]["seconds"])
+            # EOS is switched off: every episode generates exactly T tokens in k turns of T // k
+            assert r["max_new_tokens_per_turn"] == T // k
+            assert rep["generated_tokens"] == r["generated_tokens"] == B * T
+            assert rep["min_episode_tokens"] == rep["max_episode_tokens"] == T
+            assert rep["finish_reasons"] == {"length": B * k} and len(rep["turn_seconds"]) == k
+            assert r["ms_per_generated_token"] == pytest.approx(
+                1e3 * rep["seconds"] / rep["generated_tokens"]
+            )
+            assert r["ms_per_episode"] == pytest.approx(1e3 * rep["seconds"] / B)
+            assert 0 < sum(rep["turn_seconds"]) <= rep["seconds"]
+            full = submitted_tokens(cfg["prompt_tokens"], k, len(delta))
+            # up to one token shorter per delta where a turn's last sampled token was the EOS id
+            assert full - B * (k - 1) <= rep["submitted_prompt_tokens"] <= full
+            if name == "trainside":  # no cache between calls: every turn prefills its context
+                assert rep["cached_tokens"] is None
+                assert rep["prefilled_tokens"] == rep["submitted_prompt_tokens"]
+                assert rep["prefill_forwards"] == k  # one prefill forward per generate call
+                assert 0 < rep["prefill_seconds"] < sum(rep["turn_seconds"])
+            else:  # SGLang's radix cache: later turns reuse the earlier turns' prefix
+                assert rep["prefill_seconds"] is None and rep["prefill_forwards"] is None
+                assert 0 <= rep["cached_tokens"] < rep["submitted_prompt_tokens"]
+                assert (
+                    rep["prefilled_tokens"] == rep["submitted_prompt_tokens"] - rep["cached_tokens"]
+                )
+                if k > 1:  # at least the prompt of every episode is cached for turns 2..k
+                    assert rep["cached_tokens"] >= B * (k - 1) * cfg["prompt_tokens"]
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+def test_bench_multi_turn_quick_both_backends(tmp_path, sglang_server):
+    # both backends in one run (the trainside one alone would repeat its half: CI time); the
+    # script syncs the trainside model's weights into the server before timing
+    data = run_quick(tmp_path, "--backends", "trainside,sglang", "--url", sglang_server.url)
+    check(data, ["trainside", "sglang"])
+    assert data["config"]["sglang_version"] and data["config"]["url"] == sglang_server.url
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--backends", "sglang"], "--backends has sglang: pass --url URL of a running server"),
+        (["--backends", "trainside,vllm"], r"--backends must be distinct names of"),
+        (["--launch", "--url", "http://127.0.0.1:1"], "--url and --launch exclude each other"),
+        (["--backends", "trainside", "--launch"], r"--url/--launch given but --backends is"),
+        (["--backends", "trainside", "--ks", "2,4"], r"including 1 \(the reference\)"),
+        (["--backends", "trainside", "--total-tokens", "10"], r"not divisible by K=\[4\]"),
+    ],
+    ids=[
+        "sglang-without-server",
+        "unknown-backend",
+        "url-and-launch",
+        "launch-without-sglang",
+        "no-k-1",
+        "t-not-divisible",
+    ],
+)
+def test_bench_multi_turn_rejects_bad_arguments(argv, message, capsys):
+    bench = importlib.import_module("bench_multi_turn")  # benchmarks/ is on pytest's path
+    with pytest.raises(SystemExit) as exit_info:
+        bench.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)

@@ -1,0 +1,267 @@
+"""ToolEnv: multi-turn tool-use episodes (one TorchRL step per turn), token-in/token-out, tool
+tokens untrained, per-turn rewards, every tool fault as a message and a counter, episodes that
+never stop, and the TorchRL conventions (check_env_specs, TransformedEnv)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+
+import pytest
+import torch
+from torchrl.envs import RewardScaling, TransformedEnv
+from torchrl.envs.utils import check_env_specs
+
+from ar_torchrl.backends import Completion, GenerationBackend, SamplingParams, TransformersBackend
+from ar_torchrl.data.tasks import tool_arithmetic_rows
+from ar_torchrl.envs import ToolEnv
+from ar_torchrl.models import build_char_tokenizer, build_tiny_qwen3
+from ar_torchrl.rewards.math import ArithmeticReward
+from ar_torchrl.tools import TOOLS, ToolConfig, register_tool
+from ar_torchrl.tools.template import render_ids
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_char_tokenizer()
+
+
+class ToolScript(GenerationBackend):
+    """Test double on the GenerationBackend protocol (one completion per episode and turn, EOS
+    kept with "stop", capped with "length"): turn ``k`` of an episode says ``script(problem, k)``,
+    read from the episode's own ids, so multi-turn token-in/token-out can be checked exactly.
+    ``calls`` records every prompt it was given (finished episodes must not come back)."""
+
+    def __init__(self, tokenizer, script):
+        super().__init__(None)
+        self.tokenizer, self.script, self.calls = tokenizer, script, []
+
+    def _generate(self, prompts, n, sampling):
+        out = []
+        for i, prompt in enumerate(prompts):
+            text = self.tokenizer.decode(prompt)
+            a, b = map(int, re.search(r"Compute (\d+) \* (\d+)\.", text).groups())
+            turn = text.count("<|im_start|>assistant") - 1
+            self.calls.append((a, b, turn))
+            ids = self.tokenizer(self.script(a, b, turn), add_special_tokens=False)["input_ids"]
+            ids = ids + [self.tokenizer.eos_token_id]
+            cut = ids[: sampling.max_new_tokens]
+            finish = "stop" if len(cut) == len(ids) else "length"
+            out.append(Completion(i, cut, [-0.25] * len(cut), finish))
+        return out
+
+
+def call(expr):
+    return f'<tool name="calculator">{expr}</tool>'
+
+
+def two_turns(a, b, turn):
+    return call(f"{a}*{b}") if turn == 0 else f"Answer: {a * b}"
+
+
+def make_env(tok, script, **kwargs):
+    defaults = dict(
+        toolbox=ToolConfig().build(),
+        reward_fn=ArithmeticReward(),
+        num_samples=2,
+        prompts_per_batch=2,
+        sampling=SamplingParams(max_new_tokens=48),
+        max_turns=4,
+        max_total_tokens=512,
+    )
+    backend = ToolScript(tok, script)
+    return ToolEnv(tool_arithmetic_rows(6, seed=1), tok, backend, **{**defaults, **kwargs})
+
+
+def test_two_turn_episodes_are_token_in_token_out_with_untrained_tool_tokens(tok):
+    env = make_env(tok, two_turns)
+    td = env.collect()
+    assert td.batch_size[0] == 4 and set(td["turn_id"].unique().tolist()) == {-1, 0, 1}
+    for b in range(4):
+        row = td[b]
+        ids = row["tokens"][row["attention_mask"]].tolist()
+        problem = env.dataset[int(row["prompt_id"][0])]["extra_info"]["problem"]
+        a, b_ = map(int, problem.split(" * "))
+        # the trajectory is exactly prompt + sampled turn 0 + the template's tool delta + turn 1
+        messages = [
+            *env.dataset[int(row["prompt_id"][0])]["prompt"],
+            {"role": "assistant", "content": call(f"{a}*{b_}")},
+            {"role": "tool", "content": str(a * b_)},
+            {"role": "assistant", "content": f"Answer: {a * b_}"},
+        ]
+        rendered = render_ids(tok, messages, add_generation_prompt=False)
+        assert ids == rendered[: len(ids)] and len(rendered) - len(ids) == 1  # the closing "\n"
+        trained = row["tokens"][row["loss_mask"]].tolist()
+        assert tok.decode(trained) == f"{call(f'{a}*{b_}')}<|im_end|>Answer: {a * b_}<|im_end|>"
+        tool = row["tokens"][row["attention_mask"] & ~row["loss_mask"]]
+        assert str(a * b_) in tok.decode(tool.tolist())  # the calculator's answer: not trained
+        assert (row["turn_id"][~row["loss_mask"]] == -1).all()
+        # the outcome reward on the last trained token, nothing elsewhere
+        last = int(row["loss_mask"].nonzero()[-1])
+        assert row["next", "reward"][last, 0] == 1.0 and row["next", "reward"].sum() == 1.0
+        assert bool(row["next", "terminated"][last, 0])
+
+
+def test_rows_finish_at_different_turns_and_finished_rows_stop_generating(tok):
+    def script(a, b, turn):  # an even first operand answers at once, an odd one calls twice
+        if a % 2 == 0:
+            return f"Answer: {a * b}"
+        return call(f"{a}*{b}") if turn < 2 else f"Answer: {a * b}"
+
+    env = make_env(tok, script)
+    td = env.collect()
+    turns = td["turn_id"].max(-1).values + 1
+    problems = [env.dataset[int(i)]["extra_info"]["problem"] for i in td["prompt_id"][:, 0]]
+    want = [1 if int(p.split()[0]) % 2 == 0 else 3 for p in problems]
+    assert turns.tolist() == want
+    calls_per_episode = {}
+    for a, b, turn in env.backend.calls:
+        calls_per_episode.setdefault((a, b), set()).add(turn)
+    for (a, _), seen in calls_per_episode.items():  # no generation after an episode ended
+        assert seen == ({0} if a % 2 == 0 else {0, 1, 2})
+
+
+def test_an_episode_that_never_stops_is_truncated_by_max_turns_and_by_max_total_tokens(tok):
+    always = make_env(tok, lambda a, b, t: call(f"{a}*{b}"), max_turns=3)
+    td = always.collect()
+    assert (td["turn_id"].max(-1).values == 2).all()  # three turns, then cut
+    assert not td["next", "terminated"].any() and td["next", "truncated"].any(-2).all()
+    samples = always.samples(always.episodes(always.rollout(always.max_turns)))
+    assert all(s.finish_reason == "length" and s.extra["tool_calls"] == 3 for s in samples)
+    tight = make_env(tok, lambda a, b, t: call(f"{a}*{b}"), max_turns=10, max_total_tokens=260)
+    td = tight.collect()
+    assert (td["attention_mask"].sum(-1) <= 260).all() and not td["next", "terminated"].any()
+    capped = make_env(tok, two_turns, sampling=SamplingParams(max_new_tokens=5))
+    td = capped.collect()  # a turn cut by the per-turn cap ends the episode, truncated
+    assert (td["turn_id"].max(-1).values == 0).all() and not td["next", "terminated"].any()
+
+
+def test_the_template_check_raises_on_an_unstable_template_not_on_turns_text_cannot_reproduce():
+    from support.chat_templates import STRIP_HISTORY_THINK
+
+    from ar_torchrl.tools.template import PrefixMismatchError
+
+    def thinking(a, b, turn):  # reasoning the template drops from every turn but the last
+        return f"<think>hm</think>{call(f'{a}*{b}')}" if turn == 0 else f"Answer: {a * b}"
+
+    unstable = build_char_tokenizer()
+    unstable.chat_template = STRIP_HISTORY_THINK
+    wide = {"sampling": SamplingParams(max_new_tokens=64)}
+    with pytest.raises(PrefixMismatchError, match="not prefix-stable"):
+        make_env(unstable, thinking, **wide).collect()
+    with pytest.warns(UserWarning, match="not prefix-stable"):
+        assert make_env(unstable, thinking, template_check="warn", **wide).collect().shape[0] == 4
+    assert make_env(unstable, thinking, template_check="off", **wide).collect().shape[0] == 4
+
+    # a special token sampled mid-turn (its decoded text drops it): a fact about the sample, not
+    # the template; the episode keeps its sampled ids and the check covers the turns before it
+    tok = build_char_tokenizer()
+
+    def stray(a, b, turn):
+        return call(f"{a}*{b}") if turn == 0 else f"Answer: <|im_start|>{a * b}"
+
+    td = make_env(tok, stray).collect()
+    assert (td["tokens"] == tok.convert_tokens_to_ids("<|im_start|>")).any(-1).all()
+
+
+class Slow:
+    name, description = "slow", "sleeps"
+
+    def __call__(self, arguments):
+        time.sleep(5)
+        return "late"
+
+
+class Huge:
+    name, description = "huge", "a long answer"
+
+    def __call__(self, arguments):
+        return "9" * 10_000
+
+
+@pytest.fixture
+def fault_tools(monkeypatch):
+    monkeypatch.setattr(TOOLS, "_entries", dict(TOOLS._entries))
+    for name, tool in (("slow", Slow), ("huge", Huge)):
+        schema = dataclasses.make_dataclass(
+            f"{name}Config", [], namespace={"build": lambda self, t=tool: t()}
+        )
+        register_tool(name, help=name)(schema)
+
+
+@pytest.mark.parametrize(
+    ("text", "kind", "message"),
+    [
+        ('<tool name="calculator">3*', "malformed", "is not closed with </tool>"),
+        ('<tool name="abacus">3*4</tool>', "unknown_tool", "unknown tool 'abacus'"),
+        ('<tool name="calculator">1/0</tool>', "raised", "division by zero"),
+        ('<tool name="slow">x</tool>', "timeout", "timed out after 0.3 s"),
+        ('<tool name="huge">x</tool>', "oversized", "[truncated:"),
+    ],
+)
+def test_every_tool_fault_is_a_message_to_the_model_and_a_counter(
+    tok, fault_tools, text, kind, message
+):
+    toolbox = ToolConfig(tools=["calculator", "slow", "huge"], timeout_s=0.3, max_output_chars=64)
+    toolbox = toolbox.build()
+    env = make_env(
+        tok,
+        lambda a, b, t: text if t == 0 else "Answer: 0",
+        toolbox=toolbox,
+        tool_error_penalty=-0.5,
+        template_check="off",
+    )
+    start = time.monotonic()
+    steps = env.rollout(env.max_turns)
+    seq = env.episodes(steps)
+    assert time.monotonic() - start < 10  # the slow tool costs its deadline, not its 5 s
+    samples = env.samples(seq)
+    assert all(s.extra["tool_errors"] == 1 and s.extra["turns"] == 2 for s in samples)
+    tool_text = [m["content"] for m in samples[0].extra["messages"] if m["role"] == "tool"][0]
+    assert message in tool_text, tool_text
+    td = env.to_token_trajectory(seq)
+    for b in range(td.shape[0]):  # the penalty on turn 0's last trained token, the outcome after
+        turn0 = (td["turn_id"][b] == 0).nonzero()[-1]
+        assert float(td["next", "reward"][b, turn0, 0]) == -0.5
+    assert samples[0].extra["tool_calls"] == (0 if kind == "malformed" else 1)
+    assert steps["next", "reward"][:, 0].eq(-0.5).all()  # the TorchRL step's reward too
+
+
+def test_torchrl_conventions_hold_for_multi_turn_episodes(tok):
+    env = make_env(tok, two_turns)
+    check_env_specs(env)
+    scaled = TransformedEnv(make_env(tok, two_turns), RewardScaling(loc=0.0, scale=3.0))
+    check_env_specs(scaled)
+    steps = scaled.rollout(scaled.max_turns)
+    assert steps.shape == (4, 2) and steps["next", "done"][:, -1].all()
+    assert not steps["next", "done"][:, 0].any()  # done once the whole batch of episodes ended
+    td = scaled.to_token_trajectory(scaled.episodes(steps))
+    assert td["next", "reward"].sum((1, 2)).tolist() == [3.0] * 4  # the transformed outcome
+
+
+def test_a_real_tiny_model_plays_whole_episodes(tok):
+    model = build_tiny_qwen3(len(tok), seed=0)
+    env = ToolEnv(
+        tool_arithmetic_rows(8),
+        tok,
+        TransformersBackend(model, seed=0),
+        toolbox=ToolConfig().build(),
+        num_samples=2,
+        prompts_per_batch=2,
+        sampling=SamplingParams(max_new_tokens=16),
+        max_turns=3,
+    )
+    td = env.collect()
+    assert td["loss_mask"].any(-1).all() and (td["turn_id"][td["loss_mask"]] >= 0).all()
+    # token-in/token-out: the engine's log-probs are those of the exact ids it continued from
+    with torch.no_grad():
+        for b in range(td.shape[0]):
+            ids = td["tokens"][b][td["attention_mask"][b]]
+            mask = td["loss_mask"][b][td["attention_mask"][b]]
+            logits = model(ids[None]).logits[0, :-1]
+            ref = torch.log_softmax(logits, -1).gather(-1, ids[1:, None])[:, 0]
+            got = td["rollout_log_prob"][b][td["attention_mask"][b]][1:]
+            torch.testing.assert_close(got[mask[1:]], ref[mask[1:]], atol=1e-4, rtol=0)

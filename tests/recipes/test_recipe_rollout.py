@@ -1,0 +1,77 @@
+"""The recipe's rollout side end to end: DAPO dynamic sampling (refill, unbiased metrics, a skipped
+update when no group has a spread) and an unreachable ``backend.url`` said once."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from support.recipe_runs import run_recipe
+
+from ar_torchrl.backends.sglang import free_port
+
+QUIET = ["train.eval_every=0", "train.plot=false", "train.checkpoint_every=0"]
+
+
+@pytest.mark.slow
+def test_grpo_dynamic_sampling_refills_and_logs_unbiased_metrics(tmp_path, cache_dir):
+    _, history = run_recipe(
+        tmp_path,
+        cache_dir,
+        "algo=grpo",
+        "rollout.dynamic_sampling=true",
+        "train.iterations=3",
+        *QUIET,
+    )
+    assert [h["step"] for h in history] == [1, 2, 3]
+    for h in history:
+        # warm-started tiny model: ~1/3 of the groups are all wrong (zero spread), refilled
+        assert h["rollout/groups_generated"] == 16 * h["rollout/sampling_rounds"]
+        assert h["rollout/groups_kept"] == 16 and h["train/update_skipped"] == 0.0
+        assert h["rollout/groups_dropped"] == h["rollout/groups_generated"] - 16
+        assert -1.0 <= h["rollout/reward_mean"] <= 1.0 and 0.0 <= h["rollout/accuracy"] <= 1.0
+        assert math.isfinite(h["train/loss_objective"])
+    assert any(h["rollout/sampling_rounds"] > 1 for h in history)
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_with_every_answer_wrong_skips_the_update(tmp_path, cache_dir):
+    # one new token can never hold "Answer: X": every reward is -1, no group has a spread. One key
+    # switches dynamic sampling on (the old algo.grpo.drop_zero_spread is gone: tests/recipes/test_configs.py)
+    proc, history = run_recipe(
+        tmp_path,
+        cache_dir,
+        "algo=grpo",
+        "rollout.dynamic_sampling=true",
+        "rollout.max_new_tokens=1",
+        "rollout.max_sampling_rounds=2",
+        "train.iterations=2",
+        *QUIET,
+    )
+    assert [h["step"] for h in history] == [1, 2]
+    for h in history:
+        assert h["train/update_skipped"] == 1.0 and "train/loss_objective" not in h
+        assert h["rollout/groups_kept"] == 0 and h["rollout/groups_generated"] == 32
+        assert h["rollout/sampling_rounds"] == 2 and h["rollout/groups_zero_spread"] == 32
+        assert (
+            h["rollout/reward_mean"] == -1.0 and h["rollout/accuracy"] == 0.0
+        )  # over every sample
+    assert "update skipped" in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_an_unreachable_backend_url_is_said_once(tmp_path, cache_dir):
+    url = f"http://127.0.0.1:{free_port()}"
+    proc, history = run_recipe(
+        tmp_path,
+        cache_dir,
+        "backend=sglang",
+        f"backend.url={url}",
+        "train.iterations=1",
+        *QUIET,
+        check=False,
+    )
+    assert proc.returncode != 0 and not history
+    message = f"backend.url=['{url}']: no SGLang server answers GET /health there"
+    assert proc.stderr.count(message) == 1, proc.stderr[-3000:]
+    assert "WeightSyncError" not in proc.stderr and "weight sync" not in proc.stderr

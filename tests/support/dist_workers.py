@@ -1,0 +1,478 @@
+"""Multi-process workers for tests/distributed/test_distributed.py: each function runs as one rank of a gloo group.
+
+:func:`spawn` starts ``world_size`` processes with ``torch.multiprocessing`` (spawn), waits with a
+deadline and kills every one of them (by their own handles) on failure or timeout; each worker also
+exits on its own when the test process dies. Workers write their results under ``out``; the test
+process compares them with single-process references it computes itself.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
+
+from ar_torchrl.checkpoint import (
+    latest_distributed_checkpoint,
+    load_distributed_checkpoint,
+    load_distributed_critic,
+    save_distributed_checkpoint,
+)
+from ar_torchrl.distributed import (
+    broadcast_batch,
+    build_meta_model,
+    close_distributed,
+    init_distributed,
+    load_pretrained_weights,
+    push_weights,
+    recompute_sharded_old_log_probs_and_values,
+    reshard,
+    shard_actor_critic,
+    shard_plan,
+)
+from ar_torchrl.models.tiny import build_tiny_qwen3
+from ar_torchrl.modules import LMActorCritic, LMCritic, attach_value_head, save_policy
+from ar_torchrl.objectives import TokenGAE, TokenPPOLoss
+from ar_torchrl.training import plan_micro_batches, ppo_update, recompute_old_log_probs_and_values
+from support.trajectories import VOCAB, make_trajectory
+
+PROMPTS = [3, 1, 4, 2, 5, 1, 3, 2, 4]
+RESPONSES = [5, 2, 7, 1, 3, 6, 4, 8, 2]
+BUDGET = 20  # 5 micro-batches: 3 + 2 over 2 ranks, so rank 1 runs padding passes
+
+
+# --------------------------------------------------------------------------- shared with the tests
+def actor_critic(seed: int, bf16_init: bool = False) -> LMActorCritic:
+    model = build_tiny_qwen3(VOCAB, hidden_size=32, num_heads=2, seed=seed)
+    if bf16_init:
+        model = model.to(torch.bfloat16)
+    return LMActorCritic(attach_value_head(model))
+
+
+def batch(seed: int = 0):
+    return make_trajectory(PROMPTS, RESPONSES, seed=seed)
+
+
+def ppo_loss(ac: LMActorCritic, mode: str = "token_mean", critic=None) -> TokenPPOLoss:
+    return TokenPPOLoss(ac, critic, clip_epsilon=(0.2, 0.28), clip_value=0.2, loss_agg_mode=mode)
+
+
+def actor_and_critic(seed: int) -> tuple[LMActorCritic, LMCritic]:
+    """An actor (no value head) and a separate critic over another tiny Qwen3 (non-zero head)."""
+    actor = LMActorCritic(
+        build_tiny_qwen3(VOCAB, hidden_size=32, num_heads=2, seed=seed), critic=False
+    )
+    critic_model = attach_value_head(
+        build_tiny_qwen3(VOCAB, hidden_size=32, num_heads=2, seed=seed + 50)
+    )
+    torch.manual_seed(seed)
+    torch.nn.init.normal_(critic_model.value_head.weight, std=0.5)
+    return actor, LMCritic(critic_model)
+
+
+def separate_optimizer(actor, critic, lr: float = 0.05, kind=torch.optim.SGD):
+    """``kind`` (SGD) with the critic in its own, separately clipped group (as the recipe builds
+    its AdamW)."""
+    return kind(
+        [
+            {"params": list(actor.parameters()), "name": "policy"},
+            {"params": list(critic.parameters()), "name": "critic", "clip_group": "critic"},
+        ],
+        lr=lr,
+    )
+
+
+def prepare(ac, td, plan, sharded=None):
+    """Anchors (per rank when ``sharded``) and whitened GAE advantages over the whole batch."""
+    if sharded is None:
+        recompute_old_log_probs_and_values(ac, td, plan)
+    else:
+        recompute_sharded_old_log_probs_and_values(ac, td, sharded)
+    return TokenGAE(gamma=1.0, lmbda=0.95, normalize_advantage=True)(td)
+
+
+def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every rank: the full fp32 tensors of ``module.state_dict()`` (collective under FSDP)."""
+    out = {}
+    for name, t in module.state_dict().items():
+        t = t.full_tensor() if isinstance(t, DTensor) else t
+        out[name] = t.detach().float().clone().contiguous()
+    return out
+
+
+# --------------------------------------------------------------------------- process management
+def spawn(fn, world_size: int, out: Path, timeout_s: float = 900.0) -> None:
+    """Run ``fn(ctx, out)`` on ``world_size`` ranks; raise if one fails; no process outlives this."""
+    procs = mp.start_processes(
+        _entry,
+        args=(fn, world_size, str(out), os.getpid()),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not procs.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{fn.__name__}: ranks still running after {timeout_s} s")
+    finally:
+        for p in procs.processes:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=10)
+
+
+def _exit_with_parent(parent: int) -> None:
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(3)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _entry(rank: int, fn, world_size: int, out: str, parent: int) -> None:
+    _exit_with_parent(parent)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    ctx = init_distributed("cpu", init_method=f"file://{out}/store", timeout_s=300)
+    try:
+        fn(ctx, Path(out))
+    finally:
+        close_distributed(ctx)
+
+
+def _save(ctx, out: Path, name: str, tensors: dict | None = None, data: dict | None = None):
+    if ctx.is_main:
+        if tensors is not None:
+            save_file(tensors, str(out / f"{name}.safetensors"))
+        if data is not None:
+            (out / f"{name}.json").write_text(json.dumps(data))
+
+
+# --------------------------------------------------------------------------- the checks
+def train_checks(ctx, out: Path) -> None:
+    """2-rank ppo_update (fp32) for two aggregation modes; bf16 masters; first-update ratios."""
+    for mode, checkpointing in (("token_mean", False), ("seq_mean_token_mean", True)):
+        ac = shard_actor_critic(
+            actor_critic(seed=1),
+            ctx,
+            compute_dtype="float32",
+            activation_checkpointing=checkpointing,
+        )
+        opt = torch.optim.SGD(ac.parameters(), lr=0.5)
+        td = broadcast_batch(batch() if ctx.is_main else None, ctx)
+        sharded = shard_plan(plan_micro_batches(td, BUDGET), td, rank=ctx.rank, world_size=2)
+        td = prepare(ac, td, None, sharded)
+        metrics = ppo_update(
+            ppo_loss(ac, mode),
+            opt,
+            td,
+            sharded,
+            epochs=2,
+            grad_clip=0.05,
+            generator=torch.Generator().manual_seed(0),
+        )
+        padding = [len(sharded.local_plan) - len(sharded.owned(r)) for r in range(2)]
+        _save(
+            ctx,
+            out,
+            f"equal_{mode}",
+            full_state(ac.model),
+            {"metrics": metrics, "padding": padding, "tokens": sharded.rank_tokens()},
+        )
+    _bf16_checks(ctx, out)
+
+
+def _bf16_checks(ctx, out: Path) -> None:
+    ac = shard_actor_critic(actor_critic(seed=2, bf16_init=True), ctx, compute_dtype="bfloat16")
+    seen = {}
+
+    def record(name):  # the dtype of the parameter a module computes with, during its forward
+        def hook(module, args):
+            seen.setdefault(name, str(module.weight.dtype))
+
+        return hook
+
+    ac.model.value_head.register_forward_pre_hook(record("value_head"))
+    ac.model.model.layers[0].self_attn.q_proj.register_forward_pre_hook(record("q_proj"))
+    opt = torch.optim.AdamW(ac.parameters(), lr=1e-6, weight_decay=0.0)
+    td = broadcast_batch(batch() if ctx.is_main else None, ctx)
+    sharded = shard_plan(plan_micro_batches(td, BUDGET), td, rank=ctx.rank, world_size=2)
+    td = prepare(ac, td, None, sharded)
+    loss = ppo_loss(ac)
+    ratios = []
+    for mb in sharded.local_plan.micro_batches:  # the same number of forwards on both ranks
+        res = loss(sharded.crop(td, mb))
+        if not mb.padding:
+            ratios.append([res["min_ratio"].item(), res["max_ratio"].item()])
+    reshard(ac)  # forwards without backward leave FSDP2's root gathered
+    policy = [p for n, p in ac.named_parameters() if "value_head" not in n]
+    before = [p.to_local().detach().clone() for p in policy]
+    ppo_update(loss, opt, td, sharded, grad_clip=1.0)
+    changed = sum(int((p.to_local() != b).sum()) for p, b in zip(policy, before))
+    counts = ctx.all_reduce(torch.tensor([changed, sum(b.numel() for b in before)]))
+    all_ratios = [None, None]
+    torch.distributed.all_gather_object(all_ratios, ratios)
+    _save(
+        ctx,
+        out,
+        "bf16",
+        data={
+            "changed": counts.tolist(),
+            "ratios": all_ratios,
+            "dtypes": {
+                **seen,
+                "state_value": str(td["state_value"].dtype),
+                "master": str(policy[0].dtype),
+            },
+        },
+    )
+
+
+class Recorder:
+    """A recording weight sender (the ``send(named_tensors, version)`` protocol), test only;
+    ``sync(version)`` is the consumer :func:`push_weights` calls (as ``backend.sync_weights``)."""
+
+    def __init__(self, fail_after: int | None = None):
+        self.fail_after, self.tensors, self.version = fail_after, {}, None
+
+    def send(self, named_tensors, version: int) -> None:
+        self.version = version
+        for i, (name, tensor) in enumerate(named_tensors):
+            if self.fail_after is not None and i == self.fail_after:
+                raise ConnectionError("rollout engine went away")
+            self.tensors[name] = tensor.clone()
+
+    def sync(self, version: int):
+        return lambda named_tensors: self.send(named_tensors, version)
+
+
+def load_checks(ctx, out: Path) -> None:
+    """Meta-device + sharded load vs eager; value head from its file; the weight push."""
+    base, policy = out / "base", out / "policy"
+    if ctx.is_main:
+        build_tiny_qwen3(VOCAB, hidden_size=32, num_heads=2, seed=3).to(
+            torch.bfloat16
+        ).save_pretrained(base, max_shard_size="40KB")
+        model = attach_value_head(build_tiny_qwen3(VOCAB, hidden_size=32, num_heads=2, seed=4))
+        torch.nn.init.normal_(model.value_head.weight)
+        save_policy(model, policy)
+    ctx.barrier()
+    for name, path in (("base", base), ("policy", policy)):
+        ac = shard_actor_critic(LMActorCritic(build_meta_model(path)), ctx)
+        report = load_pretrained_weights(ac, path, device=ctx.device)
+        _save(
+            ctx,
+            out,
+            f"meta_{name}",
+            full_state(ac.model),
+            {"files": len(list(path.glob("*.safetensors"))), "value_head": report["value_head"]},
+        )
+    recorder = Recorder() if ctx.is_main else None
+    push_weights(ac, ctx, recorder.sync(7) if ctx.is_main else None, dtype=torch.bfloat16)
+    errors = []
+    try:
+        push_weights(ac, ctx, Recorder(fail_after=3).sync(8) if ctx.is_main else None)
+    except Exception as err:  # noqa: BLE001 - recorded for the test
+        errors.append(f"{type(err).__name__}: {err}")
+    all_errors = [None, None]
+    torch.distributed.all_gather_object(all_errors, errors)
+    if ctx.is_main:
+        _save(
+            ctx,
+            out,
+            "push",
+            recorder.tensors,
+            {"version": recorder.version, "names": list(recorder.tensors), "errors": all_errors},
+        )
+
+
+class _Collect(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def _train_steps(ac, opt, ctx, steps, gen, ckpt=None, save_at=()):
+    metrics = []
+    for step in steps:
+        td = None
+        if ctx.is_main:  # the rollout: drawn from rank 0's global RNG
+            lengths = torch.randint(1, 6, (2, 6))
+            td = make_trajectory(lengths[0].tolist(), lengths[1].tolist(), seed=int(lengths.sum()))
+        td = broadcast_batch(td, ctx)
+        sharded = shard_plan(plan_micro_batches(td, 16), td, rank=ctx.rank, world_size=2)
+        td = prepare(ac, td, None, sharded)
+        metrics.append(
+            ppo_update(
+                ppo_loss(ac),
+                opt,
+                td,
+                sharded,
+                epochs=2,
+                num_minibatches=2,
+                grad_clip=1.0,
+                generator=gen,
+            )
+        )
+        if step in save_at:
+            save_distributed_checkpoint(
+                ckpt,
+                step=step,
+                model=ac,
+                optimizer=opt,
+                ctx=ctx,
+                extra={"shuffle": gen.get_state(), "note": "x"},
+            )
+    return metrics
+
+
+def resume_checks(ctx, out: Path) -> None:
+    """Uninterrupted 4 steps vs resume from step 2 after the step-4 checkpoint was truncated."""
+    ckpt = out / "ckpt"
+    torch.manual_seed(100)
+    ac = shard_actor_critic(actor_critic(seed=5), ctx, compute_dtype="bfloat16")
+    opt = torch.optim.AdamW(ac.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    straight = _train_steps(ac, opt, ctx, range(1, 5), gen, ckpt, save_at=(2, 4))
+    final = full_state(ac.model)
+    if ctx.is_main:
+        damaged = ckpt / "step_4" / "__1_0.distcp"
+        damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
+    ctx.barrier()
+    handler = _Collect()
+    logging.getLogger("ar_torchrl.checkpoint.sharded").addHandler(handler)
+    path = latest_distributed_checkpoint(ckpt, ctx)
+    torch.manual_seed(999)  # a fresh process: other weights, other RNG states
+    ac2 = shard_actor_critic(actor_critic(seed=6), ctx, compute_dtype="bfloat16")
+    opt2 = torch.optim.AdamW(ac2.parameters(), lr=1e-3)
+    state = load_distributed_checkpoint(path, model=ac2, optimizer=opt2, ctx=ctx)
+    gen2 = torch.Generator()
+    gen2.set_state(state["extra"]["shuffle"])
+    resumed = _train_steps(ac2, opt2, ctx, range(state["step"] + 1, 5), gen2)
+    again = full_state(ac2.model)
+    same = all(torch.equal(final[k], again[k]) for k in final)
+    _save(
+        ctx,
+        out,
+        "resume",
+        data={
+            "straight": straight,
+            "resumed": resumed,
+            "path": str(path),
+            "step": state["step"],
+            "warnings": handler.messages,
+            "same_params": same,
+            "note": state["extra"]["note"],
+        },
+    )
+
+
+def _separate_steps(actor, critic, opt, ctx, steps, gen, ckpt=None, save_at=()):
+    """PPO steps with a separate critic on 2 ranks (batches from rank 0's RNG)."""
+    metrics = []
+    for step in steps:
+        td = None
+        if ctx.is_main:
+            lengths = torch.randint(1, 6, (2, 6))
+            td = make_trajectory(lengths[0].tolist(), lengths[1].tolist(), seed=int(lengths.sum()))
+        td = broadcast_batch(td, ctx)
+        sharded = shard_plan(plan_micro_batches(td, 16), td, rank=ctx.rank, world_size=2)
+        loss = ppo_loss(actor, critic=critic)
+        recompute_sharded_old_log_probs_and_values(actor, td, sharded, loss=loss)
+        td = TokenGAE(gamma=1.0, lmbda=0.95, normalize_advantage=True)(td)
+        metrics.append(ppo_update(loss, opt, td, sharded, epochs=2, grad_clip=1.0, generator=gen))
+        if step in save_at:
+            both = torch.nn.ModuleDict({"policy": actor, "critic": critic})
+            save_distributed_checkpoint(
+                ckpt, step=step, model=both, optimizer=opt, ctx=ctx, extra={"g": gen.get_state()}
+            )
+    return metrics
+
+
+def _both_states(actor, critic) -> dict[str, torch.Tensor]:
+    """Full tensors of both models, ``actor.*`` and ``critic.*`` (collective under FSDP)."""
+    state = {f"actor.{k}": v for k, v in full_state(actor.model).items()}
+    return state | {f"critic.{k}": v for k, v in full_state(critic.model).items()}
+
+
+def separate_critic_checks(ctx, out: Path) -> None:
+    """critic=separate on 2 ranks: one ppo_update equals one process (the test computes it);
+    3 steps straight vs resumed from the step-1 checkpoint of both models; the critic of that
+    checkpoint loaded alone (warm start) equals the saved one."""
+    actor, critic = actor_and_critic(seed=7)
+    actor = shard_actor_critic(actor, ctx, compute_dtype="float32")
+    critic = shard_actor_critic(critic, ctx, compute_dtype="float32")
+    opt = separate_optimizer(actor, critic)
+    td = broadcast_batch(batch(seed=3) if ctx.is_main else None, ctx)
+    sharded = shard_plan(plan_micro_batches(td, BUDGET), td, rank=ctx.rank, world_size=2)
+    loss = ppo_loss(actor, critic=critic)
+    recompute_sharded_old_log_probs_and_values(actor, td, sharded, loss=loss)
+    td = TokenGAE(gamma=1.0, lmbda=0.95, normalize_advantage=True)(td)
+    metrics = ppo_update(
+        loss, opt, td, sharded, epochs=2, grad_clip=0.05, generator=torch.Generator().manual_seed(0)
+    )
+    _save(ctx, out, "separate_equal", _both_states(actor, critic), {"metrics": metrics})
+
+    ckpt = out / "separate_ckpt"
+    torch.manual_seed(200)
+    actor, critic = (
+        shard_actor_critic(m, ctx, compute_dtype="float32") for m in actor_and_critic(8)
+    )
+    opt = separate_optimizer(actor, critic, 1e-3, torch.optim.AdamW)
+    gen = torch.Generator().manual_seed(0)
+    straight = _separate_steps(actor, critic, opt, ctx, range(1, 4), gen, ckpt, save_at=(1,))
+    final = _both_states(actor, critic)
+    torch.manual_seed(201)
+    actor2, critic2 = (
+        shard_actor_critic(m, ctx, compute_dtype="float32") for m in actor_and_critic(9)
+    )
+    opt2 = separate_optimizer(actor2, critic2, 1e-3, torch.optim.AdamW)
+    path = ckpt / "step_1"
+    loaded = load_distributed_checkpoint(
+        path,
+        model=torch.nn.ModuleDict({"policy": actor2, "critic": critic2}),
+        optimizer=opt2,
+        ctx=ctx,
+    )
+    saved_critic = full_state(critic2.model)  # as the step-1 checkpoint holds it
+    gen2 = torch.Generator()
+    gen2.set_state(loaded["extra"]["g"])
+    resumed = _separate_steps(actor2, critic2, opt2, ctx, range(2, 4), gen2)
+    again = _both_states(actor2, critic2)
+    _, fresh = actor_and_critic(10)
+    fresh = shard_actor_critic(fresh, ctx, compute_dtype="float32")
+    what = load_distributed_critic(path, critic=fresh, policy=None, ctx=ctx)
+    warm = full_state(fresh.model)
+    _save(
+        ctx,
+        out,
+        "separate_resume",
+        data={
+            "straight": straight,
+            "resumed": resumed,
+            "same_params": all(torch.equal(final[k], again[k]) for k in final),
+            "warm_start_equal": all(torch.equal(saved_critic[k], warm[k]) for k in saved_critic),
+            "warm_start_what": what,
+        },
+    )
+
+
+def all_checks(ctx, out: Path) -> None:
+    """Every multi-process check in one spawn (each spawn costs seconds of imports per rank)."""
+    train_checks(ctx, out)
+    load_checks(ctx, out)
+    resume_checks(ctx, out)
+    separate_critic_checks(ctx, out)
