@@ -129,6 +129,8 @@ def _place(x: torch.Tensor, key, width: int, offset: int, fill, row_key: bool, i
                 f"{_OWNER}: trajectory {i}: {key!r} is a per-row key (row_keys) but varies along L"
             )
         return x[:, :1].expand(x.shape[0], width, *x.shape[2:]).clone()
+    if offset == 0 and x.shape[1] == width:  # already in place: no padding to write (nor a pad id)
+        return x
     out = x.new_full((x.shape[0], width, *x.shape[2:]), fill)
     out[:, offset : offset + x.shape[1]] = x
     return out
@@ -160,7 +162,8 @@ def pad_trajectories(
     Args:
         trajectories: ``[B_i, L_i]`` TensorDicts (or ``[L]`` rows), or a lazy stack of them.
         pad_token_id: id written in new padding of ``tokens`` (default: the id the inputs use at
-            their padded positions).
+            their padded positions; not needed when nothing has to be padded, e.g. batches of
+            one width whose rows have no padding at all).
         row_keys: keys holding one value per row.
         tokens_key, attention_mask_key, loss_mask_key: the layout's keys.
         trim: cut columns that are padding in every row.
