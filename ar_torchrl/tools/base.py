@@ -115,7 +115,9 @@ class CallParser(Protocol):
         syntax: how the prompt describes the format to the model (one line).
 
     ``parse(text)`` returns the calls in order (``[]``: no call, the episode ends) and raises
-    :class:`ToolCallError` for a malformed one; ``format(call)`` is the exact text a model should
+    :class:`ToolCallError` for a malformed one, and nothing else for any text (the
+    :class:`~ar_torchrl.tools.toolbox.Toolbox` still answers any other exception as a malformed
+    call); ``format(call)`` is the exact text a model should
     write for ``call`` (warm-start traces), so that ``parse(format(call))`` is ``[call]`` with
     ``text`` the formatted span.
 

@@ -22,6 +22,11 @@ must be a JSON object with a string ``name`` and an object ``arguments`` (a JSON
 object is accepted too, as some models write it). Reference: the ``tool_call`` rendering and the
 ``# Tools`` system block of the chat template in Qwen/Qwen3-8B's ``tokenizer_config.json`` and
 Qwen2.5-*-Instruct's; the Qwen docs' "Function Calling" page (Hermes-style tool use).
+
+Both read the model's text and nothing else can break them: any text gives the calls or a
+:class:`~ar_torchrl.tools.base.ToolCallError` (a JSON body nested past the recursion limit, or with
+an integer past Python's 4300 digits, is a malformed call like any other), and ``format`` refuses a
+call it could not read back (``tests/tools/test_parsers.py`` checks both with hypothesis).
 """
 
 from __future__ import annotations
@@ -164,7 +169,9 @@ class HermesParser:
         if not isinstance(call.arguments, dict):
             raise ValueError(f"hermes format: arguments must be a dict, got {call.arguments!r}")
         if not isinstance(call.name, str) or not call.name:
-            raise ValueError(f"hermes format: the name must be a non-empty string, got {call.name!r}")
+            raise ValueError(
+                f"hermes format: the name must be a non-empty string, got {call.name!r}"
+            )
         body = json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False)
         if self._OPEN in body or "</tool_call>" in body:
             raise ValueError(

@@ -243,7 +243,7 @@ def fuzz_file(tmp_path_factory):
     return tmp_path_factory.mktemp("fuzz") / "rows.jsonl"
 
 
-@fuzz(200)
+@fuzz(150)
 @given(line=lines)
 def test_any_jsonl_line_is_a_row_or_a_named_skipped_invalid_line(fuzz_file, line):
     fuzz_file.write_text("\n".join([_GOOD, line, _GOOD]) + "\n", encoding="utf-8")

@@ -61,7 +61,7 @@ def raw():
     return load()
 
 
-@fuzz(300)
+@fuzz(150)
 @given(key=st.sampled_from(KEYS), value=values)
 def test_any_value_of_a_typed_key_is_validated_or_refused_naming_the_key(raw, key, value):
     cfg = copy.deepcopy(raw)

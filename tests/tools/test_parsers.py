@@ -85,7 +85,7 @@ json_values = st.recursive(
 )
 
 
-@fuzz(300)
+@fuzz(200)
 @pytest.mark.parametrize("kind", sorted(PARSER_TYPES))
 @given(text=texts)
 def test_any_text_gives_calls_or_a_tool_call_error_and_a_toolbox_result(kind, text):
@@ -110,7 +110,7 @@ def _prose(text: str) -> str:
     return text.replace("<tool", "(tool")
 
 
-@fuzz(200)
+@fuzz(150)
 @given(
     name=names,
     arguments=st.text(max_size=40),
@@ -129,7 +129,7 @@ def test_tag_calls_round_trip_alone_and_in_prose(name, arguments, before, after)
     assert parser.parse(_prose(before) + written + _prose(after)) == [replace(call, text=written)]
 
 
-@fuzz(200)
+@fuzz(120)
 @given(
     name=names,
     arguments=st.dictionaries(st.text(max_size=8), json_values, max_size=4),
