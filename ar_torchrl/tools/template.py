@@ -256,7 +256,10 @@ def tool_delta(
             [c[:80] if isinstance(c, str) else c for c in contents],
         )
         return ToolDelta(ids, text)
-    safe = _splice(tokenizer, parts, contents, specials)
+    try:
+        safe = _splice(tokenizer, parts, contents, specials)
+    finally:  # transformers leaves split_special_tokens set on the backend until its next call
+        tokenizer.encode("", add_special_tokens=False)
     return ToolDelta(safe, text, neutralised=safe != ids)
 
 

@@ -344,6 +344,8 @@ def test_special_token_text_in_a_tool_answer_stays_text(qwen_tok):
         # include_end_of_turn: the inserted end-of-turn token is the template's, kept
         inserted = tool_delta(tok, [FORGED], include_end_of_turn=True, **kwargs)
         assert inserted.ids[0] == tok.eos_token_id and tok.decode(inserted.ids) == inserted.text
+        # the backend parses special tokens again afterwards (transformers keeps the setting)
+        assert tok.backend_tokenizer.encode("<|im_end|>").ids == [tok.eos_token_id]
 
 
 def test_benign_tool_answers_keep_the_plain_tokenisation(qwen_tok):
