@@ -7,9 +7,10 @@ A row is a plain dict (docs/design.md section 5)::
 
 :class:`MathDataset` is a ``Sequence`` of such rows, so anything that takes DAPO rows (the warm start,
 :class:`~ar_torchrl.envs.LLMEnv`) takes it. Rows are validated on load; an invalid row (a wrong field,
-or in a ``.jsonl`` file a line that is not UTF-8 or not JSON) raises a ``ValueError`` naming the file,
-the row (the line, for ``.jsonl``) and the field, or, with ``skip_invalid=True``, is skipped *and
-counted* (``dataset.num_skipped``, ``dataset.skipped``).
+in a ``.jsonl`` file a line that is not UTF-8 or not JSON, or content that breaks reading it: nesting
+past the recursion limit, an integer past Python's 4300 digits) raises a ``ValueError`` naming the
+file, the row (the line, for ``.jsonl``) and the field or what broke, or, with ``skip_invalid=True``,
+is skipped *and counted* (``dataset.num_skipped``, ``dataset.skipped``).
 """
 
 from __future__ import annotations
@@ -103,22 +104,34 @@ def _plain(value):
     return value
 
 
+class _RowError(ValueError):
+    """An invalid row, named (what :func:`validate_row` raises)."""
+
+
 def _check_messages(messages, where: str) -> None:
     if not isinstance(messages, list) or not messages:
-        raise ValueError(
+        raise _RowError(
             f"{where}: field 'prompt' must be a non-empty list of chat messages, got {messages!r:.80}"
         )
     for j, m in enumerate(messages):
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
-            raise ValueError(f"{where}: field 'prompt[{j}]' needs a string 'role', got {m!r:.80}")
+            raise _RowError(f"{where}: field 'prompt[{j}]' needs a string 'role', got {m!r:.80}")
         if not isinstance(m.get("content"), str) or not m["content"]:
-            raise ValueError(
+            raise _RowError(
                 f"{where}: field 'prompt[{j}].content' must be a non-empty string, got {m!r:.80}"
             )
 
 
 class InvalidRecord(str):
     """A record that could not even be read (its text says why); :func:`validate_row` rejects it."""
+
+
+def _unreadable(err: BaseException) -> str:
+    """What broke on a row's content: nesting past the recursion limit, an integer past Python's
+    4300 digits, or another exception (its class and the first clause of its message)."""
+    if isinstance(err, RecursionError):
+        return "nested too deeply (RecursionError)"
+    return f"{type(err).__name__}: {str(err).split(';')[0][:160]}"
 
 
 def validate_row(row, index: int, *, where: str | None = None) -> dict:
@@ -133,34 +146,51 @@ def validate_row(row, index: int, *, where: str | None = None) -> dict:
         where: how errors name the row (default ``"row {index}"``; e.g. ``"line 7"``).
 
     Raises:
-        ValueError: naming the row and the field that is wrong.
+        ValueError: naming the row and the field that is wrong, or, for content that breaks
+            reading it (nesting past the recursion limit, an integer past 4300 digits, ...), what
+            broke.
 
     Example:
         >>> validate_row({"prompt": [{"role": "user", "content": "1+1?"}],
         ...               "reward_model": {"ground_truth": 2}}, 0)["reward_model"]["ground_truth"]
         '2'
+        >>> try:
+        ...     validate_row({"prompt": [{"role": "user", "content": "1+1?"}],
+        ...                   "reward_model": {"ground_truth": 10**5000}}, 3, where="line 4")
+        ... except ValueError as err:
+        ...     print(err)
+        line 4: ValueError: Exceeds the limit (4300 digits) for integer string conversion
     """
     where = where or f"row {index}"
+    try:
+        return _validated(row, index, where)
+    except _RowError:
+        raise
+    except Exception as err:  # any fault of the row's content is an invalid row, named
+        raise _RowError(f"{where}: {_unreadable(err)}") from None
+
+
+def _validated(row, index: int, where: str) -> dict:
     if isinstance(row, InvalidRecord):
-        raise ValueError(f"{where}: {row}")
+        raise _RowError(f"{where}: {row}")
     row = _plain(row)
     if not isinstance(row, Mapping):
-        raise ValueError(f"{where}: expected a mapping, got {type(row).__name__}")
+        raise _RowError(f"{where}: expected a mapping, got {type(row).__name__}")
     _check_messages(row.get("prompt"), where)
     reward_model = row.get("reward_model")
     if not isinstance(reward_model, Mapping) or "ground_truth" not in reward_model:
-        raise ValueError(
+        raise _RowError(
             f"{where}: field 'reward_model.ground_truth' is missing (got reward_model="
             f"{reward_model!r:.80})"
         )
     truth = reward_model["ground_truth"]
     if isinstance(truth, bool) or not isinstance(truth, (str, int)) or str(truth).strip() == "":
-        raise ValueError(
+        raise _RowError(
             f"{where}: field 'reward_model.ground_truth' must be a non-empty string, got {truth!r}"
         )
     extra = row.get("extra_info")
     if extra is not None and not isinstance(extra, Mapping):
-        raise ValueError(
+        raise _RowError(
             f"{where}: field 'extra_info' must be a mapping (or absent), got {extra!r:.80}"
         )
     extra = dict(extra or {})
@@ -313,6 +343,8 @@ def _read_jsonl(path: Path) -> tuple[list, list[int]]:
                 records.append(json.loads(line))
             except json.JSONDecodeError as err:
                 records.append(InvalidRecord(f"not valid JSON ({err})"))
+            except Exception as err:  # too deep, a number past 4300 digits: named, skippable
+                records.append(InvalidRecord(f"not readable JSON ({_unreadable(err)})"))
             lines.append(line_no)
     return records, lines
 

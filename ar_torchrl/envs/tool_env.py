@@ -221,16 +221,19 @@ class ToolEnv(LLMEnv):
         closed = len(ids) > 0 and ids[-1] == self.tokenizer.eos_token_id
         delta = self._tool_delta(messages, include_end_of_turn=not closed)
         used = sum(len(x) for x in sample.segments)
-        if used + len(delta) >= self.max_total_tokens:  # no room for the answer and a next turn
+        if used + len(delta.ids) >= self.max_total_tokens:  # no room for the answer and a next turn
             return self._end(sample, "length")
-        sample.segments.append(Segment(delta))
+        if delta.neutralised and "checkable" not in sample.extra:
+            # special-token text in a tool answer stays text; the template's rendering would parse it
+            sample.extra["checkable"] = (len(sample.extra["messages"]), len(sample.segments))
+        sample.segments.append(Segment(delta.ids))
         sample.extra["messages"] += messages
         return False
 
-    def _tool_delta(self, messages: list[dict], include_end_of_turn: bool = False) -> list[int]:
-        from ar_torchrl.tools.template import tool_delta_ids
+    def _tool_delta(self, messages: list[dict], include_end_of_turn: bool = False):
+        from ar_torchrl.tools.template import tool_delta
 
-        return tool_delta_ids(self.tokenizer, messages, include_end_of_turn=include_end_of_turn)
+        return tool_delta(self.tokenizer, messages, include_end_of_turn=include_end_of_turn)
 
     def _end(self, sample: Sample, finish: str) -> bool:
         sample.finish_reason = finish
@@ -242,7 +245,8 @@ class ToolEnv(LLMEnv):
     def _check_template(self, sample: Sample) -> None:
         """The episode's ids against the template's rendering of its conversation, up to the first
         turn whose text cannot reproduce its tokens: a turn cut by the token cap (the template would
-        close it) or one that sampled a special token mid-turn (its text drops it). Such turns are
+        close it), one that sampled a special token mid-turn (its text drops it), or a tool answer
+        whose special-token text was kept as text (the rendering would parse it). Such turns are
         why the env never re-tokenizes; they say nothing about the template."""
         from ar_torchrl.tools.template import check_prefix_stable
 

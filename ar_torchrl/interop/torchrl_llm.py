@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 from collections.abc import Sequence
 from typing import Literal
 
@@ -46,6 +47,11 @@ from ar_torchrl.weight_sync.names import named_policy_tensors
 __all__ = ["PolicyStateDict", "TokenTrajectory", "policy_state_dict", "prompt_group_id"]
 
 logger = logging.getLogger(__name__)
+
+#: Largest log-prob ``"raise"`` mode accepts: ``log softmax`` is <= 0 exactly in float32 (the max
+#: logit minus a logsumexp that is >= it), so anything above is not a log-probability; the margin
+#: leaves room for an engine that rounds differently.
+LOG_PROB_TOLERANCE = 1e-4
 
 RolloutLogProb = Literal["drop", "recompute", "raise"]
 _MODES = ("drop", "recompute", "raise")
@@ -106,11 +112,17 @@ class TokenTrajectory:
         temperature: the sampling temperature, for ``"recompute"``.
         eos_token_id: the id(s) that end a response (default ``tokenizer.eos_token_id``).
         token_budget: tokens per micro-batch of the ``"recompute"`` forward.
+        vocab_size: token ids must lie in ``[0, vocab_size)`` (default: the rows of ``model``'s
+            input embeddings when a model is given, else ``len(tokenizer)``;
+            :meth:`from_policy` takes the policy model's).
 
     Raises (when called):
         KeyError: a key the batch lacks, with the TorchRL setting that writes it.
-        ValueError: a row that is not done, lost tokens, has no token, more than ``max_new_tokens``
-            tokens, several rewards, log-probs with the defect, or a non-integer policy version.
+        ValueError: naming the row (and the value): an empty batch, a token id outside the
+            vocabulary, a row that is not done, lost tokens, has no token, more than
+            ``max_new_tokens`` tokens, several or non-finite rewards, log-probs with the defect or
+            above 0 (``LOG_PROB_TOLERANCE``), a non-integer policy version, or rows of several
+            policy versions (one batch, one version: docs/design.md section 1).
 
     Example:
         >>> from tensordict import lazy_stack
@@ -139,6 +151,7 @@ class TokenTrajectory:
         temperature: float = 1.0,
         eos_token_id: int | Sequence[int] | None = None,
         token_budget: int = 16384,
+        vocab_size: int | None = None,
     ) -> None:
         if rollout_log_prob not in _MODES:
             raise ValueError(
@@ -168,6 +181,7 @@ class TokenTrajectory:
         self.model = model
         self.temperature = float(temperature)
         self.token_budget = int(token_budget)
+        self.vocab_size = _vocab_size(tokenizer, model, vocab_size)
 
     @classmethod
     def from_policy(cls, policy, **kwargs) -> TokenTrajectory:
@@ -209,14 +223,25 @@ class TokenTrajectory:
             kwargs.setdefault("eos_token_id", eos)
         if kwargs.get("rollout_log_prob") == "recompute":
             kwargs.setdefault("model", policy.model)
+        embeddings = _embedding_rows(getattr(policy, "model", None))
+        if embeddings is not None:
+            kwargs.setdefault("vocab_size", embeddings)
         return cls(tokenizer, **kwargs)
 
     def __call__(self, data: TensorDictBase) -> TensorDict:
         rows = data.reshape(-1) if data.batch_dims != 1 else data
+        if rows.batch_size[0] == 0:
+            raise ValueError(
+                f"{_OWNER}: the batch has no rows (batch size {tuple(data.batch_size)}); a "
+                "collector batch holds at least one dialog turn"
+            )
         prompts = _id_list(rows, ("tokens", "prompt"), "the policy's prompt tokens")
         responses = _id_list(rows, ("tokens", "response"), "TransformersWrapper(generate=True)")
+        _check_vocabulary(prompts, ("tokens", "prompt"), self.vocab_size)
+        _check_vocabulary(responses, ("tokens", "response"), self.vocab_size)
         _check_single_turn(rows)
         rewards = _per_row(rows, ("next", "reward"), "a reward transform on the env", float)
+        _check_finite_rewards(rewards)
         versions = _policy_versions(rows)
         log_probs = self._engine_log_probs(rows, responses)
         completions = [
@@ -278,6 +303,15 @@ class TokenTrajectory:
                     f"{_OWNER}: row {r}: log_probs.response has shape {tuple(lp.shape)} for "
                     f"{len(ids)} tokens (or non-finite values); use rollout_log_prob='recompute'"
                 )
+            above = (lp > LOG_PROB_TOLERANCE).nonzero()
+            if above.numel():
+                t = int(above[0])
+                raise ValueError(
+                    f"{_OWNER}: row {r}: log_probs.response[{t}] = {float(lp[t]):.6g} is positive (a "
+                    f"log-probability is <= 0; tolerance {LOG_PROB_TOLERANCE:g}): the engine's "
+                    "log-probs are not log-probabilities of the sampled tokens; use "
+                    "rollout_log_prob='recompute' or 'drop'"
+                )
             if len(lp) and float(lp[0]) == 0.0:
                 raise ValueError(
                     f"{_OWNER}: row {r}: the first generated token's log-prob is exactly 0.0, "
@@ -297,6 +331,43 @@ class TokenTrajectory:
         plan = plan_micro_batches(inputs, token_budget=self.token_budget)
         recompute_old_log_probs_and_values(actor, inputs, plan)
         return torch.where(td["loss_mask"], inputs["sample_log_prob"], 0.0)
+
+
+def _embedding_rows(model) -> int | None:
+    get = getattr(model, "get_input_embeddings", None)
+    weight = getattr(get(), "weight", None) if callable(get) else None
+    return int(weight.shape[0]) if weight is not None else None
+
+
+def _vocab_size(tokenizer, model, vocab_size) -> int:
+    if vocab_size is None:
+        vocab_size = _embedding_rows(model) if model is not None else None
+    if vocab_size is None:
+        vocab_size = len(tokenizer)
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ValueError(f"{_OWNER}: vocab_size must be an int >= 1, got {vocab_size!r}")
+    return vocab_size
+
+
+def _check_vocabulary(ids: list[torch.Tensor], key: NestedKey, vocab_size: int) -> None:
+    """Every id in ``[0, vocab_size)`` (an embedding lookup, on CUDA a device-side assert)."""
+    for r, v in enumerate(ids):
+        bad = ((v < 0) | (v >= vocab_size)).nonzero()
+        if bad.numel():
+            t = int(bad[0])
+            raise ValueError(
+                f"{_OWNER}: row {r}: {key!r}[{t}] = {int(v[t])} is outside the vocabulary "
+                f"[0, {vocab_size}) (pass vocab_size= if the model has more embedding rows)"
+            )
+
+
+def _check_finite_rewards(rewards: list[float]) -> None:
+    for r, value in enumerate(rewards):
+        if not math.isfinite(value):
+            raise ValueError(
+                f"{_OWNER}: row {r}: the reward ('next', 'reward') is {value}, not finite; fix the "
+                "reward transform (or drop the row before the converter)"
+            )
 
 
 def _pad_id(tokenizer) -> int:
@@ -372,7 +443,18 @@ def _policy_versions(rows: TensorDictBase) -> torch.Tensor:
                 f"{_OWNER}: {key!r} must hold integers, got {got}; use "
                 "PolicyVersion(version_type='int') (LLMCollector(track_policy_version=True) does)"
             )
-        return value.reshape(len(rows), -1)[:, 0].to(torch.int64)
+        per_row = value.reshape(len(rows), -1)
+        mixed = (per_row != per_row[:1, :1]).any(-1).nonzero()
+        if mixed.numel():
+            r = int(mixed[0])
+            raise ValueError(
+                f"{_OWNER}: row {r} has {key!r} {per_row[r].unique().tolist()}, row 0 has "
+                f"{int(per_row[0, 0])}: one batch holds one weight version (docs/design.md section "
+                "1; the builder refuses mixed batches too); collect each batch under one version "
+                "(a synchronous LLMCollector, increment_version() between batches) or split it by "
+                "version"
+            )
+        return per_row[:, 0].to(torch.int64)
     raise KeyError(
         f"{_OWNER}: the batch has no 'policy_version'; build the collector with "
         "LLMCollector(..., track_policy_version=True) and call collector.increment_version() "

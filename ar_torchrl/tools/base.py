@@ -115,7 +115,9 @@ class CallParser(Protocol):
         syntax: how the prompt describes the format to the model (one line).
 
     ``parse(text)`` returns the calls in order (``[]``: no call, the episode ends) and raises
-    :class:`ToolCallError` for a malformed one; ``format(call)`` is the exact text a model should
+    :class:`ToolCallError` for a malformed one, and nothing else for any text (the
+    :class:`~ar_torchrl.tools.toolbox.Toolbox` still answers any other exception as a malformed
+    call); ``format(call)`` is the exact text a model should
     write for ``call`` (warm-start traces), so that ``parse(format(call))`` is ``[call]`` with
     ``text`` the formatted span.
 
@@ -156,13 +158,20 @@ def error_result(kind: ErrorKind, message: str) -> ToolResult:
 def run_tool(
     tool: Tool, call: ToolCall, *, timeout_s: float | None, max_output_chars: int
 ) -> ToolResult:
-    """Run ``tool(call.arguments)`` and return its result; never raises.
+    """Run ``tool(call.arguments)`` and return its result; never raises for the tool's fault.
 
-    With a ``timeout_s`` the tool runs in a daemon worker thread that is joined with that deadline;
-    a tool still running then is **abandoned** (Python cannot stop a thread): its thread runs on
-    until the tool returns, and its answer is dropped. Tools should therefore be bounded by
-    themselves (the calculator is); a tool that may hang for good belongs in a subprocess.
-    ``timeout_s=None`` runs the tool in the calling thread, with no deadline.
+    The tool runs in a daemon worker thread that is joined with the deadline ``timeout_s``
+    (``None``: no deadline); a tool still running then is **abandoned** (Python cannot stop a
+    thread): its thread runs on until the tool returns, and its answer is dropped. Tools should
+    therefore be bounded by themselves (the calculator is); a tool that may hang for good belongs
+    in a subprocess.
+
+    Whatever the tool raises is its own, ``BaseException`` included: a ``SystemExit`` or
+    ``KeyboardInterrupt`` raised by the tool is a ``"raised"`` result like any exception (Python
+    delivers signals to the main thread only, never to the worker). A signal to the process
+    (Ctrl-C, SIGTERM) interrupts the caller's wait instead, and what its handler raises (the
+    recipe's :class:`~ar_torchrl.recipes.run.StopOnSignal`: ``KeyboardInterrupt``) propagates
+    from here, so it still stops the run; a handler that returns lets the wait go on.
 
     Args:
         tool: the tool.
@@ -182,17 +191,13 @@ def run_tool(
         >>> run_tool(Calculator(), ToolCall("calculator", "2**99", ""), timeout_s=None, max_output_chars=8)
         ToolResult(content='63382530... [truncated: 22 more characters]', ok=False, error='oversized')
     """
-    outcome = (
-        _call(tool, call.arguments)
-        if timeout_s is None
-        else _call_with_deadline(tool, call.arguments, timeout_s)
-    )
+    outcome = _call_with_deadline(tool, call.arguments, timeout_s)
     if outcome is None:
         logger.warning("tool %r timed out after %g s (thread abandoned)", tool.name, timeout_s)
         return error_result("timeout", f"{tool.name} timed out after {timeout_s:g} s")
     answer, err = outcome
     if err is not None:
-        detail = truncate(str(err), max_output_chars)[0]  # the exception's text is the tool's
+        detail = truncate(_text_of(err), max_output_chars)[0]  # the exception's text is the tool's
         message = f"{type(err).__name__}: {detail}" if detail else type(err).__name__
         return error_result("raised", f"{tool.name} failed: {message}")
     if not isinstance(answer, str):
@@ -208,14 +213,23 @@ def run_tool(
 def _call(tool: Tool, arguments: Any) -> tuple[Any, BaseException | None]:
     try:
         return tool(arguments), None
-    except Exception as err:  # the tool's fault becomes a message to the model
+    except BaseException as err:  # in the worker thread: the tool's own raise, never a signal
         return None, err
 
 
+def _text_of(err: BaseException) -> str:
+    try:
+        return str(err)
+    except Exception:  # an exception whose __str__ raises: its class names it
+        return ""
+
+
 def _call_with_deadline(
-    tool: Tool, arguments: Any, timeout_s: float
+    tool: Tool, arguments: Any, timeout_s: float | None
 ) -> tuple[Any, BaseException | None] | None:
-    """``_call`` in a daemon thread joined with a deadline; ``None`` when it is still running."""
+    """``_call`` in a daemon thread joined with a deadline (``None``: none); ``None`` when it is
+    still running. A signal's handler runs in the caller's thread during ``join``: what it raises
+    propagates."""
     box: list[tuple[Any, BaseException | None]] = []
     worker = threading.Thread(
         target=lambda: box.append(_call(tool, arguments)), name=f"tool-{tool.name}", daemon=True

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ast
 import math
 import operator
+import reprlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +50,11 @@ _REFUSED = {
     ast.Compare: "comparisons are not allowed",
     ast.BoolOp: "boolean operators are not allowed",
 }
+
+
+#: How refused arguments are shown (the model's JSON, any depth and size: cut, never a RecursionError).
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 80
 
 
 class CalculatorError(ValueError):
@@ -123,7 +129,11 @@ class Calculator:
             tree = ast.parse(expression.strip(), mode="eval")
         except (SyntaxError, ValueError, RecursionError, MemoryError):
             raise CalculatorError(f"not an arithmetic expression: {expression!r}") from None
-        return format_number(self._eval(tree.body), self.significant_digits)
+        try:
+            value = self._eval(tree.body)
+        except RecursionError:  # only with a max_length far above the default
+            raise CalculatorError("the expression is nested too deeply") from None
+        return format_number(value, self.significant_digits)
 
     def _expression(self, arguments: Any) -> str:
         if isinstance(arguments, Mapping) and set(arguments) == {"expression"}:
@@ -131,7 +141,7 @@ class Calculator:
         if not isinstance(arguments, str):
             raise CalculatorError(
                 f'{self.name} takes an expression string or {{"expression": "..."}}, got '
-                f"{arguments!r}"
+                f"{_REPR.repr(arguments)}"
             )
         return arguments
 

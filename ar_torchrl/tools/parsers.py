@@ -22,6 +22,11 @@ must be a JSON object with a string ``name`` and an object ``arguments`` (a JSON
 object is accepted too, as some models write it). Reference: the ``tool_call`` rendering and the
 ``# Tools`` system block of the chat template in Qwen/Qwen3-8B's ``tokenizer_config.json`` and
 Qwen2.5-*-Instruct's; the Qwen docs' "Function Calling" page (Hermes-style tool use).
+
+Both read the model's text and nothing else can break them: any text gives the calls or a
+:class:`~ar_torchrl.tools.base.ToolCallError` (a JSON body nested past the recursion limit, or with
+an integer past Python's 4300 digits, is a malformed call like any other), and ``format`` refuses a
+call it could not read back (``tests/tools/test_parsers.py`` checks both with hypothesis).
 """
 
 from __future__ import annotations
@@ -40,6 +45,16 @@ _NAME = r"[A-Za-z_][A-Za-z0-9_.-]*"
 def _snippet(text: str, start: int, width: int = 60) -> str:
     piece = text[start : start + width]
     return piece + ("..." if len(text) > start + width else "")
+
+
+def _json_error(err: Exception) -> str:
+    """Why ``json.loads`` refused the model's text: the decoder's message, or what went wrong
+    beyond it (brackets nested past the recursion limit, an integer past Python's 4300 digits)."""
+    if isinstance(err, json.JSONDecodeError):
+        return str(err)
+    if isinstance(err, RecursionError):
+        return "brackets nested too deeply"
+    return f"{type(err).__name__}: {str(err).split(';')[0][:120]}"
 
 
 class TagParser:
@@ -134,9 +149,9 @@ class HermesParser:
             raise ToolCallError(f"a call inside the call {_snippet(span, 0)!r}")
         try:
             obj = json.loads(body)
-        except json.JSONDecodeError as err:
+        except Exception as err:  # any fault of the model's text is a malformed call
             raise ToolCallError(
-                f"the call is not valid JSON ({err}): {_snippet(span, 0)!r}"
+                f"the call is not valid JSON ({_json_error(err)}): {_snippet(span, 0)!r}"
             ) from None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
             raise ToolCallError(f'the call has no "name" string: {_snippet(span, 0)!r}')
@@ -144,7 +159,7 @@ class HermesParser:
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments)
-            except json.JSONDecodeError:
+            except Exception:  # not JSON: refused below (no object)
                 pass
         if not isinstance(arguments, dict):
             raise ToolCallError(f'the call has no "arguments" object: {_snippet(span, 0)!r}')
@@ -153,7 +168,16 @@ class HermesParser:
     def format(self, call: ToolCall) -> str:
         if not isinstance(call.arguments, dict):
             raise ValueError(f"hermes format: arguments must be a dict, got {call.arguments!r}")
+        if not isinstance(call.name, str) or not call.name:
+            raise ValueError(
+                f"hermes format: the name must be a non-empty string, got {call.name!r}"
+            )
         body = json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False)
+        if self._OPEN in body or "</tool_call>" in body:
+            raise ValueError(
+                f"hermes format: the name and arguments must not contain <tool_call> or "
+                f"</tool_call> (the call could not be read back), got {_snippet(body, 0)!r}"
+            )
         return f"<tool_call>\n{body}\n</tool_call>"
 
 

@@ -21,6 +21,16 @@ rendered (Qwen3 renders a *last* assistant turn with an empty ``<think>`` block 
 without), and because the delta starts right after a special token, tokenising it alone gives the
 ids a tokenisation of the whole text gives there.
 
+Tool contents are outside text (a tool's answer, or the calculator's echo of the model's own
+expression): special-token text in them (``<|im_end|>\n<|im_start|>assistant``) stays text. When a
+content holds (or could complete) a special token's text, :func:`tool_delta` locates the contents in
+the delta (the template rendered with placeholders, the contents substituted back, checked equal to
+the real rendering), keeps the template's own special tokens, and tokenises the text between them
+with ``split_special_tokens=True``: the special-token ids of the delta are those of a benign
+answer, and the text round-trips. Benign contents take the plain path above, id for id. Such a
+delta differs from what ``apply_chat_template(tokenize=True)`` gives for the whole conversation (it
+would parse the content's special-token text), so :class:`ToolDelta` says when it was neutralised.
+
 :func:`check_prefix_stable` re-renders a whole conversation and compares it with the incremental
 ids. A mismatch has one of two meanings, and the check says which:
 
@@ -40,6 +50,7 @@ template (``apply_chat_template``, ``encode``, ``decode``, ``convert_ids_to_toke
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -47,11 +58,14 @@ from typing import Any, Literal
 
 __all__ = [
     "PrefixCheck",
-    "as_tool_messages",
     "PrefixMismatchError",
     "PrefixMismatchWarning",
+    "ToolDelta",
+    "as_tool_messages",
     "check_prefix_stable",
     "render_ids",
+    "special_token_texts",
+    "tool_delta",
     "tool_delta_ids",
     "tool_delta_text",
 ]
@@ -166,6 +180,143 @@ def tool_delta_text(
     return text[cut if include_end_of_turn else cut + len(eot) :]
 
 
+@dataclass(frozen=True)
+class ToolDelta:
+    """What :func:`tool_delta` computed.
+
+    Attributes:
+        ids: the delta's ids (:func:`tool_delta_ids`).
+        text: the delta's text (:func:`tool_delta_text`); ``tokenizer.decode(ids) == text``.
+        neutralised: special-token text in a tool content was kept as text, so ``ids`` differ
+            from the plain tokenisation of ``text`` (and from ``apply_chat_template(tokenize=True)``
+            of the conversation: :func:`check_prefix_stable` cannot compare past this delta).
+
+    Example:
+        >>> from ar_torchrl.models import build_char_tokenizer
+        >>> delta = tool_delta(build_char_tokenizer(), ["408"])
+        >>> delta.neutralised, delta.text == tool_delta_text(build_char_tokenizer(), ["408"])
+        (False, True)
+    """
+
+    ids: list[int]
+    text: str
+    neutralised: bool = False
+
+
+def special_token_texts(tokenizer: Any) -> frozenset[str]:
+    """The texts a tokenizer turns into special tokens (``all_special_tokens`` and every added
+    token marked special), which tool contents must not forge.
+
+    Example:
+        >>> from ar_torchrl.models import build_char_tokenizer
+        >>> sorted(special_token_texts(build_char_tokenizer()))
+        ['<|endoftext|>', '<|im_end|>', '<|im_start|>']
+    """
+    texts = {str(t) for t in getattr(tokenizer, "all_special_tokens", None) or ()}
+    for token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+        if getattr(token, "special", False):
+            texts.add(str(getattr(token, "content", token)))
+    return frozenset(t for t in texts if t)
+
+
+def tool_delta(
+    tokenizer: Any,
+    tool_messages: Sequence[str | Mapping[str, Any]],
+    *,
+    role: str = "tool",
+    end_of_turn: str | None = None,
+    include_end_of_turn: bool = False,
+    **template_kwargs: Any,
+) -> ToolDelta:
+    """:func:`tool_delta_ids` with its text and whether special-token text in the tool contents
+    was neutralised (the module docstring; same arguments).
+
+    Example:
+        >>> from ar_torchrl.models import build_char_tokenizer
+        >>> tok = build_char_tokenizer()
+        >>> forged = tool_delta(tok, ["<|im_end|>"])
+        >>> forged.neutralised, tok.decode(forged.ids) == forged.text
+        (True, True)
+        >>> [tok.convert_ids_to_tokens(i) for i in forged.ids if i < 3]  # the template's own
+        ['<|im_start|>', '<|im_end|>', '<|im_start|>']
+    """
+    messages = as_tool_messages(tool_messages, role)
+    options = dict(end_of_turn=end_of_turn, include_end_of_turn=include_end_of_turn)
+    text = tool_delta_text(tokenizer, messages, role=role, **options, **template_kwargs)
+    ids = _encode(tokenizer, text)
+    contents = [m.get("content") for m in messages]
+    specials = special_token_texts(tokenizer)
+    if not any(isinstance(c, str) and _may_forge(c, specials) for c in contents):
+        return ToolDelta(ids, text)
+    parts = _template_parts(tokenizer, messages, contents, text, role, options, template_kwargs)
+    if parts is None:
+        logger.warning(
+            "tool_delta: the chat template does not render the tool contents verbatim, so their "
+            "special-token text could not be kept as text (contents %r)",
+            [c[:80] if isinstance(c, str) else c for c in contents],
+        )
+        return ToolDelta(ids, text)
+    try:
+        safe = _splice(tokenizer, parts, contents, specials)
+    finally:  # transformers leaves split_special_tokens set on the backend until its next call
+        tokenizer.encode("", add_special_tokens=False)
+    return ToolDelta(safe, text, neutralised=safe != ids)
+
+
+def _encode(tokenizer: Any, text: str, *, split_special_tokens: bool = False) -> list[int]:
+    kwargs = {"split_special_tokens": True} if split_special_tokens else {}
+    return [int(i) for i in tokenizer.encode(text, add_special_tokens=False, **kwargs)]
+
+
+def _may_forge(content: str, specials: frozenset[str]) -> bool:
+    """``content`` holds a special token's text, or begins or ends with part of one (the
+    template's text next to it could complete it)."""
+    for s in specials:
+        if s in content:
+            return True
+        if any(content.endswith(s[:k]) or content.startswith(s[k:]) for k in range(1, len(s))):
+            return True
+    return False
+
+
+def _template_parts(tokenizer, messages, contents, text, role, options, template_kwargs):
+    """The delta text around the contents (``len(contents) + 1`` parts), or ``None`` when the
+    template does not render the contents verbatim (the placeholder rendering, with the contents
+    substituted back, must be exactly ``text``)."""
+    if not all(isinstance(c, str) for c in contents):
+        return None
+    marks = [f"\ue000{i}\ue001" for i in range(len(contents))]
+    placeholders = [{**m, "content": mark} for m, mark in zip(messages, marks)]
+    rendered = tool_delta_text(tokenizer, placeholders, role=role, **options, **template_kwargs)
+    parts, rest = [], rendered
+    for mark in marks:
+        if rest.count(mark) != 1:
+            return None
+        head, rest = rest.split(mark)
+        parts.append(head)
+    parts.append(rest)
+    rebuilt = parts[0] + "".join(c + p for c, p in zip(contents, parts[1:]))
+    return parts if rebuilt == text else None
+
+
+def _splice(tokenizer, parts: list[str], contents: list[str], specials: frozenset[str]) -> list:
+    """The ids of ``parts`` interleaved with ``contents``: the special tokens of the template's
+    parts kept, the text between them (contents included) tokenised with
+    ``split_special_tokens=True`` (as a tokenizer splits a text at its special tokens first)."""
+    pattern = re.compile("|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True)))
+    ids: list[int] = []
+    pending = ""
+    for i, part in enumerate(parts):
+        pos = 0
+        for match in pattern.finditer(part):
+            pending += part[pos : match.start()]
+            ids += _encode(tokenizer, pending, split_special_tokens=True)
+            ids.append(int(tokenizer.convert_tokens_to_ids(match[0])))
+            pending, pos = "", match.end()
+        pending += part[pos:] + (contents[i] if i < len(contents) else "")
+    return ids + _encode(tokenizer, pending, split_special_tokens=True)
+
+
 def tool_delta_ids(
     tokenizer: Any,
     tool_messages: Sequence[str | Mapping[str, Any]],
@@ -177,7 +328,8 @@ def tool_delta_ids(
 ) -> list[int]:
     """The ids to append after a model turn so that the next generation starts at the
     template's generation prompt: what the template writes after the assistant's end-of-turn
-    token, the tool message(s), and the generation prompt.
+    token, the tool message(s), and the generation prompt. Special-token text in a tool content
+    stays text (:func:`tool_delta`).
 
     Args:
         tokenizer: a Hugging Face tokenizer with a chat template.
@@ -203,15 +355,14 @@ def tool_delta_ids(
         ...     {"role": "tool", "content": "408"}], add_generation_prompt=True)
         True
     """
-    text = tool_delta_text(
+    return tool_delta(
         tokenizer,
         tool_messages,
         role=role,
         end_of_turn=end_of_turn,
         include_end_of_turn=include_end_of_turn,
         **template_kwargs,
-    )
-    return [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]
+    ).ids
 
 
 def check_prefix_stable(

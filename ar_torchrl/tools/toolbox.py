@@ -8,6 +8,7 @@ kind. A turn without a call ends the episode (``turn.ended``). Nothing here impo
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,8 @@ from ar_torchrl.tools.base import (
 from ar_torchrl.utils.checks import check_number
 
 __all__ = ["COUNTERS", "ToolTurn", "Toolbox", "check_toolbox_args"]
+
+logger = logging.getLogger(__name__)
 
 #: The keys of :attr:`ToolTurn.counts` (always all present, so counts add up across turns).
 COUNTERS: tuple[str, ...] = ("calls", "errors", "dropped", *ERROR_KINDS)
@@ -175,20 +178,34 @@ class Toolbox:
 
     def handle(self, text: str) -> ToolTurn:
         """Parse ``text`` (a model turn), run its calls, return the :class:`ToolTurn`; never raises
-        for a fault of the model or of a tool."""
+        for a fault of the model or of a tool: any exception a parser raises on the text is a
+        ``"malformed"`` result, anything a tool raises (``SystemExit`` and ``KeyboardInterrupt``
+        included) a ``"raised"`` one. Only a signal to the process (Ctrl-C, SIGTERM) comes
+        through (:func:`~ar_torchrl.tools.base.run_tool`)."""
         try:
             calls = self.parser.parse(text)
         except ToolCallError as err:
             message = f"malformed tool call: {err}. The format is {self.parser.syntax}"
+            return ToolTurn([], [error_result("malformed", message)])
+        except Exception as err:  # a parser that let the model's text break it: still malformed
+            logger.warning(
+                "the %r parser raised %s on a model turn (a parser should raise ToolCallError); "
+                "answered as a malformed call",
+                self.parser.name,
+                type(err).__name__,
+                exc_info=True,
+            )
+            why = truncate(f"{type(err).__name__}: {err}", 200)[0]
+            message = f"malformed tool call: {why}. The format is {self.parser.syntax}"
             return ToolTurn([], [error_result("malformed", message)])
         run, dropped = calls[: self.max_calls_per_turn], len(calls) - self.max_calls_per_turn
         return ToolTurn(run, [self.call(c) for c in run], dropped=max(dropped, 0))
 
     def call(self, call: ToolCall) -> ToolResult:
         """The result of one call: an ``"unknown_tool"`` error, or :func:`run_tool`'s result."""
-        tool = self._by_name.get(call.name)
+        tool = self._by_name.get(call.name) if isinstance(call.name, str) else None
         if tool is None:
-            name = truncate(call.name, 40)[0]
+            name = truncate(str(call.name), 40)[0]
             message = f"unknown tool {name!r}; known tools: {known_names(self.tools)}"
             return error_result("unknown_tool", message)
         return run_tool(

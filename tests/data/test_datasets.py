@@ -7,6 +7,9 @@ import re
 
 import pandas as pd
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from support.fuzz import fuzz
 
 from ar_torchrl.data import (
     DAPO_TEMPLATE,
@@ -16,6 +19,7 @@ from ar_torchrl.data import (
     make_row,
     train_holdout_split,
 )
+from ar_torchrl.data.datasets import validate_row
 
 
 def test_arithmetic_rows_are_correct_and_seeded():
@@ -134,3 +138,125 @@ def test_unreadable_lines_and_bad_extra_info_are_skipped_and_counted_naming_the_
         MathDataset(
             [make_row("q", "1", index=0), {**make_row("q", "1", index=1), "extra_info": "x"}]
         )
+
+
+# ----------------------------------------------------------------------------- hostile lines
+
+
+def test_lines_that_break_the_json_reader_are_named_and_skipped_and_counted(tmp_path):
+    """Issue 29 N4: a deeply nested line or a number past 4300 digits gave a raw RecursionError /
+    ValueError naming no file or line, also with skip_invalid=True: one bad line stopped the run."""
+    good = json.dumps(make_row("What is 1 + 1?", "2", index=0))
+    deep = '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    huge = json.dumps(make_row("q", "2", index=1)).replace('"2"', "9" * 5000)
+    path = tmp_path / "hostile.jsonl"
+    path.write_text("\n".join([good, deep, good, huge, good]) + "\n")
+    ds = load_dapo_math(path, skip_invalid=True)
+    assert len(ds) == 3 and ds.num_skipped == 2
+    assert ds.skipped == [
+        (1, "line 2: not readable JSON (nested too deeply (RecursionError))"),
+        (
+            3,
+            "line 4: not readable JSON (ValueError: Exceeds the limit (4300 digits) for integer "
+            "string conversion: value has 5000 digits)",
+        ),
+    ]
+    for lines, message in [
+        ([good, deep], r"hostile.jsonl: line 2: not readable JSON \(nested too deeply"),
+        ([good, good, huge], r"hostile.jsonl: line 3: not readable JSON \(ValueError: Exceeds"),
+    ]:
+        path.write_text("\n".join(lines) + "\n")
+        with pytest.raises(ValueError, match=message + r".*\(pass skip_invalid=True to skip it\)"):
+            load_dapo_math(path)
+
+
+def test_rows_that_break_validation_are_named_and_skipped_and_counted():
+    """Rows that parse but break reading them (parquet records, rows given in Python): nesting past
+    the recursion limit, an integer ground truth past 4300 digits."""
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    good = make_row("q", "1", index=0)
+    rows = [
+        good,
+        {**good, "prompt": [{"role": "user", "content": "q", "more": deep}]},
+        {**good, "reward_model": {"ground_truth": 10**5000}},
+        good,
+    ]
+    ds = MathDataset(rows, skip_invalid=True, name="records")
+    assert len(ds) == 2 and [i for i, _ in ds.skipped] == [1, 2]
+    assert ds.skipped[0][1] == "row 1: nested too deeply (RecursionError)"
+    assert ds.skipped[1][1].startswith("row 2: ValueError: Exceeds the limit (4300 digits)")
+    with pytest.raises(ValueError, match=r"records: row 1: nested too deeply \(RecursionError\)"):
+        MathDataset(rows, name="records")
+
+
+# ----------------------------------------------------------------------------- property-based
+
+_GOOD = json.dumps(make_row("What is 1 + 1?", "2", index=0))
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
+    max_leaves=10,
+)
+
+
+@st.composite
+def _mutated_rows(draw):
+    """A valid row with one field (at any depth) replaced by any JSON value."""
+    row = make_row("What is 2 + 2?", "4", index=draw(st.integers(-5, 5)))
+    path = draw(
+        st.sampled_from(
+            [
+                ("prompt",),
+                ("prompt", 0),
+                ("prompt", 0, "role"),
+                ("prompt", 0, "content"),
+                ("reward_model",),
+                ("reward_model", "ground_truth"),
+                ("extra_info",),
+                ("extra_info", "index"),
+                ("data_source",),
+            ]
+        )
+    )
+    target = row
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = draw(_json_values)
+    return json.dumps(row)
+
+
+lines = st.one_of(
+    st.text(max_size=60).filter(lambda t: "\n" not in t),
+    _json_values.map(json.dumps),
+    _mutated_rows(),
+    st.integers(0, 3000).map(lambda n: "[" * n + "]" * n),
+    st.integers(4000, 6000).map(lambda n: '{"prompt": ' + "1" * n + "}"),
+)
+
+
+@pytest.fixture(scope="module")
+def fuzz_file(tmp_path_factory):
+    return tmp_path_factory.mktemp("fuzz") / "rows.jsonl"
+
+
+@fuzz(150)
+@given(line=lines)
+def test_any_jsonl_line_is_a_row_or_a_named_skipped_invalid_line(fuzz_file, line):
+    fuzz_file.write_text("\n".join([_GOOD, line, _GOOD]) + "\n", encoding="utf-8")
+    ds = load_dapo_math(fuzz_file, skip_invalid=True)
+    if not line.strip():  # a blank line is no row
+        assert len(ds) == 2 and ds.num_skipped == 0
+        return
+    if len(ds) == 3:
+        same = json.dumps(validate_row(json.loads(line), 1), sort_keys=True)  # NaN == NaN here
+        assert ds.num_skipped == 0 and json.dumps(ds[1], sort_keys=True) == same
+        assert json.dumps(load_dapo_math(fuzz_file)[1], sort_keys=True) == same
+        return
+    assert len(ds) == 2 and [i for i, _ in ds.skipped] == [1]
+    assert ds.skipped[0][1].startswith("line 2: ")
+    with pytest.raises(ValueError, match=r"rows\.jsonl: line 2: .*\(pass skip_invalid=True"):
+        load_dapo_math(fuzz_file)

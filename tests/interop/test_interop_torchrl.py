@@ -21,6 +21,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from support.fuzz import fuzz
 from support.trajectories import (
     PAD,
     VOCAB,
@@ -49,6 +52,7 @@ from ar_torchrl.training import plan_micro_batches
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "torchrl_llm_critic.py"
 EOS = 2
+VOCAB_CHAR = len(build_char_tokenizer())  # 99
 torch.set_num_threads(1)
 
 
@@ -255,6 +259,157 @@ def test_converter_errors_name_what_was_received():
     kept = TokenTrajectory(tok, max_new_tokens=3, rollout_log_prob="raise")(engine_lp)
     assert kept["rollout_log_prob"][0].tolist() == [0.0, -0.5, -0.25]
     assert prompt_group_id([1, 2]) == prompt_group_id(torch.tensor([1, 2])) >= 0
+
+
+def _poisoned(case: str) -> TensorDict:
+    good = row([1, 9], [5, EOS])
+    bad = {
+        "id -1": row([1], [-1, EOS]),
+        "id vocab+1000": row([1], [VOCAB_CHAR + 1000, EOS]),
+        "id 2**62": row([1], [2**62, EOS]),
+        "prompt id -3": row([-3], [5, EOS]),
+        "reward nan": row([1], [5, EOS], reward=float("nan")),
+        "reward inf": row([1], [5, EOS], reward=float("inf")),
+        "reward -inf": row([1], [5, EOS], reward=float("-inf")),
+        "versions 0 and 3": row([1], [5, EOS], version=3),
+    }[case]
+    return lazy_stack([good, bad])
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("id -1", r"row 1: \('tokens', 'response'\)\[0\] = -1 is outside the vocabulary \[0, 99\)"),
+        ("id vocab+1000", r"row 1: \('tokens', 'response'\)\[0\] = 1099 is outside the vocabulary"),
+        ("id 2**62", r"row 1: \('tokens', 'response'\)\[0\] = 4611686018427387904 is outside"),
+        ("prompt id -3", r"row 1: \('tokens', 'prompt'\)\[0\] = -3 is outside the vocabulary"),
+        ("reward nan", r"row 1: the reward \('next', 'reward'\) is nan, not finite"),
+        ("reward inf", r"row 1: the reward \('next', 'reward'\) is inf, not finite"),
+        ("reward -inf", r"row 1: the reward \('next', 'reward'\) is -inf, not finite"),
+        (
+            "versions 0 and 3",
+            r"row 1 has \('next', 'policy_version'\) \[3\], row 0 has 0: one batch",
+        ),
+    ],
+)
+@pytest.mark.parametrize("mode", ["drop", "recompute"])
+def test_poisoned_batches_are_refused_naming_the_row_and_the_value(case, message, mode):
+    """Issue 29 N5: these converted without a word (in "recompute" mode: a bare IndexError, on
+    CUDA a device-side assert)."""
+    tok = build_char_tokenizer()
+    model = build_tiny_qwen3(len(tok)) if mode == "recompute" else None
+    conv = TokenTrajectory(tok, max_new_tokens=3, rollout_log_prob=mode, model=model)
+    with pytest.raises(ValueError, match=message):
+        conv(_poisoned(case))
+
+
+def test_positive_log_probs_and_empty_batches_are_refused():
+    tok = build_char_tokenizer()
+    keep = TokenTrajectory(tok, max_new_tokens=3, rollout_log_prob="raise")
+    with pytest.raises(
+        ValueError, match=r"row 1: log_probs.response\[1\] = 0.25 is positive .*tolerance 0.0001"
+    ):
+        keep(
+            lazy_stack(
+                [
+                    row([1], [5, EOS], log_probs=[-1.0, -0.5]),
+                    row([1], [5, EOS], log_probs=[-1.0, 0.25]),
+                ]
+            )
+        )
+    within = keep(lazy_stack([row([1], [5, EOS], log_probs=[-1.0, 1e-4])]))  # the tolerance
+    assert within["rollout_log_prob"][0, -1] == pytest.approx(1e-4)
+    with pytest.raises(ValueError, match=r"row 0: log_probs.response\[0\] = 0.0002 is positive"):
+        keep(lazy_stack([row([1], [5, EOS], log_probs=[2e-4, -0.5])]))
+    empty = lazy_stack([row([1], [EOS]), row([1], [5, EOS])])[:0]
+    with pytest.raises(ValueError, match=r"the batch has no rows \(batch size \(0,\)\)"):
+        TokenTrajectory(tok, max_new_tokens=3)(empty)
+    # the vocabulary: the model's embedding rows by default, or vocab_size=
+    big = TokenTrajectory(tok, max_new_tokens=3, vocab_size=len(tok) + 8)
+    assert big(lazy_stack([row([1], [len(tok) + 7, EOS])]))["tokens"][0, 1] == len(tok) + 7
+    with pytest.raises(ValueError, match=r"vocab_size must be an int >= 1, got 0"):
+        TokenTrajectory(tok, max_new_tokens=3, vocab_size=0)
+
+
+# -- property-based: any small batch converts like the builder, or is refused by row ---------------
+
+
+@st.composite
+def _rows(draw, max_new_tokens: int = 4):
+    """1-4 valid rows: prompts of 1-4 ids, responses ending with EOS or cut at max_new_tokens."""
+    ids = st.integers(3, VOCAB_CHAR - 1)
+    out = []
+    for _ in range(draw(st.integers(1, 4))):
+        prompt = draw(st.lists(st.integers(0, VOCAB_CHAR - 1), min_size=1, max_size=4))
+        if draw(st.booleans()):
+            response = draw(st.lists(ids, max_size=max_new_tokens - 1)) + [EOS]
+        else:
+            response = draw(st.lists(ids, min_size=max_new_tokens, max_size=max_new_tokens))
+        reward = draw(st.floats(-10, 10, allow_nan=False, width=32))
+        out.append((prompt, response, reward))
+    return out, draw(st.integers(0, 2**40))
+
+
+def _builder_trajectory(rows, version):
+    from ar_torchrl.data.samples import Sample, Segment
+    from ar_torchrl.data.trajectory import build_trajectory
+
+    samples = [
+        Sample(
+            [Segment(p), Segment(r, True, [0.0] * len(r), policy_version=version)],
+            prompt_id=prompt_group_id(p),
+            finish_reason="stop" if r[-1] == EOS else "length",
+            reward=reward,
+        )
+        for p, r, reward in rows
+    ]
+    return build_trajectory(samples, pad_token_id=PAD)
+
+
+@fuzz(60)
+@given(_rows())
+def test_valid_random_batches_convert_to_the_builders_trajectory(batch):
+    rows, version = batch
+    tok = build_char_tokenizer()
+    td = TokenTrajectory(tok, max_new_tokens=4)(
+        lazy_stack([row(p, r, reward=reward, version=version) for p, r, reward in rows])
+    )
+    want = _builder_trajectory(rows, version)
+    assert set(td.keys(True, True)) == set(want.keys(True, True)) - {"rollout_log_prob"}
+    for key in td.keys(True, True):
+        assert torch.equal(td[key], want[key]), key
+
+
+_POISONS = {
+    "id": st.sampled_from([-1, -(2**62), VOCAB_CHAR, VOCAB_CHAR + 1000, 2**62]),
+    "reward": st.sampled_from([float("nan"), float("inf"), float("-inf")]),
+    "version": st.integers(1, 2**40),
+}
+
+
+@fuzz(60)
+@given(_rows(), st.sampled_from(sorted(_POISONS)), st.data())
+def test_poisoned_random_batches_are_refused_naming_the_row(batch, poison, data):
+    rows, version = batch
+    if poison == "version" and len(rows) == 1:
+        rows = rows * 2  # a version can only be mixed with another row's
+    target = data.draw(st.integers(0, len(rows) - 1), label="poisoned row")
+    value = data.draw(_POISONS[poison], label="value")
+    shown = version + value if poison == "version" else value
+    built = []
+    for i, (p, r, reward) in enumerate(rows):
+        poisoned = i == target
+        built.append(
+            row(
+                p,
+                [value, *r[1:]] if poisoned and poison == "id" else r,
+                reward=value if poisoned and poison == "reward" else reward,
+                version=shown if poisoned and poison == "version" else version,
+            )
+        )
+    named = 1 if poison == "version" and target == 0 else target  # row 0 sets the version
+    with pytest.raises(ValueError, match=rf"row {named}\b.*{re.escape(str(shown))}"):
+        TokenTrajectory(build_char_tokenizer(), max_new_tokens=4)(lazy_stack(built))
 
 
 # -- weights for TorchRL's weight-sync helpers ----------------------------------------------------

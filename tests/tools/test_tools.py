@@ -5,14 +5,17 @@ config schema and the registries."""
 from __future__ import annotations
 
 import math
-import operator
+import os
 import random
 import re
+import signal
 import threading
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
+from support.expressions import OPS, expression_text, expression_value
 
 from ar_torchrl.tools import (
     COUNTERS,
@@ -189,6 +192,153 @@ def test_tag_parser_malformed_calls_and_what_is_not_a_call():
         parser.format(ToolCall("echo", "a</tool>b", ""))
 
 
+# ----------------------------------------------------------------------------- hostile model turns
+
+
+_TOO_LONG = "9" * 5000
+
+
+def _nested(expression_json: str) -> str:
+    return f'<tool_call>{{"name": "calculator", "arguments": {{"expression": {expression_json}}}}}</tool_call>'
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            "<tool_call>" + "[" * 1000 + "</tool_call>",
+            r"not valid JSON \(brackets nested too deeply\)",
+        ),
+        (
+            "<tool_call>" + '{"a": ' * 1000 + "</tool_call>",
+            r"not valid JSON \(brackets nested too deeply\)",
+        ),
+        (
+            _nested("[" * 1000 + "1" + "]" * 1000),
+            r"not valid JSON \(brackets nested too deeply\)",
+        ),
+        (
+            _nested(_TOO_LONG),
+            r"not valid JSON \(ValueError: Exceeds the limit \(4300 digits\) for integer string "
+            r"conversion: value has 5000 digits\)",
+        ),
+        (
+            '<tool_call>{"name": "calculator", "arguments": "' + "[" * 1000 + '"}</tool_call>',
+            r'the call has no "arguments" object',
+        ),
+    ],
+)
+def test_hermes_turns_that_break_the_json_reader_are_malformed_calls(text, message):
+    """Issue 29 N1: ~1000 nested brackets (a few hundred BPE tokens) raised RecursionError out of
+    Toolbox.handle, a 5000-digit integer a ValueError; both ended ToolEnv.collect()."""
+    box = Toolbox([Calculator()], HermesParser())
+    turn = box.handle("Let me compute. " + text)
+    (result,) = turn.results
+    assert result.error == "malformed" and turn.counts["malformed"] == 1 and not turn.ended
+    assert re.search(r"^error: malformed tool call: .*" + message, result.content), result.content
+    with pytest.raises(ToolCallError, match=message):
+        HermesParser().parse(text)
+
+
+class _Fragile:
+    """A parser that lets the model's text break it (it should raise ToolCallError)."""
+
+    name, syntax = "fragile", "<call>"
+
+    def parse(self, text):
+        raise RecursionError("maximum recursion depth exceeded")
+
+    def format(self, call):
+        return "<call>"
+
+
+def test_a_parser_that_raises_anything_gives_a_malformed_result(caplog):
+    turn = Toolbox([Calculator()], _Fragile()).handle("anything")
+    (result,) = turn.results
+    assert result.error == "malformed" and result.content == (
+        "error: malformed tool call: RecursionError: maximum recursion depth exceeded. The "
+        "format is <call>"
+    )
+    assert "the 'fragile' parser raised RecursionError" in caplog.text
+
+
+class _Custom(BaseException):
+    pass
+
+
+@dataclass
+class Raiser:
+    error: BaseException
+    name: str = "raiser"
+    description: str = "raiser(): raises what it is given"
+
+    def __call__(self, arguments):
+        raise self.error
+
+
+@pytest.mark.parametrize("timeout_s", [5.0, None])
+@pytest.mark.parametrize(
+    ("error", "shown"),
+    [
+        (SystemExit(3), "SystemExit: 3"),
+        (KeyboardInterrupt(), "KeyboardInterrupt"),
+        (GeneratorExit("closed"), "GeneratorExit: closed"),
+        (_Custom("mine"), "_Custom: mine"),
+    ],
+)
+def test_a_tool_raising_a_base_exception_is_a_raised_result_not_a_timeout(error, shown, timeout_s):
+    """Issue 29 N3: SystemExit/KeyboardInterrupt from a tool were reported as a 5 s timeout, and
+    with timeout_s=None they ended the run."""
+    box = Toolbox([Raiser(error)], TagParser(), timeout_s=timeout_s)
+    start = time.monotonic()
+    turn = box.handle(tag("raiser", "x"))
+    assert time.monotonic() - start < 2  # not the deadline
+    assert turn.results == [ToolResult(f"error: raiser failed: {shown}", False, "raised")]
+    assert turn.counts["raised"] == 1 and turn.counts["timeout"] == 0
+
+
+@pytest.mark.parametrize("timeout_s", [None, 30.0])
+def test_a_signal_to_the_process_still_stops_the_run_during_a_tool_call(timeout_s):
+    """A SIGTERM (or Ctrl-C) to the trainer while a tool runs: the recipe's handler raises
+    KeyboardInterrupt in the main thread, which waits for the tool, and it comes through."""
+    from ar_torchrl.recipes.run import StopOnSignal
+
+    release = threading.Event()
+    box = Toolbox([Blocking(release)], TagParser(), timeout_s=timeout_s)
+    timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM))
+    start = time.monotonic()
+    try:
+        with StopOnSignal() as stop:  # not graceful yet: the signal stops at once
+            timer.start()
+            with pytest.raises(KeyboardInterrupt):
+                box.handle(tag("slow", ""))
+    finally:
+        timer.cancel()
+        release.set()
+    assert stop.name == "SIGTERM" and time.monotonic() - start < 5
+
+
+def test_a_graceful_signal_lets_the_tool_call_finish():
+    """With the loop running (graceful), the first signal only asks to stop after the iteration:
+    the wait for the tool goes on and its answer comes back."""
+    from ar_torchrl.recipes.run import StopOnSignal
+
+    release = threading.Event()
+    box = Toolbox([Blocking(release)], TagParser(), timeout_s=None)
+    signal_then_release = threading.Timer(
+        0.1, lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(0.2), release.set())
+    )
+    try:
+        with StopOnSignal() as stop:
+            stop.graceful = True
+            signal_then_release.start()
+            turn = box.handle(tag("slow", ""))
+    finally:
+        signal_then_release.cancel()
+        release.set()
+    assert turn.contents == ["late"] and stop.requested and stop.name == "SIGTERM"
+
+
 # ----------------------------------------------------------------------------- round trips
 
 
@@ -230,16 +380,6 @@ def test_both_parsers_round_trip_random_calls():
 
 # ----------------------------------------------------------------------------- the calculator
 
-_OPS = {
-    "+": operator.add,
-    "-": operator.sub,
-    "*": operator.mul,
-    "/": operator.truediv,
-    "//": operator.floordiv,
-    "%": operator.mod,
-    "**": operator.pow,
-}
-
 
 def _random_tree(rng: random.Random, depth: int) -> tuple:
     """A random expression tree: ("num", v), ("neg", t), ("**", t, exponent) or (op, left, right)."""
@@ -247,34 +387,10 @@ def _random_tree(rng: random.Random, depth: int) -> tuple:
         return ("num", rng.randrange(0, 60) if rng.random() < 0.8 else round(rng.uniform(0, 20), 2))
     if rng.random() < 0.15:
         return ("neg", _random_tree(rng, depth - 1))
-    symbol = rng.choice(list(_OPS))
+    symbol = rng.choice(list(OPS))
     if symbol == "**":  # small integer exponents keep the numbers small and real
         return ("**", _random_tree(rng, depth - 1), rng.randrange(0, 4))
     return (symbol, _random_tree(rng, depth - 1), _random_tree(rng, depth - 1))
-
-
-def _text(tree: tuple) -> str:
-    """The expression, every operation in parentheses."""
-    kind, *args = tree
-    if kind == "num":
-        return str(args[0])
-    if kind == "neg":
-        return f"-({_text(args[0])})"
-    if kind == "**":
-        return f"({_text(args[0])})**{args[1]}"
-    return f"({_text(args[0])}) {kind} ({_text(args[1])})"
-
-
-def _value(tree: tuple):
-    """The twin: the tree computed by Python's own operators, node by node."""
-    kind, *args = tree
-    if kind == "num":
-        return args[0]
-    if kind == "neg":
-        return -_value(args[0])
-    if kind == "**":
-        return _value(args[0]) ** args[1]
-    return _OPS[kind](_value(args[0]), _value(args[1]))
 
 
 def test_calculator_matches_python_arithmetic_on_random_expressions():
@@ -284,15 +400,15 @@ def test_calculator_matches_python_arithmetic_on_random_expressions():
     for _ in range(2000):
         tree = _random_tree(rng, 4)
         try:
-            value = _value(tree)
+            value = expression_value(tree)
         except ZeroDivisionError:
             with pytest.raises(ZeroDivisionError):
-                calc(_text(tree))
+                calc(expression_text(tree))
             zero_divisions += 1
             continue
         if isinstance(value, float) and not math.isfinite(value):
             continue
-        assert calc(_text(tree)) == format_number(value), _text(tree)
+        assert calc(expression_text(tree)) == format_number(value), expression_text(tree)
         checked += 1
     assert checked > 1500 and zero_divisions > 10
 
