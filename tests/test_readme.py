@@ -88,18 +88,40 @@ def test_readme_is_a_front_door():
 PENDING_PAGES = {"docs/extending.md", "docs/checkpoints.md"}
 
 
+def heading_anchors(markdown: str) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces to hyphens."""
+    titles = re.findall(r"^#{1,6} (.+)$", markdown, flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", t.strip().lower()).replace(" ", "-") for t in titles}
+
+
 def test_links_of_the_readme_and_docs_lead_somewhere():
+    """Every relative link of README.md and docs/*.md names a file that exists, and its #anchor a
+    heading of that file."""
     root = README.parent
     broken = []
     for page in [README, *sorted((root / "docs").glob("*.md"))]:
-        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", page.read_text()):
             if "://" in target:
                 continue
-            path = (page.parent / target).resolve()
+            path = (page.parent / target).resolve() if target else page
             name = path.relative_to(root).as_posix() if path.is_relative_to(root) else target
-            if not path.exists() and name not in PENDING_PAGES:
-                broken.append(f"{page.relative_to(root)}: {target}")
+            if not path.exists():
+                if name not in PENDING_PAGES:
+                    broken.append(f"{page.relative_to(root)}: {target}")
+            elif (
+                anchor and path.suffix == ".md" and anchor not in heading_anchors(path.read_text())
+            ):
+                broken.append(f"{page.relative_to(root)}: {target}#{anchor}")
     assert not broken, "\n".join(broken)
+
+
+def test_heading_anchors_follow_github():
+    assert heading_anchors(
+        "## Composition (plain TorchRL style)\n# A real model: SmolLM2-135M\n"
+    ) == {
+        "composition-plain-torchrl-style",
+        "a-real-model-smollm2-135m",
+    }
 
 
 def test_missing_value_targets_name_the_grpo_switch():
