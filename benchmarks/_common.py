@@ -75,7 +75,7 @@ def replace_marked_block(readme: Path, begin: str, end: str, block: str) -> None
     with ``block``, which carries the markers itself.
 
     Raises:
-        SystemExit: the README has no such block (naming the markers).
+        SystemExit: the page has no such block (naming the markers).
     """
     text = readme.read_text()
     if begin not in text or end not in text:

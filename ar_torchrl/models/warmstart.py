@@ -18,6 +18,7 @@ import os
 import random
 import shutil
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -301,11 +302,21 @@ def cached_warm_start(
     if (target / "warmstart.json").is_file():
         logger.info("warm start: loading cached %s", target)
     else:
+        logger.info("warm start: supervised training, once (then cached in %s)", target)
+        started = time.perf_counter()
         trained = _copy_model(model)
         losses = supervised_warm_start(trained, tokenizer, rows, **settings)
         _save_atomic(trained, tokenizer, target, {"settings": settings, "losses": losses})
-        logger.info("warm start: loss %.3f -> %.3f, saved %s", losses[0], losses[-1], target)
+        logger.info(
+            "warm start: loss %.3f -> %.3f in %.1f s, saved %s",
+            losses[0],
+            losses[-1],
+            time.perf_counter() - started,
+            target,
+        )
+    started = time.perf_counter()
     loaded = AutoModelForCausalLM.from_pretrained(target, dtype=model.dtype, local_files_only=True)
+    logger.info("warm start: loaded in %.1f s", time.perf_counter() - started)
     return loaded.eval(), target
 
 

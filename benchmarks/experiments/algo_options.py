@@ -8,8 +8,8 @@ first 20 %), held-out greedy accuracy at step 0 and at the end, whether every lo
 finite, and the run-mean of the variant's diagnostics (e.g. ``train/tis_weight_mean``). Runs live in
 ``--runs`` (default ``outputs/algo_options``) and a finished run is not repeated, so the table can
 be built over several sittings; ``--jobs 2`` runs two at once (wall times are then not comparable:
-this is not a speed benchmark). Output: a table on stdout and JSON in
-``benchmarks/results/algo_options.json``.
+this is not a speed benchmark). Output: a table on stdout, JSON in
+``benchmarks/results/algo_options.json`` and, with ``--write-docs``, the block of docs/evidence.md.
 
 Commands::
 
@@ -101,7 +101,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runs", type=Path, default=ROOT / "outputs" / "algo_options")
     p.add_argument("--quick", action="store_true", help="4 iterations, 1 seed, a temporary dir")
     p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--write-readme", action="store_true", help="replace the README's table block")
+    p.add_argument(
+        "--write-docs",
+        "--write-readme",  # its name before the table moved to docs/
+        action="store_true",
+        help="replace the table block in docs/evidence.md",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.iterations, args.seeds = 4, 1
@@ -216,22 +221,25 @@ def table(result: dict) -> str:
 
 
 BEGIN, END = "<!-- algo_options:begin -->", "<!-- algo_options:end -->"
+#: The page that holds the block.
+DOCS_PAGE = ROOT / "docs" / "evidence.md"
 
 
-def readme_block(result: dict) -> str:
-    """The README block: the table and where it comes from."""
+def docs_block(result: dict) -> str:
+    """The block of docs/evidence.md: the table and where it comes from."""
     m = result["machine"]
     return (
         f"{BEGIN}\n{table(result)}\n\n{result['iterations']} iterations per run (the CI version of "
         "the CPU default), mean [min, max] over the seeds; written by `OMP_NUM_THREADS=1 "
-        ".venv/bin/python benchmarks/experiments/algo_options.py --jobs 2 --write-readme` "
+        ".venv/bin/python benchmarks/experiments/algo_options.py --jobs 2 --write-docs` "
         f"(`benchmarks/results/algo_options.json`; torch {m['torch']}, {m['cpu_count']} cores)."
         f"\n{END}"
     )
 
 
-def write_readme(block: str, readme: Path = ROOT / "README.md") -> None:
-    replace_marked_block(readme, BEGIN, END, block)
+def write_docs(block: str, page: Path = DOCS_PAGE) -> None:
+    """Replace the ``algo_options`` block of ``page`` with ``block``."""
+    replace_marked_block(page, BEGIN, END, block)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -239,8 +247,8 @@ def main(argv: list[str] | None = None) -> None:
     result = measure(args)
     write_json(result, args.out)
     print(table(result))
-    if args.write_readme:
-        write_readme(readme_block(result))
+    if args.write_docs:
+        write_docs(docs_block(result))
     print(f"\nwrote {args.out}", file=sys.stderr)
 
 

@@ -28,7 +28,7 @@ Commands::
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/experiments/critic_budget.py --task cpu --variants staleness
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/experiments/critic_budget.py --task smollm2 --jobs 2
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/experiments/critic_budget.py --task cpu --quick   # smoke test
-    .venv/bin/python benchmarks/experiments/critic_budget.py --task cpu --report-only --write-readme
+    .venv/bin/python benchmarks/experiments/critic_budget.py --task cpu --report-only --write-docs
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ from readme_figures import figures, run_recipe
 from smollm2_curves import seed_mean
 
 ROOT = Path(__file__).resolve().parents[2]
+#: The page that holds the blocks (``critic_budget_<task>``, ``staleness_<task>``).
+DOCS_PAGE = ROOT / "docs" / "evidence.md"
 
 #: variant -> recipe overrides (everything else is the task's configuration), per variant set.
 VARIANT_SETS: dict[str, dict[str, tuple[str, ...]]] = {
@@ -97,7 +99,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--report-only", action="store_true", help="summarise the runs there, run none")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--png", type=Path, default=None)
-    p.add_argument("--write-readme", action="store_true", help="replace the README's table block")
+    p.add_argument(
+        "--write-docs",
+        "--write-readme",  # its name before the tables moved to docs/
+        action="store_true",
+        help="replace the table block in docs/evidence.md",
+    )
     args = p.parse_args(argv)
     _, seeds, iterations, eval_every, checkpoint_every = TASKS[args.task]
     args.iterations = args.iterations or iterations
@@ -283,21 +290,22 @@ def begin_end(stem: str) -> tuple[str, str]:
     return f"<!-- {stem}:begin -->", f"<!-- {stem}:end -->"
 
 
-def readme_block(result: dict) -> str:
+def docs_block(result: dict) -> str:
+    """The block of docs/evidence.md for ``result``: the table and where it comes from."""
     stem = _stem(result.get("variant_set", "critic"), result["task"])
     m, (begin, end) = result["machine"], begin_end(stem)
     return (
         f"{begin}\n{table(result)}\n\n{result['iterations']} iterations per run, mean [min, max] over "
         f"the seeds; written by `OMP_NUM_THREADS=1 .venv/bin/python benchmarks/experiments/critic_budget.py "
         f"--task {result['task']} --variants {result.get('variant_set', 'critic')} --jobs 2 "
-        f"--write-readme` (`benchmarks/results/{stem}.json`; torch {m['torch']}, "
+        f"--write-docs` (`benchmarks/results/{stem}.json`; torch {m['torch']}, "
         f"{m['cpu_count']} cores).\n{end}"
     )
 
 
-def write_readme(block: str, stem: str, readme: Path = ROOT / "README.md") -> None:
-    """Replace the README's ``<stem>`` block (e.g. ``critic_budget_cpu``) with ``block``."""
-    replace_marked_block(readme, *begin_end(stem), block)
+def write_docs(block: str, stem: str, page: Path = DOCS_PAGE) -> None:
+    """Replace ``page``'s ``<stem>`` block (e.g. ``critic_budget_cpu``) with ``block``."""
+    replace_marked_block(page, *begin_end(stem), block)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -308,8 +316,8 @@ def main(argv: list[str] | None = None) -> None:
     write_json(result, args.out)
     plot(result, args.png)
     print(table(result))
-    if args.write_readme:
-        write_readme(readme_block(result), _stem(args.variants, args.task))
+    if args.write_docs:
+        write_docs(docs_block(result), _stem(args.variants, args.task))
     print(f"\nwrote {args.out} and {args.png}", file=sys.stderr)
 
 

@@ -1,11 +1,12 @@
-"""Regenerate every learning figure of the README from fresh runs of examples/dapo_ppo.py.
+"""Regenerate the CPU default's learning figures (docs/evidence.md; the README's results table
+quotes them) from fresh runs of examples/dapo_ppo.py.
 
 What it runs, one after the other (never in parallel: wall times are part of the figures), each with
 ``OMP_NUM_THREADS=1`` and a fresh cache directory:
 
 - the warm start alone, twice (a 1-iteration run in the empty cache, then the same run cached): the
   difference is the warm start's cost, paid once per machine;
-- the README command, the CPU default (300 iterations), for seeds 0-4: reward rise (mean reward of
+- the main job, the CPU default (300 iterations), for seeds 0-4: reward rise (mean reward of
   the last 20 % of iterations minus the first 20 %), sampled accuracy over the same windows,
   held-out greedy accuracy at step 0 and at the end, wall time and seconds per iteration;
 - ``algo=grpo`` (300 iterations, seed 0): the same figures;
@@ -15,12 +16,12 @@ What it runs, one after the other (never in parallel: wall times are part of the
 
 Every run records the 1/5/15-minute load averages (``os.getloadavg``) before and after it, with the
 thread count, the CPU count and the Python/torch versions. Output: a table on stdout, JSON in
-``benchmarks/results/readme_figures.json`` and the README block (between the ``readme_figures``
-markers), written into README.md with ``--write-readme``.
+``benchmarks/results/readme_figures.json`` and the docs block (between the ``readme_figures``
+markers), written into docs/evidence.md with ``--write-docs``.
 
 Full run (about 40-60 minutes on 2 quiet cores; run it when the machine is otherwise idle)::
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/experiments/readme_figures.py --write-readme
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/experiments/readme_figures.py --write-docs
 
 Quick check that it works (a few minutes; 6 iterations, seeds 0-1; ``readme_figures_quick.json``)::
 
@@ -47,6 +48,8 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 SCRIPT = ROOT / "examples" / "dapo_ppo.py"
 BEGIN, END = "<!-- readme_figures:begin -->", "<!-- readme_figures:end -->"
+#: The page that holds the block.
+DOCS_PAGE = ROOT / "docs" / "evidence.md"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -55,7 +58,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 (default 5; quick: 2)")
     p.add_argument("--iterations", type=int, default=None, help="default 300 (quick: 6)")
     p.add_argument("--ci-iterations", type=int, default=None, help="default 100 (quick: 4)")
-    p.add_argument("--write-readme", action="store_true", help="replace the README block")
+    p.add_argument(
+        "--write-docs",
+        "--write-readme",  # its name before the figures moved to docs/
+        action="store_true",
+        help="replace the block in docs/evidence.md",
+    )
     p.add_argument(
         "--out", type=Path, default=None, help="default results/readme_figures[_quick].json"
     )
@@ -199,8 +207,8 @@ def machine() -> dict:
     }
 
 
-def readme_block(result: dict) -> str:
-    """The README section's figures, as markdown."""
+def docs_block(result: dict) -> str:
+    """The figures of docs/evidence.md's block, as markdown."""
     d, ci, g, m = result["default"], result["ci"], result["grpo"], result["machine"]
     seeds = " | ".join(str(i) for i in range(len(d)))
     rows = [
@@ -230,7 +238,7 @@ def readme_block(result: dict) -> str:
         [
             *rows,
             "",
-            f"One run of the README command takes {d[0]['wall_s'] / 60:.1f} minutes with the warm start "
+            f"One run of the main job takes {d[0]['wall_s'] / 60:.1f} minutes with the warm start "
             f"cached ({per_it:.2f} s per iteration; the first run on a machine adds the warm start, "
             f"{result['warm_start_s']:.0f} s). `algo=grpo` ({g['iterations']} iterations) rose by "
             f"{g['reward_rise']:+.2f}.{rloo_text} The CI version ({ci[0]['iterations']} iterations, "
@@ -243,13 +251,13 @@ def readme_block(result: dict) -> str:
     )
 
 
-def write_readme(block: str, readme: Path = ROOT / "README.md") -> None:
-    """Replace the text between the ``readme_figures`` markers of the README."""
-    text = readme.read_text()
+def write_docs(block: str, page: Path = DOCS_PAGE) -> None:
+    """Replace the text between the ``readme_figures`` markers of ``page``."""
+    text = page.read_text()
     pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), flags=re.S)
     if not pattern.search(text):
-        raise ValueError(f"{readme} has no {BEGIN} ... {END} block")
-    readme.write_text(pattern.sub(lambda _: f"{BEGIN}\n{block}\n{END}", text))
+        raise ValueError(f"{page} has no {BEGIN} ... {END} block")
+    page.write_text(pattern.sub(lambda _: f"{BEGIN}\n{block}\n{END}", text))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -257,12 +265,12 @@ def main(argv: list[str] | None = None) -> None:
     result = {"args": {k: str(v) for k, v in vars(args).items()}, **measure(args)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    block = readme_block(result)
+    block = docs_block(result)
     print(block)
     print(f"\nwrote {args.out}")
-    if args.write_readme:
-        write_readme(block)
-        print("updated README.md")
+    if args.write_docs:
+        write_docs(block)
+        print(f"updated {DOCS_PAGE.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ each iteration) and the greedy held-out accuracy, per seed and averaged over see
 JSON summary: per run, its curves (reward per iteration, held-out accuracy per evaluation), the mean
 reward of the first and last 20 % of iterations and seconds per iteration by stage.
 
-Run (after the runs of the README):
+Run (after the runs listed in docs/evidence.md, "SmolLM2 learning curves"):
     .venv/bin/python benchmarks/experiments/smollm2_curves.py --run ppo:outputs/ev/ppo_s0 \
         --run ppo:outputs/ev/ppo_s1 --run grpo:outputs/ev/grpo_s0 \
         --run grpo:outputs/ev/grpo_s1 --png benchmarks/results/smollm2_curves.png

@@ -6,7 +6,8 @@ PNG: per run, the sampled reward, accuracy and tool-call rate of iteration 1 (th
 policy's samples) and of the last 20 % of the iterations, the greedy held-out accuracy and tool-call rate at the first and last evaluation, and
 seconds per iteration; per algorithm, the mean and range over the seeds.
 
-Run (the README's runs; 5 seeds each, ~2 s per iteration on an idle 2-core CPU):
+Run (the runs of docs/evidence.md, "The tool task"; 5 seeds each, ~2 s per iteration on an idle
+2-core CPU):
     for s in 0 1 2 3 4; do
       .venv/bin/python examples/dapo_ppo.py --config-name tool_arithmetic seed=$s \
           hydra.run.dir=outputs/tool/ppo_s$s

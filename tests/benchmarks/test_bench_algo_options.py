@@ -1,4 +1,4 @@
-"""benchmarks/experiments/algo_options.py: the summary of a finished run (not re-run), the table and the README
+"""benchmarks/experiments/algo_options.py: the summary of a finished run (not re-run), the table and the docs
 block it writes, on synthetic histories (the runs themselves are recipe runs)."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def test_a_finished_run_is_summarised_without_running(tmp_path):
     assert not m.one_run(tmp_path / "b", tmp_path / "c", (), 0, 10, ())["all_finite"]
 
 
-def test_table_and_readme_block(tmp_path):
+def test_table_and_docs_block(tmp_path):
     m = module()
     runs = []
     for seed, w in enumerate((0.9, 1.1)):
@@ -59,12 +59,13 @@ def test_table_and_readme_block(tmp_path):
     table = m.table(result)
     assert "| async_decoupled | `train.mode=async` | 2 | +0.40 [+0.40, +0.40] |" in table
     assert "`train/tis_weight_mean` 1.000 [0.900, 1.100]" in table
-    readme = tmp_path / "README.md"
-    readme.write_text(f"head\n{m.BEGIN}\nold\n{m.END}\ntail\n")
-    m.write_readme(m.readme_block(result), readme)
-    text = readme.read_text()
+    page = tmp_path / "evidence.md"
+    page.write_text(f"head\n{m.BEGIN}\nold\n{m.END}\ntail\n")
+    m.write_docs(m.docs_block(result), page)
+    text = page.read_text()
     assert text.startswith("head\n") and text.endswith("\ntail\n") and "old" not in text
     assert "| async_decoupled |" in text and "5 iterations per run" in text
-    readme.write_text("no block")
+    page.write_text("no block")
     with pytest.raises(SystemExit, match="has no"):
-        m.write_readme("x", readme)
+        m.write_docs("x", page)
+    assert m.BEGIN in m.DOCS_PAGE.read_text() and m.DOCS_PAGE.parent.name == "docs"

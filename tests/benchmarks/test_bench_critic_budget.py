@@ -1,5 +1,5 @@
 """benchmarks/experiments/critic_budget.py on synthetic histories: finished runs are summarised and not re-run,
-an unfinished run resumes from its checkpoint, the table, README block and PNG (the runs
+an unfinished run resumes from its checkpoint, the table, docs block and PNG (the runs
 themselves are recipe runs)."""
 
 from __future__ import annotations
@@ -54,14 +54,14 @@ def test_runs_are_summarised_resumed_and_tabled(tmp_path, monkeypatch):
     )
     assert "| -0.250 [-0.250, -0.250] | 2.00 [2.00, 2.00] | yes |" in table  # EV, s / iteration
     assert "| grpo | `algo=grpo` | 2 |" in table and "| - | 2.00" in table  # no critic: no EV
-    block = m.readme_block(result)
+    block = m.docs_block(result)
     assert block.startswith("<!-- critic_budget_cpu:begin -->")
-    readme = tmp_path / "README.md"
-    readme.write_text(
-        "a\n<!-- critic_budget_cpu:begin -->\nold\n<!-- critic_budget_cpu:end -->\nb\n"
-    )
-    m.write_readme(block, "critic_budget_cpu", readme)
-    assert "old" not in readme.read_text() and table in readme.read_text()
+    page = tmp_path / "evidence.md"
+    page.write_text("a\n<!-- critic_budget_cpu:begin -->\nold\n<!-- critic_budget_cpu:end -->\nb\n")
+    m.write_docs(block, "critic_budget_cpu", page)
+    assert "old" not in page.read_text() and table in page.read_text()
+    for stem in ("critic_budget_cpu", "critic_budget_smollm2", "staleness_cpu"):  # the real page
+        assert all(marker in m.DOCS_PAGE.read_text() for marker in m.begin_end(stem))
     m.plot(result, tmp_path / "curves.png")
     assert (tmp_path / "curves.png").stat().st_size > 1000
 

@@ -1,4 +1,4 @@
-"""benchmarks/experiments/readme_figures.py: the figures it computes and the README block it writes.
+"""benchmarks/experiments/readme_figures.py: the figures it computes and the docs block it writes.
 
 The runs themselves are recipe runs (tests/recipes/test_recipe.py covers them); here the summary of a
 history, the block and its insertion are checked on a synthetic result.
@@ -43,7 +43,7 @@ def test_figures_of_a_history():
     assert f["stage_s_per_iteration"] == pytest.approx(0.3)
 
 
-def test_block_states_load_and_threads_and_replaces_the_readme_section(tmp_path):
+def test_block_states_load_and_threads_and_replaces_the_docs_section(tmp_path):
     mod = module()
     run = {
         "wall_s": 120.0,
@@ -59,17 +59,39 @@ def test_block_states_load_and_threads_and_replaces_the_readme_section(tmp_path)
         "rloo": [run] * 5,
         "ci": [run] * 5,
     }
-    block = mod.readme_block(result)
+    block = mod.docs_block(result)
     assert "| reward rise | +0.90 | +0.90 | +0.90 | +0.90 | +0.90 |" in block
     assert "`algo=rloo` (10 iterations, leave-one-out baselines, no critic) rose by +0.90" in block
     assert "takes 2.0 minutes" in block and "1 thread, 2 cores" in block
     assert "load average 0.5-1.5" in block
-    readme = tmp_path / "README.md"
-    readme.write_text(f"intro\n{mod.BEGIN}\nold figures\n{mod.END}\nrest\n")
-    mod.write_readme(block, readme)
-    assert readme.read_text() == f"intro\n{mod.BEGIN}\n{block}\n{mod.END}\nrest\n"
-    text = (ROOT / "README.md").read_text()
-    assert text.count(mod.BEGIN) == text.count(mod.END) == 1  # the real README has the block
+    page = tmp_path / "evidence.md"
+    page.write_text(f"intro\n{mod.BEGIN}\nold figures\n{mod.END}\nrest\n")
+    mod.write_docs(block, page)
+    assert page.read_text() == f"intro\n{mod.BEGIN}\n{block}\n{mod.END}\nrest\n"
+    assert mod.DOCS_PAGE == ROOT / "docs" / "evidence.md"
+    text = mod.DOCS_PAGE.read_text()
+    assert text.count(mod.BEGIN) == text.count(mod.END) == 1  # the real page has the block
+    assert mod.BEGIN not in (ROOT / "README.md").read_text()  # the front door quotes, no block
+
+
+def test_the_docs_blocks_are_what_the_committed_results_give():
+    """Each marked block of docs/evidence.md is the script's rendering of its committed JSON (the
+    block and the results moved together; a hand edit of a block would be overwritten)."""
+    import json
+
+    figures, algo, budget = (
+        load_benchmark(n) for n in ("readme_figures", "algo_options", "critic_budget")
+    )
+    results = ROOT / "benchmarks" / "results"
+    text = figures.DOCS_PAGE.read_text()
+    blocks = [
+        f"{figures.BEGIN}\n{figures.docs_block(json.loads((results / 'readme_figures.json').read_text()))}\n{figures.END}",
+        algo.docs_block(json.loads((results / "algo_options.json").read_text())),
+    ]
+    for stem in ("critic_budget_cpu", "critic_budget_smollm2", "staleness_cpu"):
+        blocks.append(budget.docs_block(json.loads((results / f"{stem}.json").read_text())))
+    for block in blocks:
+        assert block in text, block.splitlines()[0]
 
 
 def test_hydra_flags_go_before_the_overrides():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -212,7 +213,7 @@ def train(run: Run, stop: Any) -> int:
     """
     cfg, t = run.cfg, run.cfg.train
     if t.eval_every and run.start == 0:  # baseline: the starting policy, logged as step 0
-        record(run, 0, evaluate(run))
+        record(run, 0, evaluate(run, announce=True))
     batches, step = iter(run.collector) if run.collector else None, run.start
     steps = range(run.start + 1, t.iterations + 1)
     bar = None
@@ -398,13 +399,17 @@ def rollout_metrics(run: Run, td) -> dict[str, float]:
     return out
 
 
-def evaluate(run: Run) -> dict[str, float]:
+def evaluate(run: Run, announce: bool = False) -> dict[str, float]:
     """Greedy decoding on the held-out prompts: mean reward and accuracy (what the reward calls
     correct); rank 0, on the rollout engine (the other ranks go on to the next collective and wait
-    there)."""
+    there). ``announce``: log its start and result (the step-0 evaluation, before the progress bar
+    exists; later ones show on the bar)."""
     if run.eval_env is None:
         return {}
     env = run.eval_env
+    started = time.perf_counter()
+    if announce:
+        logger.info("step 0: evaluating the starting policy (greedy, held-out prompts)")
     seq = env.episodes(env.rollout(env.max_turns))
     samples = env.samples(seq)
     out = {
@@ -412,6 +417,13 @@ def evaluate(run: Run) -> dict[str, float]:
         "eval/accuracy": sum(s.correct for s in samples) / len(samples),
     }
     out.update({f"eval/{k}": v for k, v in episode_stats(samples).items()})
+    if announce:
+        logger.info(
+            "step 0: eval/accuracy %.3f on %d prompts in %.1f s; training starts",
+            out["eval/accuracy"],
+            len(samples),
+            time.perf_counter() - started,
+        )
     return out
 
 

@@ -122,6 +122,7 @@ def run(raw: DictConfig, launch: runs.Launch) -> Result:
     except (TypeError, ValueError) as err:
         runs.remove_empty_run_dir(launch.run_dir)
         return Result(1, [f"{PROG}: {err}"])
+    logger.info("loading torch, transformers and TorchRL, then building the run")
     from ar_torchrl.recipes.strategy import open_strategy  # torch
 
     with open_strategy(
