@@ -71,8 +71,8 @@ def no_space_error(
         >>> str(no_space_error(full, Path("/ckpts"), needed=2_000_000, free=640, what="step_4"))
         '[Errno 28] step_4: no space left on the disk holding /ckpts: the checkpoint needs about 2.0 MB (2000000 bytes) of tensors, 640 bytes were free when the save started; free space there or keep fewer checkpoints'
     """
-    if not isinstance(err, Exception):
-        return None
+    if isinstance(err, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+        return None  # (DCP's CheckpointException is a BaseException: it is not excluded)
     if not (is_disk_full(err) or (free is not None and free < needed)):
         return None
     had = "an unknown number of bytes" if free is None else _amount(free)

@@ -173,7 +173,7 @@ def save(
                 for old in list_checkpoints(directory, sharded=True)[:-keep_last]:
                     shutil.rmtree(old, ignore_errors=True)
             logger.info("saved distributed checkpoint %s", final)
-    except Exception as err:
+    except BaseException as err:  # DCP's CheckpointException is a BaseException
         full = no_space_error(
             err, directory, needed=tensor_bytes(state), free=free, what=f"saving {final.name}"
         )

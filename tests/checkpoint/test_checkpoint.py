@@ -183,3 +183,31 @@ def test_module_imports_no_torch():
     code = "import sys, ar_torchrl.checkpoint.local; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_torch_save_of_something_else_is_named_not_an_attribute_error(tmp_path):
+    """critic.init_from (or train.resume_from) at a valid torch.save of a non-checkpoint (N7)."""
+    model = attach_value_head(build_tiny_qwen3(99, hidden_size=32, num_heads=2))
+    found = {
+        "a list": [1, 2, 3],
+        "a dict without \\['model'\\] \\(its keys: \\['lm_head.weight', 'model.embed_tokens": (
+            model.state_dict()
+        ),  # a bare state_dict
+        "a str under 'model', not a state dict": {"model": "weights.bin"},
+    }
+    for i, (what, payload) in enumerate(found.items()):
+        path = tmp_path / f"thing_{i}.pt"
+        torch.save(payload, path)
+        with pytest.raises(
+            ValueError,
+            match=rf"critic.init_from: {path} holds {what}.*: expected a dict with \['model'\]",
+        ):
+            local.load_critic(path, critic=None, model=model)
+    path = tmp_path / "step_2.pt"
+    torch.save([1, 2, 3], path)
+    resume_keys = r"\['step', 'model', 'optimizer', 'rng', 'extra'\]"
+    with pytest.raises(
+        ValueError,
+        match=rf"load_checkpoint: {path} holds a list, not a checkpoint: .*{resume_keys}",
+    ):
+        local.load(path, model=model)

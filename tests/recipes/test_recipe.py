@@ -419,6 +419,30 @@ def test_find_checkpoint(tmp_path):
     )
 
 
+def test_find_checkpoint_of_before_the_store_still_works_with_a_warning(tmp_path):
+    """``dapo_ppo.find_checkpoint(cfg, raw, run_dir, strategy)`` and ``run.find_checkpoint`` with
+    the strategy's callables (``latest=``, ``check=``, ``kind=``) are kept for one release."""
+    fake_run(tmp_path / "a", 4, (2, 4))
+    raw = load([f"train.resume_from={tmp_path / 'a'}"])
+    with pytest.warns(DeprecationWarning, match=r"dapo_ppo.checkpoint_to_resume\(cfg, raw, run_"):
+        found = dapo_ppo.find_checkpoint(C.validate_config(raw), raw, tmp_path, LocalStrategy())
+    assert found == tmp_path / "a" / "checkpoints" / "step_4.pt"
+    store = LocalStore()
+    with pytest.warns(DeprecationWarning, match=r"is now find_checkpoint\(store=\)"):
+        found = runs.find_checkpoint(
+            str(tmp_path / "a"),
+            run_dir=tmp_path,
+            runs_dir=tmp_path,
+            iterations=8,
+            latest=store.latest,
+            check=store.check,
+            kind=store.pattern,
+            matches=lambda saved: True,
+            resumable=(),
+        )
+    assert found == tmp_path / "a" / "checkpoints" / "step_4.pt"
+
+
 def test_failed_sglang_launch_leaves_no_model_copy(tmp_path):
     """main saved the policy into <run_dir>/sglang_model and left it there when the launch failed."""
     from ar_torchrl.models import build_tiny_model
