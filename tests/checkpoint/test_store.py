@@ -306,3 +306,100 @@ def test_the_names_of_before_the_store_still_work_with_a_warning(old):
         warnings.simplefilter("ignore")
         from ar_torchrl.checkpoint.local import checkpoint_step, remove_partial_checkpoints
     assert checkpoint_step("x/step_3.pt") == 3 and callable(remove_partial_checkpoints)
+
+
+# ----------------------------------------------------------------------------- the recipe (slow)
+@pytest.mark.slow
+def test_the_recipe_signs_and_refuses_with_checkpoint_hmac_key_env(
+    tmp_path, cache_dir, monkeypatch
+):
+    """``checkpoint.hmac_key_env``: a signed run resumes exactly; the same resume without the key,
+    or with another key, is refused naming the variable (and the checkpoint); the key appears in
+    no file of the runs and in no output."""
+    from support.recipe_runs import COMMON, run_recipe, same_runs
+
+    monkeypatch.setenv(ENV, KEY)
+    signed = [*COMMON, f"checkpoint.hmac_key_env={ENV}"]
+    _, straight = run_recipe(tmp_path / "straight", cache_dir, *signed)
+    step_2 = tmp_path / "straight" / "checkpoints" / "step_2.pt"
+    assert "hmac_sha256" in json.loads(manifest_of(step_2).read_text())
+    resume = f"train.resume_from={step_2}"
+    proc, resumed = run_recipe(tmp_path / "resumed", cache_dir, *signed, resume)
+    same_runs(straight, resumed)
+    outputs = [proc.stdout + proc.stderr]
+    monkeypatch.setenv(ENV, OTHER_KEY)
+    proc, _ = run_recipe(tmp_path / "other_key", cache_dir, *signed, resume, check=False)
+    assert proc.returncode == 1
+    assert f"dapo_ppo: train.resume_from: {step_2} is unusable: step_2.pt: its HMAC does not " in (
+        proc.stderr + proc.stdout
+    )
+    assert f"match the key in ${ENV}" in proc.stderr + proc.stdout
+    outputs.append(proc.stdout + proc.stderr)
+    monkeypatch.delenv(ENV)
+    proc, _ = run_recipe(tmp_path / "no_key", cache_dir, *signed, resume, check=False)
+    assert proc.returncode == 1
+    assert (
+        f"dapo_ppo: config: checkpoint.hmac_key_env={ENV}: the environment variable ${ENV} is not "
+        "set" in proc.stderr + proc.stdout
+    )
+    outputs.append(proc.stdout + proc.stderr)
+    for text in outputs + [p.read_bytes().decode("latin-1") for p in files(tmp_path)]:
+        assert KEY not in text and OTHER_KEY not in text
+
+
+def files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file()]
+
+
+@pytest.mark.slow
+def test_the_recipe_never_runs_a_planted_dcp_metadata(tmp_path, cache_dir, monkeypatch):
+    """N9 end to end, one FSDP2 process (bf16 compute): ``train.resume_from`` and
+    ``critic.init_from`` at a DCP checkpoint whose ``.metadata`` would run a command (checksums
+    recomputed by the forger) stop with the refused global named, and the command never runs;
+    with ``checkpoint.hmac_key_env`` the forgery is refused before it is read."""
+    from support.recipe_runs import run_recipe
+
+    base = ["model.dtype=bfloat16", "train.eval_every=0", "train.plot=false", "logger=none"]
+    run_recipe(tmp_path / "run", cache_dir, *base, "train.iterations=1")
+    step_1 = tmp_path / "run" / "checkpoints" / "step_1"
+    marker = tmp_path / "code_ran"
+    meta = json.loads((step_1 / "meta.json").read_text())
+    data = _safe_io_payload(marker)
+    (step_1 / ".metadata").write_bytes(data)
+    meta["files"][".metadata"] = len(data)
+    meta["sha256"][".metadata"] = hashlib.sha256(data).hexdigest()
+    meta["meta_sha256"] = sharded._meta_digest(meta)
+    (step_1 / "meta.json").write_text(json.dumps(meta))
+    refused = "refers to torch.distributed.checkpoint.metadata.os.system, which is not one of"
+    for name, source in (
+        ("resume", f"train.resume_from={tmp_path / 'run'}"),
+        ("critic", f"critic.init_from={step_1}"),
+    ):
+        proc, _ = run_recipe(
+            tmp_path / name, cache_dir, *base, "train.iterations=2", source, check=False
+        )
+        assert proc.returncode != 0 and refused in proc.stderr, proc.stderr[-3000:]
+        assert not marker.exists()
+    monkeypatch.setenv(ENV, KEY)
+    proc, _ = run_recipe(
+        tmp_path / "keyed",
+        cache_dir,
+        *base,
+        "train.iterations=2",
+        f"train.resume_from={step_1}",
+        f"checkpoint.hmac_key_env={ENV}",
+        check=False,
+    )
+    assert proc.returncode == 1 and refused not in proc.stderr
+    assert f"train.resume_from: {step_1} is unusable: step_1 is not signed" in proc.stderr
+    assert not marker.exists()
+
+
+def _safe_io_payload(marker: Path) -> bytes:
+    """``os.system("touch marker")`` through the dotted global the old allowlist let through."""
+
+    def text(s: str) -> bytes:
+        return b"\x8c" + bytes([len(s.encode())]) + s.encode()
+
+    module, name = "torch.distributed.checkpoint.metadata", "os.system"
+    return b"\x80\x04" + text(module) + text(name) + b"\x93" + text(f"touch {marker}") + b"\x85R."
