@@ -41,6 +41,20 @@ MOVED: dict[str, str] = {
     "ar_torchrl.distributed.checkpoint": "ar_torchrl.checkpoint.sharded",
 }
 
+#: the checkpoint functions of before the store -> ``<format module>.<store verb>``
+_CKPT = {
+    "save_checkpoint": "local.save",
+    "load_checkpoint": "local.load",
+    "latest_checkpoint": "local.latest",
+    "verify_checkpoint_file": "local.verify",
+    "load_critic_weights": "local.load_critic",
+    "save_distributed_checkpoint": "sharded.save",
+    "load_distributed_checkpoint": "sharded.load",
+    "latest_distributed_checkpoint": "sharded.latest",
+    "verify_checkpoint": "sharded.verify",
+    "load_distributed_critic": "sharded.load_critic",
+}
+
 #: old public name (``package.name``) -> its new home (``module.name``), same object.
 RENAMED: dict[str, str] = {
     **{
@@ -54,15 +68,23 @@ RENAMED: dict[str, str] = {
     "ar_torchrl.distributed.recompute_sharded_anchors": (
         "ar_torchrl.distributed.recompute_sharded_old_log_probs_and_values"
     ),
+    # one checkpoint store (issue 28): each format module's functions under the store's verbs,
+    # at the package, in their module, and (the sharded ones) where they lived before
     **{
-        f"ar_torchrl.distributed.{name}": f"ar_torchrl.checkpoint.{name}"
-        for name in (
-            "latest_distributed_checkpoint",
-            "load_distributed_checkpoint",
-            "load_distributed_critic",
-            "save_distributed_checkpoint",
-            "verify_checkpoint",
-        )
+        f"ar_torchrl.checkpoint.{old}": f"ar_torchrl.checkpoint.{new}" for old, new in _CKPT.items()
+    },
+    **{
+        f"ar_torchrl.checkpoint.{new.split('.')[0]}.{old}": f"ar_torchrl.checkpoint.{new}"
+        for old, new in _CKPT.items()
+    },
+    **{
+        f"ar_torchrl.distributed.{old}": f"ar_torchrl.checkpoint.{new}"
+        for old, new in _CKPT.items()
+        if new.startswith("sharded.")
+    },
+    **{
+        f"ar_torchrl.checkpoint.local.{name}": f"ar_torchrl.checkpoint.naming.{name}"
+        for name in ("checkpoint_step", "remove_partial_checkpoints")
     },
 }
 

@@ -3,14 +3,21 @@
 ``torch.distributed.checkpoint``'s file reader unpickles ``.metadata`` with a plain ``pickle.load``
 and its default planner reads non-tensor items with ``torch.load(weights_only=False)``: either would
 run code planted in a run directory. :class:`SafeReader` unpickles ``.metadata`` through an allowlist
-of DCP's own metadata classes, :class:`TensorsOnlyPlanner` refuses pickled items (our checkpoints
-keep only tensors in DCP), and everything else (RNG states, optimizer hyper-parameters, the caller's
-``extra``) is JSON, tensors included (:func:`encode` / :func:`decode`).
+of exact ``(module, name)`` pairs (:data:`METADATA_GLOBALS`): the classes DCP pickles there, found by
+saving real checkpoints (model only, model + optimizer, FSDP2 in float32 and bfloat16, a separate
+critic; ``tests/checkpoint/test_safe_io.py`` pins the list), torch's dtypes by name, and torch's
+layout lookup (replaced by our own, which returns layouts only). A dotted name is refused: with pickle
+protocol >= 4 ``find_class`` resolves ``"os.system"`` attribute by attribute through any module that
+imports ``os``, so an allowlist by module lets a planted ``REDUCE`` call it. :class:`TensorsOnlyPlanner`
+refuses pickled items (our checkpoints keep only tensors in DCP), and everything else (RNG states,
+optimizer hyper-parameters, the caller's ``extra``) is JSON, tensors included (:func:`encode` /
+:func:`decode`).
 """
 
 from __future__ import annotations
 
 import base64
+import importlib
 import io
 import json
 import os
@@ -24,6 +31,7 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
 __all__ = [
+    "METADATA_GLOBALS",
     "SafeReader",
     "TensorsOnlyPlanner",
     "decode",
@@ -65,7 +73,7 @@ def encode(obj: Any) -> Any:
 def decode(obj: Any) -> Any:
     if isinstance(obj, dict):
         if "__tensor__" in obj:
-            dtype, data = getattr(torch, obj["dtype"]), obj["__tensor__"]
+            dtype, data = _dtype(obj["dtype"]), obj["__tensor__"]
             if isinstance(data, list):  # the first format: decimal lists
                 return torch.tensor(data, dtype=dtype).reshape(obj["shape"])
             raw = bytearray(base64.b64decode(data))
@@ -79,6 +87,13 @@ def decode(obj: Any) -> Any:
     if isinstance(obj, list):
         return [decode(v) for v in obj]
     return obj
+
+
+def _dtype(name: Any) -> torch.dtype:
+    dtype = getattr(torch, name, None) if isinstance(name, str) and "." not in name else None
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"checkpoint: {name!r} is not a torch dtype (damaged or forged JSON)")
+    return dtype
 
 
 def rng_state() -> dict[str, Any]:
@@ -113,28 +128,59 @@ def write_json(path: Path, obj: Any) -> None:
         os.fsync(f.fileno())
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's ``.metadata`` allowing only DCP's metadata classes and plain torch values."""
+def _layout(name: str) -> torch.layout:
+    """``torch.serialization._get_layout`` (how a ``torch.layout`` pickles), returning layouts only."""
+    layouts = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
+    if not isinstance(name, str) or name not in layouts:
+        raise pickle.UnpicklingError(
+            f"checkpoint .metadata names the layout {name!r}, not a layout"
+        )
+    return layouts[name]
 
-    MODULES = ("torch.distributed.checkpoint.metadata",)
-    NAMES = {
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "PurePosixPath"),
-        ("collections", "OrderedDict"),
-    }
+
+_DCP_META = "torch.distributed.checkpoint.metadata"
+#: Every global DCP's ``.metadata`` may name: ``(module, name) -> what it resolves to`` (``None``:
+#: the class of that name, checked to be a class when it is resolved).
+METADATA_GLOBALS: dict[tuple[str, str], Any] = {
+    **{
+        (_DCP_META, name): None
+        for name in (
+            "BytesStorageMetadata",  # a non-tensor item (refused at load, with its name)
+            "ChunkStorageMetadata",
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "_MEM_FORMAT_ENCODING",  # TensorProperties' memory format (an Enum)
+        )
+    },
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): None,
+    ("torch", "Size"): None,
+    ("pathlib", "PosixPath"): None,  # StorageMeta.checkpoint_id
+    ("torch.serialization", "_get_layout"): _layout,
+    **{(("torch", n)): v for n, v in vars(torch).items() if isinstance(v, torch.dtype)},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` resolving only the exact pairs of :data:`METADATA_GLOBALS`."""
 
     def find_class(self, module: str, name: str):
-        if module in self.MODULES or (module, name) in self.NAMES:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(
-            f"checkpoint .metadata refers to {module}.{name}, which is not a DCP metadata class; "
-            "refusing to load it (it could run code)"
-        )
+        if (module, name) not in METADATA_GLOBALS:
+            raise pickle.UnpicklingError(
+                f"checkpoint .metadata refers to {module}.{name}, which is not one of the DCP "
+                "metadata classes it may name; refusing to load it (it could run code)"
+            )
+        value = METADATA_GLOBALS[module, name]
+        if value is None:  # a class, looked up by its exact (undotted) name
+            value = getattr(importlib.import_module(module), name, None)
+            if not isinstance(value, type):
+                raise pickle.UnpicklingError(
+                    f"checkpoint .metadata refers to {module}.{name}, which is not a class here "
+                    f"({type(value).__name__}); refusing to load it"
+                )
+        return value
 
 
 class SafeReader(FileSystemReader):

@@ -1,27 +1,37 @@
-"""Atomic, checksummed training checkpoints: model (with value head), optimizer, RNG states, step,
-data position.
+"""Single-process checkpoints: one atomic, checksummed ``torch.save`` file per step holding the model
+(with value head), optimizer, RNG states, step and data position. :class:`~ar_torchrl.checkpoint.LocalStore`
+is the interface a recipe uses; these are its functions.
 
 A checkpoint is one ``torch.save`` file written to a temporary name in the same directory and renamed
 into place (``os.replace`` is atomic on POSIX), so a crash never leaves a half-written checkpoint
 under the final name; a temporary file left by a killed process is removed by the next save (and by
-:func:`remove_partial_checkpoints`). Resuming restores every RNG stream (Python, NumPy, torch CPU and
-CUDA), so the resumed run draws the same samples an uninterrupted run would.
+:func:`~ar_torchrl.checkpoint.naming.remove_partial_checkpoints`). Resuming restores every RNG stream
+(Python, NumPy, torch CPU and CUDA), so the resumed run draws the same samples an uninterrupted run
+would. A save that runs out of disk says so, naming the directory and the bytes (needed and free).
 
 Integrity: after the data, each save writes a small manifest ``.step_<N>.pt.manifest.json`` (also
-atomically) with the file's size and SHA-256, computed while the file is written. Choosing the
-checkpoint to resume (:func:`latest_checkpoint`) and loading one (:func:`load_checkpoint`) check it
-against the manifest (:func:`verify_checkpoint_file`): a truncated, empty or bit-flipped newest
-checkpoint is skipped, with a warning naming it, for the previous intact one; loading a damaged one
-is an error naming it. A checkpoint without a manifest (written before manifests existed) is
-"unverified": it loads after a check of its zip structure and of the CRC-32 of each record (what
-``torch.save`` writes), which catches truncation and most damage; this is logged once.
+atomically) with the file's size and SHA-256, computed while the file is written; a save whose
+manifest cannot be written removes its file. Choosing the checkpoint to resume (:func:`latest`) and
+loading one (:func:`load`) check it against the manifest (:func:`verify`): a truncated, empty or
+bit-flipped newest checkpoint is skipped, with a warning naming it, for the previous intact one;
+loading a damaged one is an error naming it. A checkpoint without a manifest (written before
+manifests existed) is "unverified": it loads after a check of its zip structure and of the CRC-32 of
+each record (what ``torch.save`` writes), which catches truncation and most damage; this is logged
+once.
+
+Authenticity: the manifest's SHA-256 detects damage, not tampering (whoever can write the directory
+can recompute it, or delete the manifest). With a :class:`~ar_torchrl.checkpoint.CheckpointSigner`
+(``signer=``) a save also signs the manifest (HMAC-SHA256), and verifying or loading refuses an
+unsigned or wrongly signed checkpoint before the file is read (docs/checkpoints.md).
 
 Loading never executes code from the file: it uses ``torch.load(weights_only=True)``, which accepts
 only tensors and plain containers (dicts, lists, tuples, numbers, strings), so everything saved is
 kept in that form (the NumPy RNG state is stored as a tensor).
 
-torch is imported by the functions that need it: finding checkpoints (:func:`latest_checkpoint`) is
-cheap, so a recipe can locate the one to resume before it imports the training stack.
+torch is imported by the functions that need it: finding checkpoints (:func:`latest`) is cheap, so a
+recipe can locate the one to resume before it imports the training stack. The names before the
+store (``save_checkpoint``, ``load_checkpoint``, ``latest_checkpoint``, ``verify_checkpoint_file``,
+``load_critic_weights``) still work for one release, with a ``DeprecationWarning`` naming the new one.
 """
 
 from __future__ import annotations
@@ -32,13 +42,15 @@ import logging
 import os
 import pickle
 import random
-import re
-import shutil
 import tempfile
 import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ar_torchrl import _compat
+from ar_torchrl.checkpoint import naming
+from ar_torchrl.checkpoint._space import free_bytes, no_space_error, tensor_bytes
+from ar_torchrl.checkpoint.naming import checkpoint_name, list_checkpoints, manifest_path
 from ar_torchrl.utils.checks import check_number
 from ar_torchrl.utils.files import file_sha256
 
@@ -46,28 +58,31 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from ar_torchrl.checkpoint.signing import CheckpointSigner
+
 __all__ = [
     "capture_rng_state",
-    "checkpoint_step",
-    "latest_checkpoint",
-    "load_checkpoint",
-    "load_critic_weights",
-    "remove_partial_checkpoints",
+    "latest",
+    "load",
+    "load_critic",
     "restore_rng_state",
-    "save_checkpoint",
-    "verify_checkpoint_file",
+    "save",
+    "verify",
 ]
 
 logger = logging.getLogger(__name__)
-_NAME = re.compile(r"^step_(\d+)\.pt$")
-_PARTIAL = re.compile(r"^\.step_\d+\.pt(\.manifest\.json)?-.*\.tmp$")
 _MANIFEST_FORMAT = 1
+#: ``CheckpointSigner.sign(kind=...)`` of these manifests
+_KIND = "local"
 #: checkpoints without a manifest already reported as unverified (logged once per file)
 _UNVERIFIED: set[str] = set()
-# torch.distributed.checkpoint directories (ar_torchrl.checkpoint.sharded): step_<N>/, written
-# as .step_<N>.tmp/ and renamed; .step_<N>.old/ is a replaced one being deleted.
-_DCP_NAME = re.compile(r"^step_(\d+)$")
-_DCP_PARTIAL = re.compile(r"^\.step_\d+\.(tmp|old)$")
+#: what a checkpoint (a dict) must hold to be loaded, by who loads it
+_RESUME_KEYS = ("step", "model", "optimizer", "rng", "extra")
+_CRITIC_KEYS = ("model",)
+
+
+def __getattr__(name: str) -> object:  # the names before the store, kept one release
+    return _compat.renamed(__name__, name)
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -113,7 +128,7 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(
+def save(
     directory: str | os.PathLike,
     *,
     step: int,
@@ -122,6 +137,7 @@ def save_checkpoint(
     extra: dict[str, Any] | None = None,
     keep_last: int | None = None,
     critic: nn.Module | None = None,
+    signer: CheckpointSigner | None = None,
 ) -> Path:
     """Write ``directory/step_<step>.pt`` atomically and return its path.
 
@@ -135,13 +151,18 @@ def save_checkpoint(
         keep_last: delete older ``step_*.pt`` files beyond the newest ``keep_last`` (``>= 1``;
             ``None`` keeps all).
         critic: a separate critic model (with its value head), saved under ``"critic"``.
+        signer: signs the manifest (HMAC) so that a store with the same key accepts it.
+
+    Raises:
+        OSError: ``ENOSPC`` naming the directory and the bytes when the disk is full (nothing of
+            this save is left behind; the previous checkpoints are untouched).
 
     Example:
         >>> import tempfile
         >>> from torch import nn
         >>> d = tempfile.mkdtemp(); net = nn.Linear(2, 1)
-        >>> p = save_checkpoint(d, step=3, model=net, extra={"data_position": 48})
-        >>> p.name, load_checkpoint(p, model=net)["extra"]["data_position"]
+        >>> p = save(d, step=3, model=net, extra={"data_position": 48})
+        >>> p.name, load(p, model=net)["extra"]["data_position"]
         ('step_3.pt', 48)
     """
     import torch
@@ -149,7 +170,7 @@ def save_checkpoint(
     check_number("save_checkpoint", "keep_last", keep_last, ge=1, integer=True, allow_none=True)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    remove_partial_checkpoints(directory)
+    naming.remove_partial_checkpoints(directory)
     payload = {
         "step": int(step),
         "model": model.state_dict(),
@@ -159,34 +180,62 @@ def save_checkpoint(
     }
     if critic is not None:
         payload["critic"] = critic.state_dict()
-    target = directory / f"step_{int(step)}.pt"
-    manifest = _manifest_path(target)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{target.name}-", suffix=".tmp")
+    target = directory / checkpoint_name(step, sharded=False)
+    free = free_bytes(directory)
+    try:
+        record = _write_file(target, lambda f: torch.save(payload, f))
+        if signer is not None:
+            record = signer.signed(record, kind=_KIND)
+        _write_manifest(target, record)  # after the data: it vouches for it
+    except BaseException as err:
+        full = no_space_error(
+            err, directory, needed=tensor_bytes(payload), free=free, what=f"saving {target.name}"
+        )
+        if full is not None:
+            raise full from err
+        raise
+    logger.info("saved checkpoint %s", target)
+    if keep_last is not None:
+        for old in list_checkpoints(directory, sharded=False)[:-keep_last]:
+            old.unlink(missing_ok=True)
+            manifest_path(old).unlink(missing_ok=True)
+    return target
+
+
+def _write_file(target: Path, write) -> dict[str, Any]:
+    """``write(file)`` into a temporary file renamed to ``target``; returns its manifest record (the
+    size and SHA-256, computed while it is written). Nothing is left behind on failure."""
+    fd, tmp = tempfile.mkstemp(
+        dir=target.parent, prefix=naming.temp_file_prefix(target), suffix=".tmp"
+    )
     try:
         with os.fdopen(fd, "wb") as f:
             hashing = _HashingWriter(f)
-            torch.save(payload, hashing)
+            write(hashing)
             f.flush()
             os.fsync(f.fileno())
         # A manifest of an earlier save of this step would not match the new file.
-        manifest.unlink(missing_ok=True)
+        manifest_path(target).unlink(missing_ok=True)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    record = {
+    return {
         "format": _MANIFEST_FORMAT,
         "file": target.name,
         "size": hashing.size,
         "sha256": hashing.sha256.hexdigest(),
     }
-    _write_atomically(manifest, json.dumps(record).encode())  # after the data: it vouches for it
-    logger.info("saved checkpoint %s", target)
-    if keep_last is not None:
-        for old in _checkpoints(directory)[:-keep_last]:
-            old.unlink(missing_ok=True)
-            _manifest_path(old).unlink(missing_ok=True)
-    return target
+
+
+def _write_manifest(target: Path, record: dict[str, Any]) -> None:
+    """The manifest of ``target``; a file whose manifest could not be written is removed (it would
+    load as an unverified checkpoint of another era)."""
+    try:
+        _write_atomically(manifest_path(target), json.dumps(record).encode())
+    except BaseException:
+        target.unlink(missing_ok=True)
+        raise
 
 
 class _HashingWriter:
@@ -223,42 +272,54 @@ def _write_atomically(path: Path, data: bytes) -> None:
         os.close(dir_fd)
 
 
-def _manifest_path(checkpoint: Path) -> Path:
-    return checkpoint.with_name(f".{checkpoint.name}.manifest.json")
-
-
-def verify_checkpoint_file(path: str | os.PathLike) -> str | None:
+def verify(path: str | os.PathLike, *, signer: CheckpointSigner | None = None) -> str | None:
     """What is wrong with the checkpoint file at ``path`` (``None``: intact), naming the file.
 
-    Checks the size and SHA-256 in its manifest (``.step_<N>.pt.manifest.json``, written by
-    :func:`save_checkpoint`); it reads the whole file (SHA-256 runs at about 1 GB/s). A file
-    without a manifest (saved before manifests existed) is unverified: only its zip structure and
-    the CRC-32 of each record are checked, and this is logged once per file.
+    With a ``signer``, first the manifest's HMAC (an unsigned or wrongly signed checkpoint is
+    refused before its file is read). Then the size and SHA-256 in its manifest
+    (``.step_<N>.pt.manifest.json``, written by :func:`save`); it reads the whole file (SHA-256 runs
+    at about 1 GB/s). A file without a manifest (saved before manifests existed) is unverified: only
+    its zip structure and the CRC-32 of each record are checked, and this is logged once per file
+    (with a ``signer`` it is refused: it is not signed).
 
     Example:
         >>> import tempfile
         >>> from torch import nn
-        >>> p = save_checkpoint(tempfile.mkdtemp(), step=1, model=nn.Linear(2, 1))
-        >>> verify_checkpoint_file(p) is None
+        >>> p = save(tempfile.mkdtemp(), step=1, model=nn.Linear(2, 1))
+        >>> verify(p) is None
         True
         >>> _ = p.write_bytes(p.read_bytes()[:100])
-        >>> verify_checkpoint_file(p)
+        >>> verify(p)
         'step_1.pt has 100 bytes, its manifest .step_1.pt.manifest.json says ... (truncated?)'
     """
     path = Path(path)
     if not path.is_file():
         return f"{path.name} is missing"
+    manifest = manifest_path(path)
+    try:
+        record = json.loads(manifest.read_text())
+    except FileNotFoundError:
+        if signer is not None:
+            return signer.problem({}, kind=_KIND, what=path.name)
+        return _check_unverified(path)
+    except (OSError, ValueError) as err:
+        return f"its manifest {manifest.name} is unreadable ({type(err).__name__}: {err})"
+    if signer is not None:
+        problem = signer.problem(record, kind=_KIND, what=path.name)
+        renamed = naming.is_checkpoint_name(path.name) and record.get("file") != path.name
+        if problem is None and renamed:
+            problem = (
+                f"{path.name} carries the signed manifest of {record.get('file')!r} (renamed?)"
+            )
+        if problem is not None:
+            return problem
+    try:
+        want_size, want_sha256 = int(record["size"]), str(record["sha256"])
+    except (ValueError, TypeError, KeyError) as err:
+        return f"its manifest {manifest.name} is unreadable ({type(err).__name__}: {err})"
     size = path.stat().st_size
     if size == 0:
         return f"{path.name} is empty (0 bytes)"
-    manifest = _manifest_path(path)
-    try:
-        record = json.loads(manifest.read_text())
-        want_size, want_sha256 = int(record["size"]), str(record["sha256"])
-    except FileNotFoundError:
-        return _check_unverified(path)
-    except (OSError, ValueError, TypeError, KeyError) as err:
-        return f"its manifest {manifest.name} is unreadable ({type(err).__name__}: {err})"
     if size != want_size:
         return (
             f"{path.name} has {size} bytes, its manifest {manifest.name} says {want_size} "
@@ -276,6 +337,8 @@ def verify_checkpoint_file(path: str | os.PathLike) -> str | None:
 def _check_unverified(path: Path) -> str | None:
     """The checks possible without a manifest: ``torch.save``'s zip archive is complete and each
     record has its CRC-32 (unless the file was written without CRC-32s, all zero)."""
+    if path.stat().st_size == 0:
+        return f"{path.name} is empty (0 bytes)"
     try:
         with zipfile.ZipFile(path) as archive:
             has_crcs = any(info.CRC for info in archive.infolist() if info.file_size)
@@ -293,120 +356,68 @@ def _check_unverified(path: Path) -> str | None:
             "checkpoint %s has no manifest (%s; saved before checkpoints had checksums): it is "
             "unverified, only its zip structure and CRC-32s were checked",
             path,
-            _manifest_path(path).name,
+            manifest_path(path).name,
         )
     return None
 
 
-def _checkpoints(directory: Path) -> list[Path]:
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
-    return [p for _, p in sorted(found)]
-
-
-def checkpoint_step(path: str | os.PathLike) -> int:
-    """The step of a checkpoint: a file ``step_<step>.pt`` or a distributed checkpoint directory
-    ``step_<step>`` (:mod:`ar_torchrl.checkpoint.sharded`).
-
-    Example:
-        >>> checkpoint_step("runs/a/checkpoints/step_40.pt"), checkpoint_step("runs/b/checkpoints/step_8")
-        (40, 8)
-    """
-    match = _NAME.match(Path(path).name) or _DCP_NAME.match(Path(path).name)
-    if match is None:
-        raise ValueError(
-            f"{str(path)!r} is not a checkpoint name (step_<N>.pt, or step_<N> for a distributed one)"
-        )
-    return int(match.group(1))
-
-
-def remove_partial_checkpoints(directory: str | os.PathLike) -> list[Path]:
-    """Delete the temporary files of saves that were killed mid-write; return what was deleted.
-
-    Also the temporary (``.step_<N>.tmp``) and replaced (``.step_<N>.old``) directories of
-    distributed checkpoints. Only one process may write checkpoints into ``directory`` (a
-    temporary file of a save still in progress elsewhere would be deleted too).
-
-    Example:
-        >>> import tempfile
-        >>> d = Path(tempfile.mkdtemp()); _ = (d / ".step_3.pt-x1y2.tmp").write_bytes(b"half")
-        >>> [p.name for p in remove_partial_checkpoints(d)], list(d.iterdir())
-        (['.step_3.pt-x1y2.tmp'], [])
-    """
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    removed = sorted(
-        p
-        for p in directory.iterdir()
-        if _PARTIAL.match(p.name) or (p.is_dir() and _DCP_PARTIAL.match(p.name))
-    )
-    for path in removed:
-        logger.warning("removing %s: a checkpoint save that did not finish", path)
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
-    return removed
-
-
-def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
+def latest(directory: str | os.PathLike, *, signer: CheckpointSigner | None = None) -> Path | None:
     """The intact ``step_*.pt`` with the highest step in ``directory`` (``None``: there is none).
 
-    Each candidate, newest first, is checked with :func:`verify_checkpoint_file`; a damaged one
-    (truncated, empty, other content than its manifest says) is skipped with a warning naming the
-    file and the problem.
+    Each candidate, newest first, is checked with :func:`verify`; a damaged one (truncated, empty,
+    other content than its manifest says) or, with a ``signer``, one that is not authentic is
+    skipped with a warning naming the file and the problem. Nothing is unpickled.
 
     Example:
         >>> import tempfile
         >>> from torch import nn
         >>> d = tempfile.mkdtemp(); net = nn.Linear(2, 1)
-        >>> _ = save_checkpoint(d, step=2, model=net); _ = save_checkpoint(d, step=10, model=net)
-        >>> latest_checkpoint(d).name
+        >>> _ = save(d, step=2, model=net); _ = save(d, step=10, model=net)
+        >>> latest(d).name
         'step_10.pt'
     """
-    directory = Path(directory)
-    if not directory.is_dir():
-        return None
-    for path in reversed(_checkpoints(directory)):
-        problem = verify_checkpoint_file(path)
+    for path in reversed(list_checkpoints(directory, sharded=False)):
+        problem = verify(path, signer=signer)
         if problem is None:
             return path
         logger.warning("checkpoint %s is unusable (%s); trying the previous one", path, problem)
     return None
 
 
-def load_checkpoint(
+def load(
     path: str | os.PathLike,
     *,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     restore_rng: bool = True,
     critic: nn.Module | None = None,
+    signer: CheckpointSigner | None = None,
 ) -> dict[str, Any]:
     """Load a checkpoint into ``model`` (strict), ``critic`` (a separate critic's model, strict)
     and ``optimizer``; restore RNG states.
 
-    The file is first checked against its manifest (:func:`verify_checkpoint_file`), then read
-    with ``torch.load(weights_only=True)``: nothing in it is executed.
+    The file is first checked (:func:`verify`: with a ``signer`` its HMAC, then its size and
+    SHA-256), then read with ``torch.load(weights_only=True)``: nothing in it is executed.
 
     Returns:
         ``{"step": int, "extra": dict}``.
 
     Raises:
         FileNotFoundError: no file at ``path``.
-        ValueError: the file is damaged (naming it and the problem), holds more than tensors and
-            plain containers, or does not match ``model`` / ``optimizer``.
+        ValueError: the file is damaged or not authentic (naming it and the problem), holds more
+            than tensors and plain containers, is not a checkpoint, or does not match ``model`` /
+            ``optimizer``.
 
     Example:
         >>> import tempfile
         >>> from torch import nn
-        >>> net = nn.Linear(2, 1); p = save_checkpoint(tempfile.mkdtemp(), step=1, model=net)
-        >>> load_checkpoint(p, model=nn.Linear(3, 1))
+        >>> net = nn.Linear(2, 1); p = save(tempfile.mkdtemp(), step=1, model=net)
+        >>> load(p, model=nn.Linear(3, 1))
         Traceback (most recent call last):
         ...
         ValueError: checkpoint ... does not match the model ...
     """
-    payload = _read_checkpoint(path, "load_checkpoint")
+    payload = _read_checkpoint(path, "load_checkpoint", _RESUME_KEYS, signer)
     if ("critic" in payload) != (critic is not None):
         has = "a separate critic" if "critic" in payload else "no separate critic"
         raise ValueError(
@@ -432,38 +443,75 @@ def load_checkpoint(
     return {"step": payload["step"], "extra": payload["extra"]}
 
 
-def _read_checkpoint(path: str | os.PathLike, owner: str) -> dict[str, Any]:
-    """The verified payload of a ``.pt`` checkpoint (never unpickling code)."""
+def _read_checkpoint(
+    path: str | os.PathLike,
+    owner: str,
+    required: tuple[str, ...],
+    signer: CheckpointSigner | None,
+) -> dict[str, Any]:
+    """The verified payload of a ``.pt`` checkpoint (never unpickling code), checked to be a dict
+    holding ``required`` (and dicts of tensors under ``"model"`` / ``"critic"``)."""
     import torch
 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{owner}: no checkpoint file at {str(path)!r}")
-    problem = verify_checkpoint_file(path)
+    problem = verify(path, signer=signer)
     if problem is not None:
         raise ValueError(
             f"{owner}: {path} is unusable: {problem}; load an earlier checkpoint instead "
-            "(latest_checkpoint(<its directory>) names the newest intact one)"
+            "(latest(<its directory>) names the newest intact one)"
         )
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         raise ValueError(
             f"checkpoint {str(path)!r} holds objects other than tensors and plain containers, so "
-            "it was not written by ar_torchrl.checkpoint.local.save_checkpoint (or it was tampered "
-            "with); it is not loaded, as unpickling it could run code. "
-            f"{str(err).splitlines()[0]}"
+            "it was not written by ar_torchrl.checkpoint (or it was tampered with); it is not "
+            f"loaded, as unpickling it could run code. {str(err).splitlines()[0]}"
         ) from None
     except (RuntimeError, EOFError) as err:  # damage the checks above could not see
         raise ValueError(
             f"{owner}: {path} could not be read (damaged?): "
             f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
         ) from err
+    _check_payload(payload, path, owner, required)
     return payload
 
 
-def load_critic_weights(
-    path: str | os.PathLike, *, critic: nn.Module | None, model: nn.Module
+def _check_payload(payload: Any, path: Path, owner: str, required: tuple[str, ...]) -> None:
+    """A ``torch.save`` of something else (a list, a bare state dict) is named, not an
+    ``AttributeError``/``KeyError`` further down."""
+    expected = (
+        f"expected a dict with {list(required)} (and 'critic' for a separate critic), as "
+        "ar_torchrl.checkpoint saves them"
+    )
+    if not isinstance(payload, dict):
+        raise ValueError(
+            f"{owner}: {path} holds a {type(payload).__name__}, not a checkpoint: {expected}"
+        )
+    missing = [k for k in required if k not in payload]
+    if missing:
+        keys = sorted(map(str, payload))
+        shown = f"{keys[:6]}{' ...' if len(keys) > 6 else ''}"
+        raise ValueError(
+            f"{owner}: {path} holds a dict without {missing} (its keys: {shown}; a bare "
+            f"state_dict?), not a checkpoint: {expected}"
+        )
+    for key in ("model", "critic"):
+        if key in payload and not isinstance(payload[key], dict):
+            raise ValueError(
+                f"{owner}: {path} holds a {type(payload[key]).__name__} under {key!r}, not a "
+                f"state dict: {expected}"
+            )
+
+
+def load_critic(
+    path: str | os.PathLike,
+    *,
+    critic: nn.Module | None,
+    model: nn.Module,
+    signer: CheckpointSigner | None = None,
 ) -> str:
     """Warm-start a critic from an earlier run's checkpoint (weights only: no optimizer state);
     returns what was loaded.
@@ -474,7 +522,8 @@ def load_critic_weights(
     included); a separate critic's head sat on another trunk and is refused.
 
     Raises:
-        ValueError: nothing in the checkpoint fits (naming what it holds and what was asked).
+        ValueError: the file is not a checkpoint, or nothing in it fits (naming what it holds and
+            what was asked).
 
     Example:
         >>> import tempfile
@@ -482,12 +531,12 @@ def load_critic_weights(
         >>> from ar_torchrl.modules import attach_value_head
         >>> old = attach_value_head(build_tiny_qwen3(99))
         >>> _ = old.value_head.bias.data.fill_(0.5)
-        >>> p = save_checkpoint(tempfile.mkdtemp(), step=3, model=old)
+        >>> p = save(tempfile.mkdtemp(), step=3, model=old)
         >>> new = attach_value_head(build_tiny_qwen3(99, seed=1))
-        >>> load_critic_weights(p, critic=None, model=new), new.value_head.bias.item()
+        >>> load_critic(p, critic=None, model=new), new.value_head.bias.item()
         ('the value head of step_3.pt', 0.5)
     """
-    payload = _read_checkpoint(path, "critic.init_from")
+    payload = _read_checkpoint(path, "critic.init_from", _CRITIC_KEYS, signer)
     name = Path(path).name
     if critic is not None:
         saved, what = payload.get("critic"), f"the separate critic of {name}"

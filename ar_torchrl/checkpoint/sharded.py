@@ -1,4 +1,5 @@
 """Distributed checkpoints: ``torch.distributed.checkpoint`` shards, atomic, never unpickling code.
+:class:`~ar_torchrl.checkpoint.ShardedStore` is the interface a recipe uses; these are its functions.
 
 Layout of ``<dir>/step_<N>/``: DCP's ``.metadata`` and ``__<rank>_*.distcp`` files (the sharded model
 and optimizer tensors, each rank writing its own shards), ``rng/rank_<r>.json`` (each rank's Python,
@@ -8,13 +9,22 @@ SHA-256 of its own content).
 
 Atomic: all ranks write into ``.step_<N>.tmp``; rank 0 hashes every file, writes ``meta.json`` last
 and renames the directory (one ``os.rename``), so a crash mid-save leaves the previous checkpoint as
-the newest one. :func:`verify_checkpoint` checks every file against ``meta.json`` (sizes, then
-content); :func:`latest_distributed_checkpoint` skips (and names, in a warning) a damaged,
-truncated or incomplete checkpoint, and :func:`load_distributed_checkpoint` refuses one, naming the
-damaged file. A checkpoint saved before checksums existed (sizes only) is "unverified": it loads
-after the size check, and this is logged once. Loading executes no code from the files: tensors
-are read with ``torch.load(weights_only=True)`` by DCP, ``.metadata`` is unpickled through an
-allowlist of DCP's own metadata classes, everything else is JSON.
+the newest one. A save that runs out of disk says so, naming the directory and the bytes (needed and
+free), and removes its partial directory. :func:`verify` checks every file against ``meta.json``
+(sizes, then content); :func:`latest` skips (and names, in a warning) a damaged, truncated or
+incomplete checkpoint, and :func:`load` refuses one, naming the damaged file. A checkpoint saved
+before checksums existed (sizes only) is "unverified": it loads after the size check, and this is
+logged once.
+
+The checksums detect damage, not tampering: with a :class:`~ar_torchrl.checkpoint.CheckpointSigner`
+(``signer=``) rank 0 signs ``meta.json`` (HMAC-SHA256; it lists every file's SHA-256) and verifying
+refuses an unsigned or wrongly signed checkpoint before any other file is read (docs/checkpoints.md).
+Loading executes no code from the files: tensors are read with ``torch.load(weights_only=True)`` by
+DCP, ``.metadata`` is unpickled through an allowlist of the exact classes DCP pickles there
+(:mod:`ar_torchrl.checkpoint._safe_io`), everything else is JSON. The names before the store
+(``save_distributed_checkpoint``, ``load_distributed_checkpoint``, ``latest_distributed_checkpoint``,
+``verify_checkpoint``, ``load_distributed_critic``) still work for one release, with a
+``DeprecationWarning`` naming the new one.
 """
 
 from __future__ import annotations
@@ -23,11 +33,10 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -50,24 +59,38 @@ from ar_torchrl.checkpoint._safe_io import (
     write_json,
 )
 from ar_torchrl.checkpoint._safe_io import restore_rng as _restore_rng_state
+from ar_torchrl.checkpoint._space import free_bytes, is_disk_full, no_space_error, tensor_bytes
+from ar_torchrl.checkpoint.naming import (
+    checkpoint_name,
+    checkpoint_step,
+    is_checkpoint_name,
+    list_checkpoints,
+    replaced_dir,
+    temp_dir,
+)
+from ar_torchrl.checkpoint.signing import SIGNATURE_KEY
 from ar_torchrl.distributed.context import DistContext
 from ar_torchrl.distributed.fsdp import reshard
 from ar_torchrl.utils.files import file_sha256
 
-__all__ = [
-    "latest_distributed_checkpoint",
-    "load_distributed_checkpoint",
-    "load_distributed_critic",
-    "save_distributed_checkpoint",
-    "verify_checkpoint",
-]
+if TYPE_CHECKING:
+    from ar_torchrl.checkpoint.signing import CheckpointSigner
+
+__all__ = ["latest", "load", "load_critic", "save", "verify"]
 
 logger = logging.getLogger(__name__)
-_NAME = re.compile(r"^step_(\d+)$")
 _META = "meta.json"
 _FORMAT = 1
+#: ``CheckpointSigner.sign(kind=...)`` of these manifests
+_KIND = "sharded"
 #: checkpoints without checksums already reported as unverified (logged once per directory)
 _UNVERIFIED: set[str] = set()
+
+
+def __getattr__(name: str) -> object:  # the names before the store, kept one release
+    from ar_torchrl import _compat
+
+    return _compat.renamed(__name__, name)
 
 
 # --------------------------------------------------------------------------- save / verify / load
@@ -96,13 +119,13 @@ def _digests(root: Path, names: list[str]) -> dict[str, str]:
 
 
 def _meta_digest(meta: dict) -> str:
-    """SHA-256 of ``meta.json``'s content without its own digest (the manifest vouches for itself:
-    its ``extra`` holds the collector state)."""
-    body = {k: v for k, v in meta.items() if k != "meta_sha256"}
+    """SHA-256 of ``meta.json``'s content without its own digest and signature (the manifest
+    vouches for itself: its ``extra`` holds the collector state)."""
+    body = {k: v for k, v in meta.items() if k not in ("meta_sha256", SIGNATURE_KEY)}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def save_distributed_checkpoint(
+def save(
     directory: str | os.PathLike,
     *,
     step: int,
@@ -111,6 +134,7 @@ def save_distributed_checkpoint(
     ctx: DistContext,
     extra: dict[str, Any] | None = None,
     keep_last: int | None = None,
+    signer: CheckpointSigner | None = None,
 ) -> Path:
     """Every rank: write ``directory/step_<step>`` atomically and return its path.
 
@@ -123,42 +147,67 @@ def save_distributed_checkpoint(
         extra: what the run needs to continue (collector state, generator states...): dicts with
             str keys, lists, numbers, strings, CPU tensors (stored as JSON, no pickle).
         keep_last: delete older ``step_*`` directories beyond the newest ``keep_last``.
+        signer: rank 0 signs ``meta.json`` (HMAC) so that a store with the same key accepts it.
+
+    Raises:
+        OSError: ``ENOSPC`` naming the directory and the bytes when the disk is full (rank 0
+            removes the partial directory; the previous checkpoints are untouched).
     """
     directory = Path(directory)
-    final, tmp = directory / f"step_{int(step)}", directory / f".step_{int(step)}.tmp"
+    final = directory / checkpoint_name(step, sharded=True)
+    tmp = temp_dir(final)
     if ctx.is_main:
         directory.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt
         tmp.mkdir()
     ctx.barrier()
     state, groups = _tensor_state(model, optimizer)
-    dcp.save(state, storage_writer=FileSystemWriter(tmp))
-    write_json(tmp / "rng" / f"rank_{ctx.rank}.json", rng_state())
-    ctx.barrier()
-    if ctx.is_main:
-        files = _file_sizes(tmp)
-        meta = {
-            "format": _FORMAT,
-            "step": int(step),
-            "world_size": ctx.world_size,
-            "param_groups": encode(groups),
-            "extra": encode(extra or {}),
-            "files": files,
-            "sha256": _digests(tmp, list(files)),
-        }
-        meta["meta_sha256"] = _meta_digest(meta)
-        write_json(tmp / _META, meta)  # last: its presence marks a complete checkpoint
-        _replace_dir(tmp, final)
-        if keep_last is not None:
-            for old in _checkpoints(directory)[:-keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
-        logger.info("saved distributed checkpoint %s", final)
+    free = free_bytes(directory)
+    try:
+        dcp.save(state, storage_writer=FileSystemWriter(tmp))
+        write_json(tmp / "rng" / f"rank_{ctx.rank}.json", rng_state())
+        ctx.barrier()
+        if ctx.is_main:
+            _finish(tmp, final, step, ctx.world_size, groups, extra, signer)
+            if keep_last is not None:
+                for old in list_checkpoints(directory, sharded=True)[:-keep_last]:
+                    shutil.rmtree(old, ignore_errors=True)
+            logger.info("saved distributed checkpoint %s", final)
+    except BaseException as err:  # DCP's CheckpointException is a BaseException
+        full = no_space_error(
+            err, directory, needed=tensor_bytes(state), free=free, what=f"saving {final.name}"
+        )
+        if full is None:
+            raise
+        if ctx.is_main and is_disk_full(err):  # give the disk back (the next save would too)
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise full from err
     ctx.barrier()
     return final
 
 
+def _finish(tmp: Path, final: Path, step: int, world_size: int, groups, extra, signer) -> None:
+    """Rank 0: hash every file, write ``meta.json`` last (its presence marks a complete
+    checkpoint; signed with ``signer``), rename the directory into place."""
+    files = _file_sizes(tmp)
+    meta = {
+        "format": _FORMAT,
+        "step": int(step),
+        "world_size": world_size,
+        "param_groups": encode(groups),
+        "extra": encode(extra or {}),
+        "files": files,
+        "sha256": _digests(tmp, list(files)),
+    }
+    meta["meta_sha256"] = _meta_digest(meta)
+    if signer is not None:
+        meta = signer.signed(meta, kind=_KIND)
+    write_json(tmp / _META, meta)
+    _replace_dir(tmp, final)
+
+
 def _replace_dir(tmp: Path, final: Path) -> None:
-    old = final.with_name(f".{final.name}.old")
+    old = replaced_dir(final)
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)
         os.rename(final, old)
@@ -171,25 +220,19 @@ def _replace_dir(tmp: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _checkpoints(directory: Path) -> list[Path]:
-    if not directory.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
-    return [p for _, p in sorted(found)]
+def verify(path: str | os.PathLike, *, signer: CheckpointSigner | None = None) -> str | None:
+    """What is wrong with the checkpoint at ``path`` (``None``: complete, intact and, with a
+    ``signer``, authentic), naming the damaged file.
 
-
-def verify_checkpoint(path: str | os.PathLike) -> str | None:
-    """What is wrong with the checkpoint at ``path`` (``None``: complete and intact), naming the
-    damaged file.
-
-    Checks that ``meta.json`` exists, parses and matches its own digest, that every file it lists
-    has its size, then its SHA-256 (this reads every file: about 1 GB/s per file, several files at
-    a time). A checkpoint saved before checksums existed is checked for sizes only ("unverified",
-    logged once).
+    Reads only ``meta.json`` (JSON) and hashes files: nothing is unpickled. With a ``signer``, first
+    ``meta.json``'s HMAC (an unsigned or wrongly signed checkpoint is refused before any other file
+    is read). Then that ``meta.json`` matches its own digest, that every file it lists has its size,
+    then its SHA-256 (this reads every file: about 1 GB/s per file, several files at a time). A
+    checkpoint saved before checksums existed is checked for sizes only ("unverified", logged once).
 
     Example:
         >>> import tempfile
-        >>> verify_checkpoint(tempfile.mkdtemp())
+        >>> verify(tempfile.mkdtemp())
         'meta.json is missing (an interrupted save?)'
     """
     path = Path(path)
@@ -199,6 +242,10 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
         return f"{_META} is missing (an interrupted save?)"
     except (OSError, ValueError) as err:
         return f"{_META} is unreadable: {err}"
+    if signer is not None:
+        problem = signer.problem(meta, kind=_KIND, what=path.name) or _signed_step(meta, path)
+        if problem is not None:
+            return problem
     if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
         found = meta.get("format") if isinstance(meta, dict) else meta
         return f"{_META} has format {found!r}, expected {_FORMAT}"
@@ -209,6 +256,9 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
         files, digests = dict(meta["files"]), meta.get("sha256")
     except (KeyError, TypeError, ValueError) as err:
         return f"{_META} has no valid file list ({type(err).__name__}: {err})"
+    problem = _check_file_list(files)
+    if problem is not None:
+        return problem
     for name, size in files.items():
         file = path / name
         if not file.is_file():
@@ -225,6 +275,8 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
                 _META,
             )
         return None
+    if not isinstance(digests, dict):
+        return f"{_META} has no valid SHA-256 list (damaged?)"
     unlisted = sorted(set(files) - set(digests))
     if unlisted:
         return f"{_META} has no SHA-256 for {unlisted[:4]} (damaged?)"
@@ -238,18 +290,44 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
     return None
 
 
-def latest_distributed_checkpoint(
-    directory: str | os.PathLike, ctx: DistContext | None = None
+def _signed_step(meta: dict, path: Path) -> str | None:
+    """An authentic ``meta.json`` in another step's ``step_<N>`` directory (a renamed checkpoint)."""
+    if is_checkpoint_name(path.name, sharded=True) and meta.get("step") != checkpoint_step(path):
+        return f"{path.name} carries the signed {_META} of step {meta.get('step')} (renamed?)"
+    return None
+
+
+def _check_file_list(files: dict) -> str | None:
+    """Every checkpoint has DCP's ``.metadata``; no listed file lies outside the directory."""
+    for name in files:
+        if not isinstance(name, str) or Path(name).is_absolute() or ".." in Path(name).parts:
+            return f"{_META} lists {name!r}, outside the checkpoint directory (damaged or forged)"
+    if ".metadata" not in files:
+        return f"{_META} does not list DCP's .metadata (not a complete checkpoint)"
+    return None
+
+
+def latest(
+    directory: str | os.PathLike,
+    ctx: DistContext | None = None,
+    *,
+    signer: CheckpointSigner | None = None,
 ) -> Path | None:
     """The newest intact ``step_*`` checkpoint in ``directory`` (``None``: there is none).
 
-    Damaged ones are skipped with a warning naming them and the problem. With a distributed
-    ``ctx``, rank 0 decides and every rank gets its answer.
+    Damaged ones (and, with a ``signer``, ones that are not authentic) are skipped with a warning
+    naming them and the problem; nothing is unpickled. With a distributed ``ctx``, rank 0 decides
+    and every rank gets its answer.
+
+    Example:
+        >>> import tempfile
+        >>> latest(tempfile.mkdtemp()) is None
+        True
     """
     choice = None
     if ctx is None or ctx.is_main:
-        for path in reversed(_checkpoints(Path(directory))):
-            problem = verify_checkpoint(path)
+        for path in reversed(list_checkpoints(directory, sharded=True)):
+            problem = verify(path, signer=signer)
             if problem is None:
                 choice = str(path)
                 break
@@ -259,13 +337,22 @@ def latest_distributed_checkpoint(
     return None if choice is None else Path(choice)
 
 
-def load_distributed_checkpoint(
+def _verified(path: Path, ctx: DistContext, signer, owner: str) -> None:
+    """Rank 0 verifies (every file's SHA-256; with ``signer`` the HMAC first) and every rank gets
+    its answer, before any rank reads DCP's pickled ``.metadata``."""
+    problem = ctx.broadcast_object(verify(path, signer=signer) if ctx.is_main else None)
+    if problem is not None:
+        raise ValueError(f"{owner}: {path} is unusable: {problem}")
+
+
+def load(
     path: str | os.PathLike,
     *,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     ctx: DistContext,
     restore_rng: bool = True,
+    signer: CheckpointSigner | None = None,
 ) -> dict[str, Any]:
     """Every rank: load model and optimizer shards, this rank's RNG states; return step and extra.
 
@@ -276,13 +363,13 @@ def load_distributed_checkpoint(
         ``{"step": int, "extra": dict, "path": Path}``.
 
     Raises:
-        ValueError: the checkpoint is incomplete or damaged (naming the damaged file). Rank 0
-            checks it (every file's SHA-256) and every rank gets its answer.
+        ValueError: the checkpoint is incomplete, damaged or (with a ``signer``) not authentic,
+            naming the file. Rank 0 checks it (every file's SHA-256) and every rank gets its answer.
+        pickle.UnpicklingError: ``.metadata`` refers to anything but DCP's metadata classes
+            (naming it; nothing of it is executed).
     """
     path = Path(path)
-    problem = ctx.broadcast_object(verify_checkpoint(path) if ctx.is_main else None)
-    if problem is not None:
-        raise ValueError(f"load_distributed_checkpoint: {path} is unusable: {problem}")
+    _verified(path, ctx, signer, "load_distributed_checkpoint")
     meta = json.loads((path / _META).read_text())
     state, groups = _tensor_state(model, optimizer)
     reader = SafeReader(path)
@@ -321,8 +408,13 @@ def load_distributed_checkpoint(
     return {"step": meta["step"], "extra": decode(meta["extra"]), "path": path}
 
 
-def load_distributed_critic(
-    path: str | os.PathLike, *, critic: nn.Module | None, policy: nn.Module, ctx: DistContext
+def load_critic(
+    path: str | os.PathLike,
+    *,
+    critic: nn.Module | None,
+    policy: nn.Module,
+    ctx: DistContext,
+    signer: CheckpointSigner | None = None,
 ) -> str:
     """Every rank: warm-start a critic from an earlier run's distributed checkpoint (weights only,
     no optimizer state); returns what was loaded.
@@ -330,12 +422,11 @@ def load_distributed_critic(
     ``critic`` (a separate critic, an FSDP root) gets the checkpoint's separate critic
     (``critic.*`` tensors), or from a run whose critic was the value head that run's policy with
     its head. Without ``critic`` the value head of ``policy`` (the policy's ``LMActorCritic`` root)
-    gets the checkpoint's head; a separate critic's head is refused (it sat on its own trunk).
+    gets the checkpoint's head; a separate critic's head is refused (it sat on its own trunk). The
+    checkpoint is verified (and, with a ``signer``, authenticated) first, as :func:`load` does.
     """
     path = Path(path)
-    problem = ctx.broadcast_object(verify_checkpoint(path) if ctx.is_main else None)
-    if problem is not None:
-        raise ValueError(f"critic.init_from: {path} is unusable: {problem}")
+    _verified(path, ctx, signer, "critic.init_from")
     reader = SafeReader(path)
     stored = reader.read_metadata().state_dict_metadata
     separate = any(key.startswith("model.critic.") for key in stored)

@@ -1,12 +1,15 @@
 """Run management shared by recipes: run directories, resuming, signals, the end-of-run report.
 
-Nothing here imports torch or Hydra: a recipe's entry point gives it what Hydra knows (the run
-directory, the overrides, the config name) as a :class:`Launch`, and the checkpoint functions of its
-execution strategy (:mod:`ar_torchrl.recipes.strategy`) as callables.
+Nothing here imports torch or Hydra, and nothing depends on the checkpoint format: a recipe's entry
+point gives it what Hydra knows (the run directory, the overrides, the config name) as a
+:class:`Launch`, and its :class:`~ar_torchrl.checkpoint.CheckpointStore` (which finds, names and
+verifies its checkpoints; :func:`~ar_torchrl.checkpoint.checkpoint_store` chooses it).
 
-- **Resuming** (:func:`find_checkpoint`): ``train.resume_from`` names a checkpoint, a run directory,
-  or ``auto`` (the newest run under ``runs_dir`` whose saved configuration equals this one up to the
-  keys a continued run may change); a run directory that already holds checkpoints is continued.
+- **Resuming** (:func:`find_checkpoint`, the one place that decides): ``train.resume_from`` names a
+  checkpoint, a run directory, or ``auto`` (the newest run under ``runs_dir`` whose saved
+  configuration equals this one up to the keys a continued run may change); a run directory that
+  already holds checkpoints is continued. :func:`named_checkpoint` resolves a checkpoint or a run
+  directory (also for ``critic.init_from``).
 - **History** (:func:`prepare_run_dir`): the run directory's metrics and logs are made to end at the
   checkpoint's step (copied from the checkpoint's own run when it is another one), so that a resumed
   run never repeats a step.
@@ -24,13 +27,22 @@ import shlex
 import shutil
 import signal
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ar_torchrl.checkpoint.local import checkpoint_step, remove_partial_checkpoints
+from ar_torchrl.checkpoint.naming import (
+    checkpoint_step,
+    is_checkpoint_name,
+    remove_partial_checkpoints,
+)
 from ar_torchrl.utils.history import read_jsonl, truncate_jsonl
 from ar_torchrl.utils.loggers import truncate_csv_logs
+
+if TYPE_CHECKING:
+    from ar_torchrl.checkpoint import CheckpointStore
 
 __all__ = [
     "Launch",
@@ -38,6 +50,7 @@ __all__ = [
     "find_checkpoint",
     "launcher_command",
     "make_private",
+    "named_checkpoint",
     "newest_matching_checkpoint",
     "prepare_run_dir",
     "remove_empty_run_dir",
@@ -116,36 +129,40 @@ def resume_command(launch: Launch, *extra: str) -> str:
 def find_checkpoint(
     source: str | None,
     *,
+    store: CheckpointStore | None = None,
     run_dir: Path,
     runs_dir: Path,
     iterations: int,
-    latest: Latest,
-    check: Callable[[Path], None],
     matches: Callable[[Path], bool],
-    kind: str,
     resumable: Sequence[str],
+    latest: Latest | None = None,
+    check: Callable[[Path], None] | None = None,
+    kind: str | None = None,
 ) -> Path | None:
     """The checkpoint to continue from, or ``None`` for a fresh start.
 
     Args:
         source: ``train.resume_from``: ``None``, ``"auto"``, a checkpoint or a run directory.
+        store: the run's checkpoint store (finds, names and verifies its checkpoints).
         run_dir: this run's directory (continued when it already holds checkpoints).
         runs_dir: where ``auto`` searches.
         iterations: the run's ``train.iterations`` (a checkpoint at or past it leaves nothing to do).
-        latest: the strategy's newest intact checkpoint of a ``checkpoints/`` directory.
-        check: the strategy's check of an explicitly named checkpoint (kind, integrity).
         matches: whether a run directory's saved configuration equals this run's (for ``auto``).
-        kind: how the strategy's checkpoints are named in messages (``step_<N>.pt``).
         resumable: the keys a continued run may change (named in the ``auto`` message).
+        latest, check, kind: what ``store`` gives (``latest``, ``check``, ``pattern``), as the
+            callables of before the store: deprecated, removed in ar_torchrl 0.2.
 
     Raises:
         FileNotFoundError: nothing to resume where it was asked for.
-        ValueError: the checkpoint is of the wrong kind, damaged, or already at ``iterations``.
+        ValueError: the checkpoint is of the wrong kind, damaged, not authentic, or already at
+            ``iterations``.
     """
+    if store is None:
+        store = _CallableStore(latest, check, kind)
     if source is None:
-        found = latest(run_dir / "checkpoints")
+        found = store.latest(run_dir / "checkpoints")
     elif source == "auto":
-        found = newest_matching_checkpoint(runs_dir, latest, matches)
+        found = newest_matching_checkpoint(runs_dir, store.latest, matches)
         if found is None:
             raise FileNotFoundError(
                 f"train.resume_from=auto: no run directory under runs_dir={runs_dir} has this "
@@ -153,15 +170,12 @@ def find_checkpoint(
                 "train.resume_from=<run dir>, or drop train.resume_from to start afresh"
             )
     else:
-        path = Path(source)
-        named = path.is_file() or (path.is_dir() and path.name.startswith("step_"))
-        found = path if named else latest(path / "checkpoints")
-        if found is None:
-            raise FileNotFoundError(
-                f"train.resume_from={source}: neither a checkpoint nor a run directory with "
-                f"checkpoints/{kind} (a run stopped before its first checkpoint starts afresh)"
-            )
-        check(found)
+        found = named_checkpoint(
+            source,
+            store,
+            key="train.resume_from",
+            note=" (a run stopped before its first checkpoint starts afresh)",
+        )
     if found is not None and checkpoint_step(found) >= iterations:
         raise ValueError(
             f"{found} is at step {checkpoint_step(found)}, train.iterations={iterations}: "
@@ -170,19 +184,60 @@ def find_checkpoint(
     return found
 
 
+def named_checkpoint(
+    source: str | os.PathLike, store: CheckpointStore, *, key: str, note: str = ""
+) -> Path:
+    """The checkpoint ``source`` names (a checkpoint, or a run directory's newest intact one),
+    checked by ``store`` (its kind, integrity and, with a key, authenticity).
+
+    Raises:
+        FileNotFoundError: ``source`` is neither (``note`` is appended to the message).
+        ValueError: the checkpoint is of the other kind, damaged or not authentic (naming ``key``).
+    """
+    path = Path(source)
+    named = path.is_file() or (path.is_dir() and is_checkpoint_name(path.name))
+    found = path if named else store.latest(path / "checkpoints")
+    if found is None:
+        raise FileNotFoundError(
+            f"{key}={source}: neither a checkpoint nor a run directory with "
+            f"checkpoints/{store.pattern}{note}"
+        )
+    store.check(found, key=key)
+    return found
+
+
+class _CallableStore:
+    """The store :func:`find_checkpoint` builds from the callables of before the store."""
+
+    def __init__(self, latest: Latest | None, check, kind: str | None) -> None:
+        if latest is None or check is None or kind is None:
+            raise TypeError("find_checkpoint: pass store= (a CheckpointStore)")
+        warnings.warn(
+            "find_checkpoint(latest=, check=, kind=) is now find_checkpoint(store=) with an "
+            "ar_torchrl.checkpoint.CheckpointStore; the old keywords are removed in ar_torchrl 0.2",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        self.latest, self._check, self.pattern = latest, check, kind
+
+    def check(self, checkpoint: Path, *, key: str) -> None:
+        self._check(checkpoint)
+
+
 def newest_matching_checkpoint(
     runs_dir: Path, latest: Latest, matches: Callable[[Path], bool]
 ) -> Path | None:
     """The newest checkpoint of a run under ``runs_dir`` whose saved config ``matches``.
 
-    ``matches`` gets the path of a run's saved configuration (Hydra's ``.hydra/config.yaml``).
+    ``matches`` gets the path of a run's saved configuration (Hydra's ``.hydra/config.yaml``); the
+    checkpoints of runs that do not match are not even verified.
     """
     best = None
     for saved in sorted(runs_dir.glob("**/.hydra/config.yaml")):
-        found = latest(saved.parent.parent / "checkpoints")
-        if found is None or (best and found.stat().st_mtime <= best.stat().st_mtime):
+        if not matches(saved):
             continue
-        if matches(saved):
+        found = latest(saved.parent.parent / "checkpoints")
+        if found is not None and (best is None or found.stat().st_mtime > best.stat().st_mtime):
             best = found
     return best
 

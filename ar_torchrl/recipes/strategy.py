@@ -1,14 +1,16 @@
 """The execution strategy: how a recipe runs, in one process or as FSDP2 ranks under torchrun.
 
 A recipe never branches on "sharded": it asks its :class:`ExecutionStrategy` to build and wrap the
-policy and its reference, recompute the old log-probs and values, push the weights, save and load checkpoints, share
-the batch and agree on stopping. Two implementations:
+policy and its reference, recompute the old log-probs and values, push the weights, share the batch
+and agree on stopping. Checkpoints are not its business: the run's
+:class:`~ar_torchrl.checkpoint.CheckpointStore` (:func:`~ar_torchrl.checkpoint.checkpoint_store`)
+saves and loads them. Two implementations:
 
-- :class:`LocalStrategy`: one float32 process, no process group, ``.pt`` checkpoints
-  (:mod:`ar_torchrl.checkpoint.local`). This is what ``python examples/dapo_ppo.py`` runs.
+- :class:`LocalStrategy`: one float32 process, no process group. This is what
+  ``python examples/dapo_ppo.py`` runs.
 - :class:`FSDP2Strategy`: ``torch.distributed`` FSDP2 (``fully_shard`` with fp32 master shards and
   low-precision compute, :mod:`ar_torchrl.distributed`), under torchrun or on a one-rank group when
-  the compute dtype is not float32; ``torch.distributed.checkpoint`` directories. One controller:
+  the compute dtype is not float32. One controller:
   rank 0 owns the collector, the logs, the evaluation and the checkpoint metadata; every rank holds
   the batch, trains on its token-balanced share of the micro-batch plan (its own old log-probs and values, ratio
   exactly 1 per rank), takes part in the weight push and writes its shards of each checkpoint.
@@ -46,10 +48,6 @@ class ExecutionStrategy(Protocol):
     """What a recipe asks of its execution (see the module docstring)."""
 
     ctx: DistContext
-    #: how its checkpoints look, for messages: "a single-process" / "a distributed (FSDP2)"
-    checkpoint_kind: str
-    #: how a checkpoint is named in its run's ``checkpoints/``: "step_<N>.pt" / "step_<N>"
-    checkpoint_pattern: str
     #: whether the trainer's own module can decode (the evaluation's trainside engine)
     trainer_can_generate: bool
 
@@ -68,23 +66,6 @@ class ExecutionStrategy(Protocol):
         self, actor_critic: Any, collector: Any, *, resync: bool, dtype: Any
     ) -> None: ...
     def broadcast_batch(self, td: TensorDictBase | None) -> TensorDictBase: ...
-    def save(
-        self,
-        directory: Path,
-        step: int,
-        *,
-        actor_critic: Any,
-        optimizer: Any,
-        extra: dict,
-        keep_last: int | None,
-        critic: Any = None,
-    ) -> Path: ...
-    def load(
-        self, checkpoint: Path, *, actor_critic: Any, optimizer: Any, critic: Any = None
-    ) -> dict: ...
-    def load_critic(self, source: Path, *, critic: Any, actor_critic: Any) -> str: ...
-    def latest_checkpoint(self, directory: Path) -> Path | None: ...
-    def check_checkpoint(self, checkpoint: Path) -> None: ...
     def on_main(self, fn: Callable[..., Any], *args: Any) -> Any: ...
     def shared_run_dir(self, run_dir: Path) -> Path: ...
     def agree_to_stop(self, stop: Any) -> bool: ...
@@ -92,7 +73,7 @@ class ExecutionStrategy(Protocol):
 
 # --------------------------------------------------------------------------- one process
 class LocalStrategy:
-    """One process on ``device`` in float32: no process group, ``.pt`` checkpoints.
+    """One process on ``device`` in float32: no process group.
 
     Args:
         device: the trainer's device.
@@ -100,12 +81,10 @@ class LocalStrategy:
 
     Example:
         >>> s = LocalStrategy("cpu")
-        >>> s.ctx.world_size, s.checkpoint_kind, s.on_main(len, [1, 2])
-        (1, 'a single-process', 2)
+        >>> s.ctx.world_size, s.trainer_can_generate, s.on_main(len, [1, 2])
+        (1, True, 2)
     """
 
-    checkpoint_kind = "a single-process"
-    checkpoint_pattern = "step_<N>.pt"
     trainer_can_generate = True
 
     def __init__(self, device: str = "cpu", *, gradient_checkpointing: bool = False) -> None:
@@ -157,52 +136,6 @@ class LocalStrategy:
     def broadcast_batch(self, td: TensorDictBase | None) -> TensorDictBase:
         return td.to(self.ctx.device)
 
-    def save(
-        self, directory, step, *, actor_critic, optimizer, extra, keep_last, critic=None
-    ) -> Path:
-        from ar_torchrl.checkpoint.local import save_checkpoint
-
-        return save_checkpoint(
-            directory,
-            step=step,
-            model=actor_critic.model,
-            optimizer=optimizer,
-            extra=extra,
-            keep_last=keep_last,
-            critic=None if critic is None else critic.model,
-        )
-
-    def load(self, checkpoint, *, actor_critic, optimizer, critic=None) -> dict:
-        from ar_torchrl.checkpoint.local import load_checkpoint
-
-        return load_checkpoint(
-            checkpoint,
-            model=actor_critic.model,
-            optimizer=optimizer,
-            critic=None if critic is None else critic.model,
-        )
-
-    def load_critic(self, source: Path, *, critic, actor_critic) -> str:
-        """The critic of an earlier run's ``.pt`` checkpoint into ``critic`` (separate) or the
-        policy's value head (shared); returns what was loaded, for the log."""
-        from ar_torchrl.checkpoint.local import load_critic_weights
-
-        separate = None if critic is None else critic.model
-        return load_critic_weights(source, critic=separate, model=actor_critic.model)
-
-    def latest_checkpoint(self, directory: Path) -> Path | None:
-        from ar_torchrl.checkpoint.local import latest_checkpoint
-
-        return latest_checkpoint(directory)
-
-    def check_checkpoint(self, checkpoint: Path, *, key: str = "train.resume_from") -> None:
-        from ar_torchrl.checkpoint.local import verify_checkpoint_file
-
-        _check_kind(checkpoint, sharded=False, key=key)
-        problem = verify_checkpoint_file(checkpoint)
-        if problem is not None:
-            raise ValueError(f"{key}: {checkpoint} is unusable: {problem}")
-
     def on_main(self, fn: Callable[..., Any], *args: Any) -> Any:
         return fn(*args)
 
@@ -211,24 +144,6 @@ class LocalStrategy:
 
     def agree_to_stop(self, stop: Any) -> bool:
         return stop.requested
-
-
-def _check_kind(checkpoint: Path, *, sharded: bool, key: str = "train.resume_from") -> None:
-    if checkpoint.is_dir() != sharded:
-        kind = "a distributed (FSDP2)" if checkpoint.is_dir() else "a single-process"
-        run = "trains with FSDP2" if sharded else "is one float32 process"
-        raise ValueError(
-            f"{key}: {checkpoint} is {kind} checkpoint but this run {run}; use the launch "
-            "(torchrun or python), model.dtype and dist.fsdp that wrote it"
-        )
-
-
-def _checkpointed(actor_critic: Any, critic: Any) -> torch.nn.Module:
-    """The module a distributed checkpoint holds: the policy's ``LMActorCritic`` (its keys as
-    before), or with a separate critic both FSDP roots (``policy.*`` and ``critic.*``)."""
-    if critic is None:
-        return actor_critic
-    return torch.nn.ModuleDict({"policy": actor_critic, "critic": critic})
 
 
 def _trained(module: Any) -> bool:
@@ -273,8 +188,6 @@ class FSDP2Strategy:
         reshard_after_forward: FSDP2's option (free gathered layers after forward).
     """
 
-    checkpoint_kind = "a distributed (FSDP2)"
-    checkpoint_pattern = "step_<N>"
     trainer_can_generate = False  # the trainer holds shards: the rollout copy decodes
 
     def __init__(
@@ -401,48 +314,6 @@ class FSDP2Strategy:
         from ar_torchrl.distributed.batch import broadcast_batch
 
         return broadcast_batch(td, self.ctx)
-
-    def save(
-        self, directory, step, *, actor_critic, optimizer, extra, keep_last, critic=None
-    ) -> Path:
-        from ar_torchrl.checkpoint.sharded import save_distributed_checkpoint
-
-        return save_distributed_checkpoint(
-            directory,
-            step=step,
-            model=_checkpointed(actor_critic, critic),
-            optimizer=optimizer,
-            ctx=self.ctx,
-            extra=extra,
-            keep_last=keep_last,
-        )
-
-    def load(self, checkpoint, *, actor_critic, optimizer, critic=None) -> dict:
-        from ar_torchrl.checkpoint.sharded import load_distributed_checkpoint
-
-        return load_distributed_checkpoint(
-            checkpoint, model=_checkpointed(actor_critic, critic), optimizer=optimizer, ctx=self.ctx
-        )
-
-    def load_critic(self, source: Path, *, critic, actor_critic) -> str:
-        """The critic of an earlier run's distributed checkpoint into ``critic`` (separate) or the
-        policy's value head (shared; the FSDP root is the policy's ``LMActorCritic``)."""
-        from ar_torchrl.checkpoint.sharded import load_distributed_critic
-
-        return load_distributed_critic(source, critic=critic, policy=actor_critic, ctx=self.ctx)
-
-    def latest_checkpoint(self, directory: Path) -> Path | None:
-        from ar_torchrl.checkpoint.sharded import latest_distributed_checkpoint
-
-        return latest_distributed_checkpoint(directory)
-
-    def check_checkpoint(self, checkpoint: Path, *, key: str = "train.resume_from") -> None:
-        from ar_torchrl.checkpoint.sharded import verify_checkpoint
-
-        _check_kind(checkpoint, sharded=True, key=key)
-        problem = verify_checkpoint(checkpoint)
-        if problem is not None:
-            raise ValueError(f"{key}: {checkpoint} is unusable: {problem}")
 
     def on_main(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on rank 0 (which reads and writes the run directory), its result on every

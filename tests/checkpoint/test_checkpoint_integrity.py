@@ -20,18 +20,12 @@ import torch
 from support.recipe_helpers import load
 from support.recipe_runs import COMMON, run_recipe, same_runs
 
-from ar_torchrl.checkpoint.local import (
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-    verify_checkpoint_file,
-)
-from ar_torchrl.distributed import checkpoint as dck
+from ar_torchrl.checkpoint import LocalStore, ShardedStore, local
+from ar_torchrl.checkpoint import sharded as dck
 from ar_torchrl.distributed import distributed, shard_actor_critic
 from ar_torchrl.models.tiny import build_tiny_qwen3
 from ar_torchrl.modules import LMActorCritic, attach_value_head
 from ar_torchrl.recipes import dapo_ppo
-from ar_torchrl.recipes.strategy import FSDP2Strategy, LocalStrategy
 
 torch.set_num_threads(1)
 
@@ -78,36 +72,36 @@ PT_DAMAGE = {
 @pytest.mark.parametrize("damage", list(PT_DAMAGE))
 def test_damaged_newest_pt_is_skipped_and_refused_by_name(tmp_path, caplog, damage):
     model, opt = model_and_optimizer()
-    older = save_checkpoint(tmp_path, step=2, model=model, optimizer=opt)
-    newest = save_checkpoint(tmp_path, step=4, model=model, optimizer=opt)
+    older = local.save(tmp_path, step=2, model=model, optimizer=opt)
+    newest = local.save(tmp_path, step=4, model=model, optimizer=opt)
     hurt, problem = PT_DAMAGE[damage]
     hurt(newest)
     if damage == "flipped":  # the case the checksum exists for: torch itself loads it silently
         torch.load(newest, weights_only=True)
     with caplog.at_level(logging.WARNING):
-        assert latest_checkpoint(tmp_path) == older
-        assert LocalStrategy().latest_checkpoint(tmp_path) == older
+        assert local.latest(tmp_path) == older
+        assert LocalStore().latest(tmp_path) == older
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 2 and all(f"checkpoint {newest} is unusable (" in w for w in warnings)
     with pytest.raises(ValueError, match=f"load_checkpoint: {newest} is unusable: {problem}"):
-        load_checkpoint(newest, model=model, optimizer=opt)
+        local.load(newest, model=model, optimizer=opt)
     with pytest.raises(ValueError, match=f"train.resume_from: {newest} is unusable: {problem}"):
-        LocalStrategy().check_checkpoint(newest)
+        LocalStore().check(newest)
     fresh, fresh_opt = model_and_optimizer(seed=1)
-    assert load_checkpoint(older, model=fresh, optimizer=fresh_opt)["step"] == 2
+    assert local.load(older, model=fresh, optimizer=fresh_opt)["step"] == 2
     torch.testing.assert_close(fresh.state_dict(), model.state_dict(), rtol=0, atol=0)
 
 
 def test_resaving_a_damaged_step_writes_a_matching_manifest(tmp_path):
     """The resumed run saves step_4.pt again over the damaged one (and its manifest)."""
     model = torch.nn.Linear(2, 1)
-    path = save_checkpoint(tmp_path, step=4, model=model)
+    path = local.save(tmp_path, step=4, model=model)
     flip_byte(path)
-    assert verify_checkpoint_file(path) is not None
+    assert local.verify(path) is not None
     with torch.no_grad():
         model.weight.add_(1.0)
-    assert save_checkpoint(tmp_path, step=4, model=model) == path
-    assert verify_checkpoint_file(path) is None
+    assert local.save(tmp_path, step=4, model=model) == path
+    assert local.verify(path) is None
     manifest = json.loads((tmp_path / ".step_4.pt.manifest.json").read_text())
     assert manifest["file"] == "step_4.pt" and manifest["size"] == path.stat().st_size
     assert len(manifest["sha256"]) == 64
@@ -115,11 +109,11 @@ def test_resaving_a_damaged_step_writes_a_matching_manifest(tmp_path):
 
 def test_a_damaged_manifest_makes_its_checkpoint_unusable(tmp_path, caplog):
     model = torch.nn.Linear(2, 1)
-    older = save_checkpoint(tmp_path, step=1, model=model)
-    save_checkpoint(tmp_path, step=2, model=model)
+    older = local.save(tmp_path, step=1, model=model)
+    local.save(tmp_path, step=2, model=model)
     (tmp_path / ".step_2.pt.manifest.json").write_text('{"size": 7')
     with caplog.at_level(logging.WARNING):
-        assert latest_checkpoint(tmp_path) == older
+        assert local.latest(tmp_path) == older
     assert "its manifest .step_2.pt.manifest.json is unreadable (JSONDecodeError" in caplog.text
 
 
@@ -128,14 +122,14 @@ def test_checkpoints_saved_before_manifests_load_unverified(tmp_path, caplog):
     structure and CRC-32s still catch truncation, emptiness and flipped bytes."""
     model, opt = model_and_optimizer()
     for step in (1, 2, 3, 4, 5):
-        save_checkpoint(tmp_path, step=step, model=model, optimizer=opt)
+        local.save(tmp_path, step=step, model=model, optimizer=opt)
         (tmp_path / f".step_{step}.pt.manifest.json").unlink()  # as saved before this change
     truncate(tmp_path / "step_5.pt")
     flip_byte(tmp_path / "step_4.pt")
     empty(tmp_path / "step_3.pt")
     with caplog.at_level(logging.WARNING):
-        assert latest_checkpoint(tmp_path).name == "step_2.pt"
-        assert load_checkpoint(tmp_path / "step_2.pt", model=model, optimizer=opt)["step"] == 2
+        assert local.latest(tmp_path).name == "step_2.pt"
+        assert local.load(tmp_path / "step_2.pt", model=model, optimizer=opt)["step"] == 2
     assert "step_5.pt is not a complete torch.save archive, truncated or damaged" in caplog.text
     assert (
         "step_4.pt: its record 'archive/data/" in caplog.text and "fails its CRC-32" in caplog.text
@@ -145,23 +139,21 @@ def test_checkpoints_saved_before_manifests_load_unverified(tmp_path, caplog):
     assert len(unverified) == 1 and "step_2.pt has no manifest" in unverified[0].getMessage()
     torch.serialization.set_crc32_options(False)  # a file written without CRC-32s (all zero)
     try:
-        path = save_checkpoint(tmp_path / "nocrc", step=1, model=model)
+        path = local.save(tmp_path / "nocrc", step=1, model=model)
     finally:
         torch.serialization.set_crc32_options(True)
     (tmp_path / "nocrc" / ".step_1.pt.manifest.json").unlink()
-    assert load_checkpoint(path, model=model)["step"] == 1
+    assert local.load(path, model=model)["step"] == 1
 
 
 def test_damage_the_checks_cannot_see_is_still_named(tmp_path, monkeypatch):
     """A file torch cannot read although its checks passed gives an error naming it, not torch's
     bare PytorchStreamReader/EOFError message."""
-    from ar_torchrl.recipes import checkpoint
-
-    path = save_checkpoint(tmp_path, step=1, model=torch.nn.Linear(2, 1))
+    path = local.save(tmp_path, step=1, model=torch.nn.Linear(2, 1))
     empty(path)
-    monkeypatch.setattr(checkpoint, "verify_checkpoint_file", lambda p: None)
+    monkeypatch.setattr(local, "verify", lambda p, signer=None: None)
     with pytest.raises(ValueError, match=f"load_checkpoint: {path} could not be read .damaged"):
-        load_checkpoint(path, model=torch.nn.Linear(2, 1))
+        local.load(path, model=torch.nn.Linear(2, 1))
 
 
 # ----------------------------------------------------------------------------- DCP directories
@@ -178,9 +170,7 @@ def sharded(tmp_path):
         opt.step()
         opt.zero_grad()
         for step in (2, 4):
-            dck.save_distributed_checkpoint(
-                tmp_path / "checkpoints", step=step, model=ac, optimizer=opt, ctx=ctx
-            )
+            dck.save(tmp_path / "checkpoints", step=step, model=ac, optimizer=opt, ctx=ctx)
         yield ctx, ac, opt, tmp_path / "checkpoints"
 
 
@@ -197,33 +187,33 @@ def test_damaged_newest_dcp_shard_is_skipped_and_refused_by_name(sharded, caplog
     assert shard.stat().st_size == size  # the size check alone passes
     problem = r"__0_0\.distcp does not match its SHA-256 in meta\.json \(same size, damaged"
     with caplog.at_level(logging.WARNING):
-        assert dck.latest_distributed_checkpoint(directory, ctx) == directory / "step_2"
-        assert FSDP2Strategy(ctx).latest_checkpoint(directory) == directory / "step_2"
+        assert dck.latest(directory, ctx) == directory / "step_2"
+        assert ShardedStore(ctx).latest(directory) == directory / "step_2"
     assert f"checkpoint {directory / 'step_4'} is unusable (" in caplog.text
     assert "__0_0.distcp does not match" in caplog.text
     with pytest.raises(ValueError, match=f"step_4 is unusable: {problem}"):
-        dck.load_distributed_checkpoint(directory / "step_4", model=ac, optimizer=opt, ctx=ctx)
+        dck.load(directory / "step_4", model=ac, optimizer=opt, ctx=ctx)
     with pytest.raises(ValueError, match=f"train.resume_from: .*step_4 is unusable: {problem}"):
-        FSDP2Strategy(ctx).check_checkpoint(directory / "step_4")
-    state = dck.load_distributed_checkpoint(directory / "step_2", model=ac, optimizer=opt, ctx=ctx)
+        ShardedStore(ctx).check(directory / "step_4")
+    state = dck.load(directory / "step_2", model=ac, optimizer=opt, ctx=ctx)
     assert state["step"] == 2
 
 
 def test_damaged_dcp_metadata_and_meta_json_are_named(sharded, caplog):
     ctx, ac, opt, directory = sharded
     flip_byte(directory / "step_4" / ".metadata")
-    assert dck.verify_checkpoint(directory / "step_4").startswith(
+    assert dck.verify(directory / "step_4").startswith(
         ".metadata does not match its SHA-256 in meta.json"
     )
     meta_path = directory / "step_2" / "meta.json"
     meta = json.loads(meta_path.read_text())
     meta["step"] = 3  # valid JSON, other content: the collector state could be changed alike
     meta_path.write_text(json.dumps(meta))
-    assert dck.verify_checkpoint(directory / "step_2") == (
+    assert dck.verify(directory / "step_2") == (
         "meta.json does not match its own SHA-256 (damaged content)"
     )
     with caplog.at_level(logging.WARNING):
-        assert dck.latest_distributed_checkpoint(directory) is None
+        assert dck.latest(directory) is None
 
 
 def test_dcp_checkpoints_saved_before_checksums_load_unverified(sharded, caplog):
@@ -235,9 +225,9 @@ def test_dcp_checkpoints_saved_before_checksums_load_unverified(sharded, caplog)
         meta_path.write_text(json.dumps(meta))
     truncate(directory / "step_4" / "__0_0.distcp")
     with caplog.at_level(logging.WARNING):
-        found = dck.latest_distributed_checkpoint(directory)
-        FSDP2Strategy(ctx).check_checkpoint(found)
-        state = dck.load_distributed_checkpoint(found, model=ac, optimizer=opt, ctx=ctx)
+        found = dck.latest(directory)
+        ShardedStore(ctx).check(found)
+        state = dck.load(found, model=ac, optimizer=opt, ctx=ctx)
     assert found.name == "step_2" and state["step"] == 2
     assert "step_4 is unusable (__0_0.distcp has" in caplog.text  # sizes are still checked
     unverified = [r for r in caplog.records if "is unverified" in r.getMessage()]
@@ -251,14 +241,14 @@ def test_resume_from_names_the_damaged_checkpoint_and_a_run_dir_falls_back(tmp_p
     run = tmp_path / "run"
     model = torch.nn.Linear(2, 1)
     for step in (2, 4):
-        save_checkpoint(run / "checkpoints", step=step, model=model)
+        local.save(run / "checkpoints", step=step, model=model)
     damaged = run / "checkpoints" / "step_4.pt"
     flip_byte(damaged)
 
     def find(source):
         raw = load([f"train.resume_from={source}"])
-        return dapo_ppo.find_checkpoint(
-            dapo_ppo.validate_config(raw), raw, tmp_path / "here", LocalStrategy()
+        return dapo_ppo.checkpoint_to_resume(
+            dapo_ppo.validate_config(raw), raw, tmp_path / "here", LocalStore()
         )
 
     with pytest.raises(

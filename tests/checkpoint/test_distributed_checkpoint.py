@@ -41,9 +41,7 @@ def _step(model, opt):
 
 
 def _save(directory, step, model, opt, **kwargs):
-    return ckpt.save_distributed_checkpoint(
-        directory, step=step, model=model, optimizer=opt, ctx=CTX, **kwargs
-    )
+    return ckpt.save(directory, step=step, model=model, optimizer=opt, ctx=CTX, **kwargs)
 
 
 def test_roundtrip_restores_model_optimizer_rng_and_extra(tmp_path):
@@ -53,7 +51,7 @@ def test_roundtrip_restores_model_optimizer_rng_and_extra(tmp_path):
     path = _save(tmp_path, 3, model, opt, extra={"gen": gen.get_state(), "pos": [1, {"a": 2}]})
     draws = (torch.rand(3), random.random(), np.random.rand())
     other, other_opt = _model(seed=1)
-    state = ckpt.load_distributed_checkpoint(path, model=other, optimizer=other_opt, ctx=CTX)
+    state = ckpt.load(path, model=other, optimizer=other_opt, ctx=CTX)
     assert state["step"] == 3 and state["extra"]["pos"] == [1, {"a": 2}]
     assert torch.equal(state["extra"]["gen"], gen.get_state())
     assert torch.equal(draws[0], torch.rand(3)) and draws[1:] == (random.random(), np.random.rand())
@@ -84,7 +82,7 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
         _save(tmp_path, 3, model, opt)
     monkeypatch.undo()
     assert (tmp_path / ".step_3.tmp").is_dir()
-    assert ckpt.latest_distributed_checkpoint(tmp_path).name == "step_1"
+    assert ckpt.latest(tmp_path).name == "step_1"
     _save(tmp_path, 3, model, opt, keep_last=1)  # a later save cleans up and prunes
     assert sorted(p.name for p in tmp_path.iterdir()) == [".step_2.tmp", "step_3"]
 
@@ -97,12 +95,12 @@ def test_damaged_checkpoints_are_named_and_skipped(tmp_path, caplog):
     shard.write_bytes(shard.read_bytes()[:100])
     (tmp_path / "step_2" / "meta.json").unlink()
     with caplog.at_level(logging.WARNING):
-        assert ckpt.latest_distributed_checkpoint(tmp_path).name == "step_1"
+        assert ckpt.latest(tmp_path).name == "step_1"
     assert "step_3 is unusable (__0_0.distcp has 100 bytes" in caplog.text
     assert "step_2 is unusable (meta.json is missing" in caplog.text
     with pytest.raises(ValueError, match=r"step_3 is unusable: __0_0.distcp has 100 bytes"):
-        ckpt.load_distributed_checkpoint(tmp_path / "step_3", model=model, optimizer=opt, ctx=CTX)
-    assert ckpt.latest_distributed_checkpoint(tmp_path / "nowhere") is None
+        ckpt.load(tmp_path / "step_3", model=model, optimizer=opt, ctx=CTX)
+    assert ckpt.latest(tmp_path / "nowhere") is None
 
 
 class _Evil:
@@ -121,7 +119,7 @@ def test_metadata_that_would_run_code_is_refused(tmp_path, monkeypatch):
     meta["meta_sha256"] = ckpt._meta_digest(meta)
     (path / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(pickle.UnpicklingError, match=r"refers to (posix|os)\.system"):
-        ckpt.load_distributed_checkpoint(path, model=model, optimizer=opt, ctx=CTX)
+        ckpt.load(path, model=model, optimizer=opt, ctx=CTX)
     assert not (tmp_path / "PWNED").exists()
 
 
@@ -142,7 +140,7 @@ def test_bad_extra_and_other_model_fail_clearly(tmp_path):
         None,
     )
     with pytest.raises(ValueError, match=r"has no \['model.layers.2"):
-        ckpt.load_distributed_checkpoint(path, model=bigger, optimizer=bigger_opt, ctx=CTX)
+        ckpt.load(path, model=bigger, optimizer=bigger_opt, ctx=CTX)
 
 
 def test_extra_tensors_are_stored_as_raw_bytes():

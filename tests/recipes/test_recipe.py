@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 from support.recipe_helpers import load
 from support.recipe_runs import COMMON, mean, read_history, recipe_env, run_recipe, same_runs
 
-from ar_torchrl.checkpoint.local import save_checkpoint
+from ar_torchrl.checkpoint import LocalStore, local
 from ar_torchrl.data.datasets import make_row
 from ar_torchrl.models.tiny import save_tiny_model
 from ar_torchrl.recipes import dapo_ppo
@@ -201,20 +201,75 @@ def test_resume_continues_exactly(tmp_path, cache_dir, straight):
 
 @pytest.mark.slow
 def test_a_checkpoint_of_the_previous_layout_resumes_exactly(tmp_path, cache_dir):
-    """A .pt checkpoint written before the recipe moved into the library (tests/support/fixtures/legacy_run)
-    resumes, and the resumed run equals an uninterrupted one of today's code, step for step."""
+    """A .pt checkpoint written before the recipe moved into the library, on another machine
+    (tests/support/fixtures/legacy_run): today's loader reads every tensor of it bit for bit, it has
+    the layout today's recipe writes, and resuming it gives step for step what resuming the same
+    state re-saved by today's store gives. Both runs are made here: a run recomputed from scratch
+    equals the fixture's only where every float kernel matches the machine that wrote it (ATen's
+    softmax differs between its AVX2 and AVX-512 kernels, so the warm start already differs)."""
     import shutil
+
+    from support.recipe_helpers import typed
+    from support.recipe_runs import start_policy
+
+    from ar_torchrl.checkpoint import capture_rng_state, restore_rng_state
+    from ar_torchrl.modules import LMActorCritic
 
     legacy = tmp_path / "legacy"
     shutil.copytree(ROOT / "tests" / "support" / "fixtures" / "legacy_run", legacy)
     common = ["train.eval_every=3", "train.plot=false", "logger=none", "train.iterations=8"]
     checkpoint = legacy / "checkpoints" / "step_6.pt"
+    assert not (legacy / "checkpoints" / ".step_6.pt.manifest.json").exists()  # before manifests
     _, resumed = run_recipe(
         tmp_path / "resumed", cache_dir, *common, f"train.resume_from={checkpoint}"
     )
-    _, straight = run_recipe(tmp_path / "straight", cache_dir, *common)
     assert [h["step"] for h in resumed] == list(range(9))  # steps 0-6: the legacy run's history
-    same_runs(straight[7:], resumed[7:])  # the steps trained after resuming: exactly equal
+    # Today's loader, into the recipe's own policy and optimizer: the file's tensors, bit for bit.
+    raw = torch.load(checkpoint, weights_only=True)
+    actor_critic = LMActorCritic(start_policy(cache_dir))
+    optimizer = recipe.build_optimizer(typed(common), actor_critic.model)
+    outer_rng, store = capture_rng_state(), LocalStore()
+    state = store.load(checkpoint, actor_critic=actor_critic, optimizer=optimizer)
+    loaded = actor_critic.model.state_dict()
+    assert loaded.keys() == raw["model"].keys()
+    assert all(torch.equal(loaded[k], v) for k, v in raw["model"].items())
+    # ... re-saved by today's store (the RNG states the load restored are captured again)
+    resaved = store.save(
+        tmp_path / "resaved" / "checkpoints",
+        state["step"],
+        actor_critic=actor_critic,
+        optimizer=optimizer,
+        extra=state["extra"],
+    )
+    restore_rng_state(outer_rng)
+    assert store.verify(resaved) is None  # today's format: with its manifest
+    assert_same_tree(torch.load(resaved, weights_only=True), raw, values=True)
+    _, from_today = run_recipe(
+        tmp_path / "today", cache_dir, *common, f"train.resume_from={resaved}"
+    )
+    assert [h["step"] for h in from_today] == [7, 8]
+    same_runs(resumed[7:], from_today)  # the steps trained after resuming: exactly equal
+    written = torch.load(tmp_path / "today" / "checkpoints" / "step_8.pt", weights_only=True)
+    assert_same_tree(written, raw, values=False)  # the layout today's recipe writes
+
+
+def assert_same_tree(a, b, *, values: bool, where: str = "checkpoint") -> None:
+    """``a`` and ``b`` have the same keys, containers, tensor dtypes and shapes (``values``: and
+    the same tensors, bit for bit, and the same plain values)."""
+    assert type(a) is type(b), f"{where}: {type(a).__name__} vs {type(b).__name__}"
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), f"{where}: keys {sorted(a)} vs {sorted(b)}"
+        for k in a:
+            assert_same_tree(a[k], b[k], values=values, where=f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{where}: {len(a)} vs {len(b)} items"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_tree(x, y, values=values, where=f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{where}: {a.dtype}{list(a.shape)}"
+        assert not values or torch.equal(a, b), f"{where}: other values"
+    else:
+        assert not values or a == b, f"{where}: {a!r} vs {b!r}"
 
 
 @pytest.mark.slow
@@ -289,7 +344,7 @@ def fake_run(run_dir: Path, steps: int, checkpoint_steps=(), raw=None) -> None:
     )
     (scalars / "reward_mean.csv").write_text("".join(f"{s},0.5\n" for s in range(1, steps + 1)))
     for s in checkpoint_steps:
-        save_checkpoint(run_dir / "checkpoints", step=s, model=torch.nn.Linear(1, 1))
+        local.save(run_dir / "checkpoints", step=s, model=torch.nn.Linear(1, 1))
     if raw is not None:
         (run_dir / ".hydra").mkdir()
         (run_dir / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(raw))
@@ -328,34 +383,64 @@ def test_find_checkpoint(tmp_path):
     with pytest.raises(
         FileNotFoundError, match="train.resume_from=auto: no run directory under runs_dir="
     ):
-        dapo_ppo.find_checkpoint(cfg, raw, here, LocalStrategy())
+        dapo_ppo.checkpoint_to_resume(cfg, raw, here, LocalStore())
     fake_run(runs / "a", 4, (2, 4), raw=load([f"runs_dir={runs}", "train.iterations=4"]))
     time.sleep(0.01)  # b's checkpoint is newer, but b is another configuration (seed)
     fake_run(runs / "b", 6, (6,), raw=load([f"runs_dir={runs}", "seed=1"]))
     assert (
-        dapo_ppo.find_checkpoint(cfg, raw, here, LocalStrategy())
+        dapo_ppo.checkpoint_to_resume(cfg, raw, here, LocalStore())
         == runs / "a" / "checkpoints" / "step_4.pt"
     )
     explicit = load([f"train.resume_from={runs / 'b'}"])
     assert (
-        dapo_ppo.find_checkpoint(C.validate_config(explicit), explicit, here, LocalStrategy()).name
+        dapo_ppo.checkpoint_to_resume(
+            C.validate_config(explicit), explicit, here, LocalStore()
+        ).name
         == "step_6.pt"
     )
     done = load([f"train.resume_from={runs / 'b'}", "train.iterations=6"])
     with pytest.raises(ValueError, match="is at step 6, train.iterations=6: nothing left to do"):
-        dapo_ppo.find_checkpoint(C.validate_config(done), done, here, LocalStrategy())
+        dapo_ppo.checkpoint_to_resume(C.validate_config(done), done, here, LocalStore())
     missing = load([f"train.resume_from={tmp_path / 'nope'}"])
     with pytest.raises(
         FileNotFoundError,
         match=r"neither a checkpoint nor a run directory with checkpoints/step_<N>\.pt ",
     ):
-        dapo_ppo.find_checkpoint(C.validate_config(missing), missing, here, LocalStrategy())
+        dapo_ppo.checkpoint_to_resume(C.validate_config(missing), missing, here, LocalStore())
     plain = load()  # no resume_from: the run directory's own checkpoints (hydra.run.dir=<it>)
     assert (
-        dapo_ppo.find_checkpoint(C.validate_config(plain), plain, runs / "a", LocalStrategy()).name
+        dapo_ppo.checkpoint_to_resume(
+            C.validate_config(plain), plain, runs / "a", LocalStore()
+        ).name
         == "step_4.pt"
     )
-    assert dapo_ppo.find_checkpoint(C.validate_config(plain), plain, here, LocalStrategy()) is None
+    assert (
+        dapo_ppo.checkpoint_to_resume(C.validate_config(plain), plain, here, LocalStore()) is None
+    )
+
+
+def test_find_checkpoint_of_before_the_store_still_works_with_a_warning(tmp_path):
+    """``dapo_ppo.find_checkpoint(cfg, raw, run_dir, strategy)`` and ``run.find_checkpoint`` with
+    the strategy's callables (``latest=``, ``check=``, ``kind=``) are kept for one release."""
+    fake_run(tmp_path / "a", 4, (2, 4))
+    raw = load([f"train.resume_from={tmp_path / 'a'}"])
+    with pytest.warns(DeprecationWarning, match=r"dapo_ppo.checkpoint_to_resume\(cfg, raw, run_"):
+        found = dapo_ppo.find_checkpoint(C.validate_config(raw), raw, tmp_path, LocalStrategy())
+    assert found == tmp_path / "a" / "checkpoints" / "step_4.pt"
+    store = LocalStore()
+    with pytest.warns(DeprecationWarning, match=r"is now find_checkpoint\(store=\)"):
+        found = runs.find_checkpoint(
+            str(tmp_path / "a"),
+            run_dir=tmp_path,
+            runs_dir=tmp_path,
+            iterations=8,
+            latest=store.latest,
+            check=store.check,
+            kind=store.pattern,
+            matches=lambda saved: True,
+            resumable=(),
+        )
+    assert found == tmp_path / "a" / "checkpoints" / "step_4.pt"
 
 
 def test_failed_sglang_launch_leaves_no_model_copy(tmp_path):

@@ -22,7 +22,7 @@ from support.recipe_runs import (
     start_policy,
 )
 
-from ar_torchrl.checkpoint.local import load_critic_weights, save_checkpoint
+from ar_torchrl.checkpoint import local
 from ar_torchrl.models.tiny import build_tiny_qwen3, save_tiny_model
 from ar_torchrl.modules import attach_value_head
 from ar_torchrl.recipes.strategy import LocalStrategy
@@ -124,23 +124,23 @@ def test_lr_schedule_factor_matches_a_loop():
 def test_shared_head_warm_start_loads_the_head_and_refuses_a_separate_critic(tmp_path):
     old = attach_value_head(build_tiny_qwen3(99, seed=1))
     torch.nn.init.normal_(old.value_head.weight)
-    shared = save_checkpoint(tmp_path / "shared", step=4, model=old)
+    shared = local.save(tmp_path / "shared", step=4, model=old)
     new = attach_value_head(build_tiny_qwen3(99, seed=2))
     before = {k: v.clone() for k, v in new.model.state_dict().items()}
-    assert load_critic_weights(shared, critic=None, model=new) == "the value head of step_4.pt"
+    assert local.load_critic(shared, critic=None, model=new) == "the value head of step_4.pt"
     assert torch.equal(new.value_head.weight, old.value_head.weight)
     assert all(torch.equal(new.model.state_dict()[k], v) for k, v in before.items())  # trunk kept
     # a separate critic from a shared run: that run's policy with its head
     critic = attach_value_head(build_tiny_qwen3(99, seed=3))
-    what = load_critic_weights(shared, critic=critic, model=new)
+    what = local.load_critic(shared, critic=critic, model=new)
     assert what == "the policy and value head of step_4.pt (a shared critic)"
     assert all(torch.equal(critic.state_dict()[k], v) for k, v in old.state_dict().items())
-    separate = save_checkpoint(tmp_path / "separate", step=5, model=new, critic=critic)
+    separate = local.save(tmp_path / "separate", step=5, model=new, critic=critic)
     with pytest.raises(ValueError, match=r"holds a separate critic, whose value head was trained"):
-        load_critic_weights(separate, critic=None, model=new)
+        local.load_critic(separate, critic=None, model=new)
     smaller = attach_value_head(build_tiny_qwen3(99, seed=3, hidden_size=32))
     with pytest.raises(ValueError, match=r"does not fit this run's critic .* another model"):
-        load_critic_weights(separate, critic=smaller, model=new)
+        local.load_critic(separate, critic=smaller, model=new)
 
 
 def test_a_smaller_critic_model_needs_the_policys_tokenizer(tmp_path):

@@ -254,26 +254,23 @@ def test_find_checkpoint_takes_distributed_checkpoints_of_fsdp_runs_only(tmp_pat
     import torch
     from support.recipe_helpers import load
 
-    from ar_torchrl.checkpoint import save_distributed_checkpoint
-    from ar_torchrl.checkpoint.local import save_checkpoint
+    from ar_torchrl.checkpoint import checkpoint_store, local, sharded
     from ar_torchrl.distributed import distributed, shard_actor_critic
-    from ar_torchrl.distributed.context import DistContext
     from ar_torchrl.models.tiny import build_tiny_qwen3
     from ar_torchrl.modules import LMActorCritic, attach_value_head
     from ar_torchrl.recipes import dapo_ppo
-    from ar_torchrl.recipes.strategy import FSDP2Strategy, LocalStrategy
 
     run = tmp_path / "run"
     with distributed("cpu", process_group=True) as ctx:
         ac = shard_actor_critic(LMActorCritic(attach_value_head(build_tiny_qwen3(99))), ctx)
-        save_distributed_checkpoint(run / "checkpoints", step=2, model=ac, optimizer=None, ctx=ctx)
-    save_checkpoint(tmp_path / "plain", step=3, model=torch.nn.Linear(2, 1))
+        sharded.save(run / "checkpoints", step=2, model=ac, optimizer=None, ctx=ctx)
+    local.save(tmp_path / "plain", step=3, model=torch.nn.Linear(2, 1))
 
     def find(*overrides):
         raw = load(overrides)
         cfg = dapo_ppo.validate_config(raw)
-        strategy = FSDP2Strategy(DistContext()) if cfg.sharded else LocalStrategy()
-        return dapo_ppo.find_checkpoint(cfg, raw, tmp_path / "here", strategy)
+        store = checkpoint_store(sharded=cfg.sharded)
+        return dapo_ppo.checkpoint_to_resume(cfg, raw, tmp_path / "here", store)
 
     bf16 = "model.dtype=bfloat16"  # one process, bf16 compute over fp32 masters: FSDP2
     assert find(bf16, f"train.resume_from={run}") == run / "checkpoints" / "step_2"

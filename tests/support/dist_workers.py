@@ -20,12 +20,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
-from ar_torchrl.checkpoint import (
-    latest_distributed_checkpoint,
-    load_distributed_checkpoint,
-    load_distributed_critic,
-    save_distributed_checkpoint,
-)
+from ar_torchrl.checkpoint import sharded as sharded_checkpoint
 from ar_torchrl.distributed import (
     broadcast_batch,
     build_meta_model,
@@ -328,7 +323,7 @@ def _train_steps(ac, opt, ctx, steps, gen, ckpt=None, save_at=()):
             )
         )
         if step in save_at:
-            save_distributed_checkpoint(
+            sharded_checkpoint.save(
                 ckpt,
                 step=step,
                 model=ac,
@@ -354,11 +349,11 @@ def resume_checks(ctx, out: Path) -> None:
     ctx.barrier()
     handler = _Collect()
     logging.getLogger("ar_torchrl.checkpoint.sharded").addHandler(handler)
-    path = latest_distributed_checkpoint(ckpt, ctx)
+    path = sharded_checkpoint.latest(ckpt, ctx)
     torch.manual_seed(999)  # a fresh process: other weights, other RNG states
     ac2 = shard_actor_critic(actor_critic(seed=6), ctx, compute_dtype="bfloat16")
     opt2 = torch.optim.AdamW(ac2.parameters(), lr=1e-3)
-    state = load_distributed_checkpoint(path, model=ac2, optimizer=opt2, ctx=ctx)
+    state = sharded_checkpoint.load(path, model=ac2, optimizer=opt2, ctx=ctx)
     gen2 = torch.Generator()
     gen2.set_state(state["extra"]["shuffle"])
     resumed = _train_steps(ac2, opt2, ctx, range(state["step"] + 1, 5), gen2)
@@ -396,7 +391,7 @@ def _separate_steps(actor, critic, opt, ctx, steps, gen, ckpt=None, save_at=()):
         metrics.append(ppo_update(loss, opt, td, sharded, epochs=2, grad_clip=1.0, generator=gen))
         if step in save_at:
             both = torch.nn.ModuleDict({"policy": actor, "critic": critic})
-            save_distributed_checkpoint(
+            sharded_checkpoint.save(
                 ckpt, step=step, model=both, optimizer=opt, ctx=ctx, extra={"g": gen.get_state()}
             )
     return metrics
@@ -441,7 +436,7 @@ def separate_critic_checks(ctx, out: Path) -> None:
     )
     opt2 = separate_optimizer(actor2, critic2, 1e-3, torch.optim.AdamW)
     path = ckpt / "step_1"
-    loaded = load_distributed_checkpoint(
+    loaded = sharded_checkpoint.load(
         path,
         model=torch.nn.ModuleDict({"policy": actor2, "critic": critic2}),
         optimizer=opt2,
@@ -454,7 +449,7 @@ def separate_critic_checks(ctx, out: Path) -> None:
     again = _both_states(actor2, critic2)
     _, fresh = actor_and_critic(10)
     fresh = shard_actor_critic(fresh, ctx, compute_dtype="float32")
-    what = load_distributed_critic(path, critic=fresh, policy=None, ctx=ctx)
+    what = sharded_checkpoint.load_critic(path, critic=fresh, policy=None, ctx=ctx)
     warm = full_state(fresh.model)
     _save(
         ctx,

@@ -13,10 +13,13 @@ from ar_torchrl.recipes.dapo_ppo.main import (
     PROG,
     RESUMABLE_CHANGES,
     Result,
-    find_checkpoint,
+    checkpoint_to_resume,
     help_text,
     hydra_argv,
     run,
+)
+from ar_torchrl.recipes.dapo_ppo.main import (
+    find_checkpoint as find_checkpoint,  # deprecated: checkpoint_to_resume with a store
 )
 
 __all__ = [
@@ -24,7 +27,7 @@ __all__ = [
     "RESUMABLE_CHANGES",
     "Config",
     "Result",
-    "find_checkpoint",
+    "checkpoint_to_resume",
     "help_text",
     "hydra_argv",
     "run",

@@ -6,7 +6,7 @@ registries, each with its schema (:func:`schemas`): ``model`` (:data:`ar_torchrl
 (:data:`ar_torchrl.data.registry.TASKS`), ``reward`` (:data:`ar_torchrl.rewards.REWARDS`); the
 advantage estimators' options are the ``algo.<name>`` sections of :class:`AlgoConfig`
 (:data:`ar_torchrl.objectives.registry.ADVANTAGES`). This module defines the recipe's own sections
-(``algo``, ``rollout``, ``train``, ``logger``, ``dist``) and the whole :class:`Config`, whose
+(``algo``, ``rollout``, ``train``, ``logger``, ``dist``, ``checkpoint``) and the whole :class:`Config`, whose
 ``check()`` applies the same range checks the library applies (:mod:`ar_torchrl.utils.checks`).
 
 Nothing here imports torch: the recipe answers ``--help`` and rejects a bad configuration in under a
@@ -45,6 +45,7 @@ from ar_torchrl.utils.loggers import LOGGER_KINDS
 __all__ = [
     "GROUPS",
     "AlgoConfig",
+    "CheckpointConfig",
     "Config",
     "CriticConfig",
     "DistConfig",
@@ -366,6 +367,20 @@ class DistConfig:
         check_number(prefix, "timeout_s", self.timeout_s, gt=0)
 
 
+# --------------------------------------------------------------------------- checkpoint
+@dataclass
+class CheckpointConfig:
+    """``checkpoint``: how checkpoints are trusted (docs/checkpoints.md)."""
+
+    hmac_key_env: Optional[str] = None  # the NAME of the environment variable holding the key
+
+    def check(self, prefix: str) -> None:
+        if self.hmac_key_env is not None:  # the key itself is read (and checked) here, never shown
+            from ar_torchrl.checkpoint.signing import CheckpointSigner
+
+            CheckpointSigner.from_env(self.hmac_key_env, option=f"{prefix}hmac_key_env")
+
+
 # --------------------------------------------------------------------------- the whole config
 @dataclass
 class Config:
@@ -382,6 +397,7 @@ class Config:
     tools: Optional[ToolConfig] = None  # tools for multi-turn episodes (None: single-turn LLMEnv)
     train: TrainConfig = field(default_factory=TrainConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     seed: int = 0
     device: str = "cpu"
     num_threads: int = 1
@@ -399,6 +415,7 @@ class Config:
             "train",
             "dist",
             "critic",
+            "checkpoint",
         ):
             getattr(self, name).check(f"config: {name}.")
         if self.tools is not None:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from ar_torchrl.checkpoint import CheckpointStore, checkpoint_store
 from ar_torchrl.collectors import WeightSyncCollector
 from ar_torchrl.collectors.sampling import episode_stats
 from ar_torchrl.envs import LLMEnv
@@ -45,7 +46,7 @@ class Run:
     Under torchrun only rank 0 has a ``collector``, an ``eval_env`` and a ``logger`` (``None``
     elsewhere); ``push_dtype`` is the rollout engine's dtype, the same on every rank. ``critic``
     is the separate critic (``critic=separate``; ``None``: the values come from ``actor_critic``'s
-    value head).
+    value head). ``store`` saves and loads the run's checkpoints.
     """
 
     cfg: Config
@@ -66,6 +67,7 @@ class Run:
     timer: StageTimer = field(default_factory=StageTimer)
     kl_reward: Any = None  # KLRewardShaping when algo.kl_in_reward > 0 (before the advantage)
     critic: LMCritic | None = None
+    store: CheckpointStore | None = None
 
     @property
     def is_main(self) -> bool:
@@ -90,10 +92,17 @@ def setup(
     stack: contextlib.ExitStack,
     strategy: ExecutionStrategy,
     critic_source: Path | None = None,
+    *,
+    store: CheckpointStore | None = None,
 ) -> Run:
     """Build everything a run needs; continue from ``checkpoint`` when given, else warm-start the
-    critic from ``critic_source`` (an earlier run's checkpoint) when given."""
+    critic from ``critic_source`` (an earlier run's checkpoint) when given. ``store``: the run's
+    checkpoint store (``None``: the one ``cfg`` asks for)."""
     ctx = strategy.ctx
+    if store is None:
+        store = checkpoint_store(
+            sharded=cfg.sharded, ctx=ctx, hmac_key_env=cfg.checkpoint.hmac_key_env
+        )
     torch.set_num_threads(cfg.num_threads)
     build.seed_everything(cfg.seed)
     # 1. Data: training prompts and held-out evaluation prompts (rank 0 samples).
@@ -165,6 +174,7 @@ def setup(
         torch.Generator().manual_seed(cfg.seed),
         ctx.broadcast_object(getattr(backend, "weight_dtype", None)),
         critic=critic,
+        store=store,
     )
     if cfg.algo.kl_in_reward > 0:  # the KL as a per-token reward (k1), before GAE
         from ar_torchrl.objectives import KLRewardShaping
@@ -178,7 +188,7 @@ def setup(
     if checkpoint is not None:
         run.start = restore(run, checkpoint)
     elif critic_source is not None:  # critic warm start: weights only, a fresh optimizer state
-        what = strategy.load_critic(critic_source, critic=critic, actor_critic=actor_critic)
+        what = store.load_critic(critic_source, critic=critic, actor_critic=actor_critic)
         logger.info("critic.init_from: the critic starts from %s", what)
     if checkpoint is not None or not starts_with_ours:
         push_policy(run, resync=True)
@@ -195,7 +205,7 @@ def setup(
 
 def restore(run: Run, checkpoint: Path) -> int:
     """Load ``checkpoint`` into the run (every rank under FSDP2); returns its step."""
-    state = run.strategy.load(
+    state = run.store.load(
         checkpoint, actor_critic=run.actor_critic, optimizer=run.optimizer, critic=run.critic
     )
     if run.collector is not None:  # data position, policy version
@@ -444,7 +454,7 @@ def save(run: Run, step: int) -> Path:
     extra = {"shuffle_rng": run.shuffle_rng.get_state()}
     if run.collector is not None:
         extra["collector"] = run.collector.state_dict(include_pending=True)
-    return run.strategy.save(
+    return run.store.save(
         run.run_dir / "checkpoints",
         step,
         actor_critic=run.actor_critic,

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import os
 import signal
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,7 +24,15 @@ from ar_torchrl.recipes import run as runs
 from ar_torchrl.recipes.config import render_help
 from ar_torchrl.recipes.dapo_ppo.config import Config, validate_config
 
-__all__ = ["PROG", "RESUMABLE_CHANGES", "Result", "help_text", "hydra_argv", "run"]
+__all__ = [
+    "PROG",
+    "RESUMABLE_CHANGES",
+    "Result",
+    "checkpoint_to_resume",
+    "help_text",
+    "hydra_argv",
+    "run",
+]
 
 logger = logging.getLogger("dapo_ppo")
 
@@ -80,38 +89,47 @@ def _matches(raw: DictConfig):
     return matches
 
 
-def find_checkpoint(cfg: Config, raw: DictConfig, run_dir: Path, strategy) -> Path | None:
+def checkpoint_to_resume(cfg: Config, raw: DictConfig, run_dir: Path, store) -> Path | None:
     """The checkpoint to continue from (``train.resume_from``, see
-    :func:`ar_torchrl.recipes.run.find_checkpoint`), or ``None`` for a fresh start."""
+    :func:`ar_torchrl.recipes.run.find_checkpoint`), or ``None`` for a fresh start; ``store`` is the
+    run's :class:`~ar_torchrl.checkpoint.CheckpointStore`."""
     return runs.find_checkpoint(
         cfg.train.resume_from,
+        store=store,
         run_dir=run_dir,
         runs_dir=Path(cfg.runs_dir),
         iterations=cfg.train.iterations,
-        latest=strategy.latest_checkpoint,
-        check=strategy.check_checkpoint,
         matches=_matches(raw),
-        kind=strategy.checkpoint_pattern,
         resumable=RESUMABLE_CHANGES,
     )
 
 
-def find_critic_source(cfg: Config, strategy) -> Path | None:
+def find_checkpoint(cfg: Config, raw: DictConfig, run_dir: Path, strategy=None) -> Path | None:
+    """Deprecated (removed in ar_torchrl 0.2): :func:`checkpoint_to_resume` with the run's
+    checkpoint store (the execution strategy no longer knows checkpoints)."""
+    from ar_torchrl.checkpoint import checkpoint_store
+
+    warnings.warn(
+        "ar_torchrl.recipes.dapo_ppo.find_checkpoint(cfg, raw, run_dir, strategy) is now "
+        "ar_torchrl.recipes.dapo_ppo.checkpoint_to_resume(cfg, raw, run_dir, store) (store: "
+        "ar_torchrl.checkpoint.checkpoint_store); the old name is removed in ar_torchrl 0.2",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    store = checkpoint_store(
+        sharded=cfg.sharded,
+        ctx=getattr(strategy, "ctx", None),
+        hmac_key_env=cfg.checkpoint.hmac_key_env,
+    )
+    return checkpoint_to_resume(cfg, raw, run_dir, store)
+
+
+def find_critic_source(cfg: Config, store) -> Path | None:
     """The checkpoint ``critic.init_from`` names (a checkpoint, or a run directory's newest intact
-    one), checked by the strategy; ``None`` without a warm start."""
-    source = cfg.critic.init_from
-    if source is None:
+    one), checked by the run's checkpoint store; ``None`` without a warm start."""
+    if cfg.critic.init_from is None:
         return None
-    path = Path(source)
-    named = path.is_file() or (path.is_dir() and path.name.startswith("step_"))
-    found = path if named else strategy.latest_checkpoint(path / "checkpoints")
-    if found is None:
-        raise FileNotFoundError(
-            f"critic.init_from={source}: neither a checkpoint nor a run directory with "
-            f"checkpoints/{strategy.checkpoint_pattern}"
-        )
-    strategy.check_checkpoint(found, key="critic.init_from")
-    return found
+    return runs.named_checkpoint(cfg.critic.init_from, store, key="critic.init_from")
 
 
 def run(raw: DictConfig, launch: runs.Launch) -> Result:
@@ -123,6 +141,7 @@ def run(raw: DictConfig, launch: runs.Launch) -> Result:
         runs.remove_empty_run_dir(launch.run_dir)
         return Result(1, [f"{PROG}: {err}"])
     logger.info("loading torch, transformers and TorchRL, then building the run")
+    from ar_torchrl.checkpoint import checkpoint_store
     from ar_torchrl.recipes.strategy import open_strategy  # torch
 
     with open_strategy(
@@ -138,8 +157,11 @@ def run(raw: DictConfig, launch: runs.Launch) -> Result:
         run_dir = strategy.shared_run_dir(launch.run_dir)
         launch = dataclasses.replace(launch, run_dir=run_dir)
         try:
-            checkpoint = strategy.on_main(find_checkpoint, cfg, raw, run_dir, strategy)
-            critic_source = strategy.on_main(find_critic_source, cfg, strategy)
+            store = checkpoint_store(
+                sharded=cfg.sharded, ctx=strategy.ctx, hmac_key_env=cfg.checkpoint.hmac_key_env
+            )
+            checkpoint = strategy.on_main(checkpoint_to_resume, cfg, raw, run_dir, store)
+            critic_source = strategy.on_main(find_critic_source, cfg, store)
         except (TypeError, ValueError, FileNotFoundError) as err:
             return Result(1, [f"{PROG}: {err}"] if main else [])
         if main:
@@ -151,7 +173,9 @@ def run(raw: DictConfig, launch: runs.Launch) -> Result:
             with stop, contextlib.ExitStack() as stack:
                 from ar_torchrl.recipes.dapo_ppo import loop  # transformers, TorchRL
 
-                state = loop.setup(cfg, run_dir, checkpoint, stack, strategy, critic_source)
+                state = loop.setup(
+                    cfg, run_dir, checkpoint, stack, strategy, critic_source, store=store
+                )
                 stop.graceful = (
                     True  # from now on the first signal ends the run after its iteration
                 )
@@ -161,7 +185,7 @@ def run(raw: DictConfig, launch: runs.Launch) -> Result:
         except KeyboardInterrupt:
             stop.signum = stop.signum or signal.SIGINT
             ended = f"interrupted ({stop.name})"
-        last = strategy.latest_checkpoint(run_dir / "checkpoints") if main else None
+        last = store.latest(run_dir / "checkpoints") if main else None
     status = 128 + stop.signum if stop.requested else 0
     if not main:
         return Result(status)
