@@ -472,7 +472,8 @@ class TokenPPOLoss(LossModule):
     @property
     def out_keys(self) -> list[NestedKey]:
         """Every term and metric the output may hold for this configuration (the class docstring
-        says when each is present; ``statistics`` aside)."""
+        says when each is present), besides ``statistics`` and any metric of its own a registered
+        policy loss reports."""
         keys = ["loss_objective"]
         if self._has_critic:
             keys += ["loss_critic", *_CRITIC_METRICS, "explained_variance_policy_rows"]
