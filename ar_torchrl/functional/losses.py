@@ -133,3 +133,12 @@ def clipped_value_loss(
     clipped_sq = (v_clip - tgt) ** 2
     loss = 0.5 * torch.maximum(unclipped, clipped_sq)
     return torch.where(mask, loss, zero), (clipped_sq > unclipped) & mask
+
+
+def __getattr__(name: str) -> object:
+    """The names that moved out of this module (``clipped_surrogate`` & co. to
+    :mod:`~ar_torchrl.functional.policy_losses`, ``k3_kl`` to :mod:`~ar_torchrl.functional.kl`),
+    kept one release with a ``DeprecationWarning`` (:data:`ar_torchrl._compat.RENAMED`)."""
+    from ar_torchrl._compat import renamed
+
+    return renamed(__name__, name)
