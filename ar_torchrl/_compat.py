@@ -68,6 +68,12 @@ RENAMED: dict[str, str] = {
     "ar_torchrl.distributed.recompute_sharded_anchors": (
         "ar_torchrl.distributed.recompute_sharded_old_log_probs_and_values"
     ),
+    # every policy loss in one module, k3_kl beside kl_penalty (the package-level names are unchanged)
+    **{
+        f"ar_torchrl.functional.losses.{name}": f"ar_torchrl.functional.policy_losses.{name}"
+        for name in ("LOG_RATIO_CLAMP", "clipped_surrogate", "masked_log_ratio", "pessimistic_clip")
+    },
+    "ar_torchrl.functional.losses.k3_kl": "ar_torchrl.functional.kl.k3_kl",
     # one checkpoint store (issue 28): each format module's functions under the store's verbs,
     # at the package, in their module, and (the sharded ones) where they lived before
     **{

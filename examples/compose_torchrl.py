@@ -68,7 +68,7 @@ def main(iterations: int, epochs: int = 2, minibatch_rows: int = 32, seed: int =
         seed=seed,
     )
 
-    # Advantage (a TorchRL ValueEstimatorBase) and loss (a ClipPPOLoss subclass), TorchRL style.
+    # Advantage (a TorchRL ValueEstimatorBase) and loss (a TorchRL LossModule), TorchRL style.
     advantage_module = TokenGAE(gamma=1.0, lmbda=0.95, normalize_advantage=True)
     loss_module = TokenPPOLoss(actor_critic, clip_epsilon=0.2, clip_value=0.2, critic_coeff=1.0)
     optim = torch.optim.AdamW(loss_module.parameters(), lr=1e-3)

@@ -11,7 +11,7 @@ rows carry exactly the numbers its own forward produced (ratio exactly 1 on the 
 from __future__ import annotations
 
 from tensordict import TensorDict, TensorDictBase
-from torchrl.objectives import ClipPPOLoss
+from torchrl.objectives import LossModule
 
 from ar_torchrl.distributed.context import DistContext
 from ar_torchrl.distributed.fsdp import reshard
@@ -50,7 +50,7 @@ def recompute_sharded_old_log_probs_and_values(
     sharded: ShardedPlan,
     *,
     ref_actor: LMActorCritic | None = None,
-    loss: ClipPPOLoss | None = None,
+    loss: LossModule | None = None,
     critic: LMCritic | None = None,
 ) -> TensorDictBase:
     """:func:`~ar_torchrl.objectives.recompute_old_log_probs_and_values` over this rank's micro-batches, then summed.

@@ -7,7 +7,8 @@ old log-probs and values of exactly the micro-batches it owns and trains on exac
 sees ratio exactly 1. FSDP's collectives need the same number of forward/backward passes on every
 rank: a rank with fewer micro-batches runs *padding* passes (:attr:`MicroBatch.padding`: a 1-row,
 2-token crop that contributes nothing). Loss normalisers and metrics are summed over ranks
-(:meth:`ShardedPlan.reduce`), so N ranks compute the gradient one process computes.
+(:meth:`ShardedPlan.reduce`; maxima and minima with ``op="max"``/``"min"``), so N ranks compute
+the gradient and the metrics one process computes.
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ import torch.distributed as dist
 from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 
-from ar_torchrl.training.micro_batch import MicroBatch, MicroBatchPlan, _row_spans
+from ar_torchrl.training.micro_batch import MicroBatch, MicroBatchPlan, ReduceOp, _row_spans
 
 __all__ = ["ShardedPlan", "shard_plan"]
+
+#: ``Plan.reduce``'s ``op`` -> the collective's.
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 @dataclass(frozen=True)
@@ -122,13 +126,14 @@ class ShardedPlan:
         :class:`~ar_torchrl.training.micro_batch.Plan`); at world size 1 :meth:`reduce` is the identity."""
         return True
 
-    def reduce(self, values: Mapping[str, float]) -> dict[str, float]:
-        """Sum scalar ``values`` over ranks (one collective; the same keys on every rank)."""
+    def reduce(self, values: Mapping[str, float], op: ReduceOp = "sum") -> dict[str, float]:
+        """Sum (``op="max"``/``"min"``: the extreme of) scalar ``values`` over ranks, in one
+        collective; every rank passes the same keys (none: no collective)."""
         keys = sorted(values)
-        if not self.collective or self.world_size == 1:
+        if not self.collective or self.world_size == 1 or not keys:
             return {k: float(values[k]) for k in keys}
         packed = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
-        dist.all_reduce(packed)
+        dist.all_reduce(packed, op=_OPS[op])
         return dict(zip(keys, packed.tolist()))
 
     def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:

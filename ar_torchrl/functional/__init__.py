@@ -29,17 +29,15 @@ from ar_torchrl.functional.gae import (
 )
 from ar_torchrl.functional.gae import length_adaptive_lmbda, token_gae
 from ar_torchrl.functional.grpo import grpo_advantage, rloo_advantage
-from ar_torchrl.functional.kl import KL_ESTIMATORS, kl_penalty
-from ar_torchrl.functional.losses import (
+from ar_torchrl.functional.kl import KL_ESTIMATORS, k3_kl, kl_penalty
+from ar_torchrl.functional.losses import aggregate_loss, clipped_value_loss, loss_normalizer
+from ar_torchrl.functional.policy_losses import (
     LOG_RATIO_CLAMP,
-    aggregate_loss,
+    cispo_surrogate,
     clipped_surrogate,
-    clipped_value_loss,
-    k3_kl,
-    loss_normalizer,
+    gspo_surrogate,
     masked_log_ratio,
 )
-from ar_torchrl.functional.policy_losses import cispo_surrogate, gspo_surrogate
 from ar_torchrl.functional.reductions import explained_variance, masked_mean, masked_whiten
 from ar_torchrl.functional.rollout_correction import (
     ROLLOUT_IS_LEVELS,

@@ -33,12 +33,32 @@ import torch
 from torch import Tensor
 
 from ar_torchrl.functional._shapes import _check_mask, _check_same_shape
-from ar_torchrl.functional.losses import k3_kl, masked_log_ratio
+from ar_torchrl.functional.policy_losses import masked_log_ratio
 
-__all__ = ["KL_ESTIMATORS", "KLEstimator", "kl_penalty"]
+__all__ = ["KL_ESTIMATORS", "KLEstimator", "k3_kl", "kl_penalty"]
 
 KLEstimator = Literal["k1", "k2", "k3", "k3_unbiased"]
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3", "k3_unbiased")
+
+
+def k3_kl(log_prob: Tensor, ref_log_prob: Tensor, mask: Tensor, *, clamp: float = 10.0) -> Tensor:
+    """Per-token k3 estimator of KL(pi || pi_ref): ``exp(ref - lp) - (ref - lp) - 1`` (>= 0).
+
+    Schulman's low-variance estimator (http://joschu.net/blog/kl-approx.html), as GRPO uses it. The
+    log-ratio is clamped to ``[-20, 20]`` and the result to ``[0, clamp]`` for stability (as verl's
+    ``low_var_kl``). 0 at masked positions.
+
+    Example:
+        >>> m = torch.ones(1, 2, dtype=torch.bool)
+        >>> k3_kl(torch.tensor([[0.0, -1.0]]), torch.tensor([[0.0, 0.0]]), m).tolist()[0][0]
+        0.0
+    """
+    _check_mask(mask, log_prob, "log_prob")
+    _check_same_shape("ref_log_prob", ref_log_prob, "log_prob", log_prob)
+    zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
+    diff = masked_log_ratio(ref_log_prob, log_prob, mask)
+    kl = (torch.exp(diff) - diff - 1.0).clamp(0.0, clamp)
+    return torch.where(mask, kl, zero)
 
 
 def kl_penalty(

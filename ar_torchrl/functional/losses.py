@@ -1,5 +1,9 @@
-"""Loss aggregation (token / sequence normalisers) and the PPO terms: log-ratio, clipped surrogate,
-clipped value loss, k3 KL."""
+"""Loss aggregation (token and sequence normalisers, the global normaliser of gradient accumulation)
+and the clipped value loss.
+
+The policy losses (the clipped surrogate, GSPO, CISPO) are in
+:mod:`ar_torchrl.functional.policy_losses`, the KL penalties in :mod:`ar_torchrl.functional.kl`.
+"""
 
 from __future__ import annotations
 
@@ -9,21 +13,7 @@ from torch import Tensor
 from ar_torchrl.functional._shapes import _check_mask, _check_same_shape
 from ar_torchrl.utils.checks import AGGREGATION_MODES, AggregationMode
 
-__all__ = [
-    "LOG_RATIO_CLAMP",
-    "aggregate_loss",
-    "clipped_surrogate",
-    "clipped_value_loss",
-    "k3_kl",
-    "loss_normalizer",
-    "masked_log_ratio",
-    "pessimistic_clip",
-]
-
-#: Log-ratios ``log pi - log pi_old`` are clamped to ``[-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP]`` before
-#: ``exp`` (as verl does): ``exp(88.7)`` already overflows float32, and one ``inf`` ratio turns the loss
-#: (advantage 0: ``inf * 0``) or the gradient (``0 * inf`` through the unselected branch) into NaN.
-LOG_RATIO_CLAMP = 20.0
+__all__ = ["aggregate_loss", "clipped_value_loss", "loss_normalizer"]
 
 
 # ----------------------------------------------------------------------------- aggregation
@@ -106,100 +96,7 @@ def aggregate_loss(
     return numerator / normalizer.clamp_min(1)
 
 
-# ----------------------------------------------------------------------------- PPO terms
-def masked_log_ratio(log_prob: Tensor, old_log_prob: Tensor, mask: Tensor) -> Tensor:
-    """``clamp(log_prob - old_log_prob, -20, 20)`` on ``mask``, 0 elsewhere (``[B, L]``).
-
-    The clamp (:data:`LOG_RATIO_CLAMP`, as verl's ``compute_policy_loss``) keeps ``exp`` of it finite in
-    float32; inside the range the result is exactly the difference. Beyond it a token's gradient
-    through the ratio is 0 (the clamp is flat there).
-
-    Example:
-        >>> masked_log_ratio(torch.tensor([[0.5, 100.0, 7.0]]), torch.zeros(1, 3),
-        ...                  torch.tensor([[True, True, False]])).tolist()
-        [[0.5, 20.0, 0.0]]
-    """
-    zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
-    diff = torch.where(mask, log_prob - old_log_prob, zero)
-    return diff.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-
-
-def pessimistic_clip(
-    ratio: Tensor, advantage: Tensor, mask: Tensor, *, clip_low: float, clip_high: float
-) -> tuple[Tensor, Tensor]:
-    """PPO's pessimistic bound ``max(-r A, -clamp(r, 1 - clip_low, 1 + clip_high) A)`` per token.
-
-    The core of :func:`clipped_surrogate` and of GSPO
-    (:func:`~ar_torchrl.functional.gspo_surrogate`, with a sequence ratio); no masking of the
-    loss itself (the callers zero masked positions).
-
-    Args:
-        ratio, advantage: ``[B, L]`` float; mask: ``[B, L]`` bool.
-
-    Returns:
-        ``(loss [B, L], clipped [B, L] bool)``: ``clipped`` marks trained tokens where the clipped
-        term is the larger loss (their gradient through ``r`` is 0).
-
-    Example:
-        >>> loss, clipped = pessimistic_clip(torch.tensor([[1.5, 1.0]]), torch.ones(1, 2),
-        ...                                  torch.ones(1, 2, dtype=torch.bool), clip_low=0.2, clip_high=0.2)
-        >>> loss.tolist(), clipped.tolist()
-        ([[-1.2000000476837158, -1.0]], [[True, False]])
-    """
-    surr = -ratio * advantage
-    surr_clipped = -ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantage
-    return torch.maximum(surr, surr_clipped), (surr_clipped > surr) & mask
-
-
-def clipped_surrogate(
-    log_prob: Tensor,
-    old_log_prob: Tensor,
-    advantage: Tensor,
-    mask: Tensor,
-    *,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-token clipped PPO policy loss (clip-higher and optional dual-clip).
-
-    ``ratio = exp(log_prob - old_log_prob)``;
-    ``loss = -min(ratio * A, clamp(ratio, 1 - clip_low, 1 + clip_high) * A)``; with ``dual_clip = c``
-    (> 1), tokens with ``A < 0`` use ``min(loss, -c * A)``. Masked positions give loss 0, ratio 1 and
-    zero gradient whatever their inputs hold. The log-ratio is clamped to ``[-20, 20]`` first
-    (:func:`masked_log_ratio`, as verl): identical results inside that range, and finite losses and
-    gradients outside it (an unclamped float32 ratio overflows above ~88.7).
-
-    Args:
-        log_prob, old_log_prob, advantage: ``[B, L]`` float; mask: ``[B, L]`` bool.
-
-    Returns:
-        ``(loss [B, L], ratio [B, L], clipped [B, L] bool)``; ``clipped`` marks tokens where a
-        clipped branch was taken (the clip, or the dual clip: verl's ``pg_clipfrac`` plus
-        ``pg_clipfrac_lower`` numerators; TorchRL's ``clip_fraction`` counts ratios outside the
-        band instead, whichever branch is taken).
-
-    Example:
-        >>> lp = torch.tensor([[0.5, 0.0]]); old = torch.zeros(1, 2); a = torch.ones(1, 2)
-        >>> loss, ratio, clipped = clipped_surrogate(lp, old, a, torch.ones(1, 2, dtype=torch.bool),
-        ...                                          clip_low=0.2, clip_high=0.28)
-        >>> [round(x, 2) for x in loss[0].tolist()], clipped.tolist()
-        ([-1.28, -1.0], [[True, False]])
-    """
-    _check_mask(mask, log_prob, "log_prob")
-    _check_same_shape("old_log_prob", old_log_prob, "log_prob", log_prob)
-    _check_same_shape("advantage", advantage, "log_prob", log_prob)
-    zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
-    adv = torch.where(mask, advantage, zero)
-    ratio = torch.exp(masked_log_ratio(log_prob, old_log_prob, mask))
-    loss, clipped = pessimistic_clip(ratio, adv, mask, clip_low=clip_low, clip_high=clip_high)
-    if dual_clip is not None:
-        dual = torch.minimum(loss, -dual_clip * adv)
-        clipped = clipped | ((adv < 0) & (dual < loss) & mask)
-        loss = torch.where(adv < 0, dual, loss)
-    return torch.where(mask, loss, zero), ratio, clipped
-
-
+# ----------------------------------------------------------------------------- value loss
 def clipped_value_loss(
     value: Tensor, old_value: Tensor, target: Tensor, mask: Tensor, *, clip_value: float | None
 ) -> tuple[Tensor, Tensor]:
@@ -238,21 +135,10 @@ def clipped_value_loss(
     return torch.where(mask, loss, zero), (clipped_sq > unclipped) & mask
 
 
-def k3_kl(log_prob: Tensor, ref_log_prob: Tensor, mask: Tensor, *, clamp: float = 10.0) -> Tensor:
-    """Per-token k3 estimator of KL(pi || pi_ref): ``exp(ref - lp) - (ref - lp) - 1`` (>= 0).
+def __getattr__(name: str) -> object:
+    """The names that moved out of this module (``clipped_surrogate`` & co. to
+    :mod:`~ar_torchrl.functional.policy_losses`, ``k3_kl`` to :mod:`~ar_torchrl.functional.kl`),
+    kept one release with a ``DeprecationWarning`` (:data:`ar_torchrl._compat.RENAMED`)."""
+    from ar_torchrl._compat import renamed
 
-    Schulman's low-variance estimator (http://joschu.net/blog/kl-approx.html), as GRPO uses it. The
-    log-ratio is clamped to ``[-20, 20]`` and the result to ``[0, clamp]`` for stability (as verl's
-    ``low_var_kl``). 0 at masked positions.
-
-    Example:
-        >>> m = torch.ones(1, 2, dtype=torch.bool)
-        >>> k3_kl(torch.tensor([[0.0, -1.0]]), torch.tensor([[0.0, 0.0]]), m).tolist()[0][0]
-        0.0
-    """
-    _check_mask(mask, log_prob, "log_prob")
-    _check_same_shape("ref_log_prob", ref_log_prob, "log_prob", log_prob)
-    zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
-    diff = masked_log_ratio(ref_log_prob, log_prob, mask)
-    kl = (torch.exp(diff) - diff - 1.0).clamp(0.0, clamp)
-    return torch.where(mask, kl, zero)
+    return renamed(__name__, name)

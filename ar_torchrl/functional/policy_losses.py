@@ -1,19 +1,28 @@
-"""Policy-loss variants next to the clipped surrogate: GSPO (sequence and token forms) and CISPO.
+"""Every policy loss: PPO's clipped surrogate (with clip-higher and dual-clip), GSPO (sequence and
+token forms) and CISPO, and the masked log-ratio they share.
 
-Every function has the signature of :func:`~ar_torchrl.functional.clipped_surrogate`:
+Every loss function has the signature
 ``(log_prob, old_log_prob, advantage, mask, ...) -> (loss [B, L], ratio [B, L], clipped [B, L])``:
 a per-token loss (0 at masked positions, with zero gradient there whatever the inputs hold), the
 ratio the loss used on each token (detach it for metrics) and the tokens whose gradient the clip
-changed. They are aggregated like the clipped surrogate (:func:`~ar_torchrl.functional.aggregate_loss`,
-any ``loss_agg_mode``). A row of ``[B, L]`` is one sequence (an episode, in multi-turn rows).
+changed. They are aggregated alike (:func:`~ar_torchrl.functional.aggregate_loss`, any
+``loss_agg_mode``). A row of ``[B, L]`` is one sequence (an episode, in multi-turn rows). The
+registry of :mod:`ar_torchrl.objectives.policy_loss` wraps each as a named policy loss of
+:class:`~ar_torchrl.objectives.TokenPPOLoss`.
 
-With ``lr_t = clamp(log pi_t - log pi_old_t, -20, 20)``, ``n`` the row's number of trained tokens,
-``A_t`` the advantage and ``sg`` the stop-gradient, the per-token gradient of each loss w.r.t.
-``log pi_t`` (the closed forms ``tests/objectives/test_policy_losses.py`` checks against autograd):
+With ``lr_t = clamp(log pi_t - log pi_old_t, -20, 20)``, ``r_t = exp(lr_t)``, ``n`` the row's number
+of trained tokens, ``A_t`` the advantage and ``sg`` the stop-gradient, the per-token gradient of each
+loss w.r.t. ``log pi_t`` (the closed forms ``tests/objectives/test_policy_losses.py`` checks against
+autograd):
 
 =================  ===============================================  ===================================
 loss               per-token loss                                   ``d loss / d log pi_t``
 =================  ===============================================  ===================================
+``clip``           ``-min(r_t A_t, clip(r_t) A_t)``, ``clip`` to     ``-A_t r_t`` (0 when clipped); with
+                   ``[1 - eps_low, 1 + eps_high]``; dual-clip:       the dual clip, 0 where ``-c A_t``
+                   ``min(., -c A_t)`` for ``A_t < 0`` (PPO,          is taken
+                   https://arxiv.org/abs/1707.06347; DAPO; Ye et
+                   al. 2020)
 ``gspo``           row loss ``-min(s A, clip(s) A)`` on each of the  ``-A s / n`` per row loss (0 when
                    row's tokens; ``s = exp(mean_t lr_t)``, ``A``     clipped); every token of the row
                    the row's mean advantage (GSPO, Zheng et al.      shares the row's gradient
@@ -37,9 +46,113 @@ import torch
 from torch import Tensor
 
 from ar_torchrl.functional._shapes import _check_mask, _check_same_shape
-from ar_torchrl.functional.losses import LOG_RATIO_CLAMP, masked_log_ratio, pessimistic_clip
 
-__all__ = ["cispo_surrogate", "gspo_surrogate"]
+__all__ = [
+    "LOG_RATIO_CLAMP",
+    "cispo_surrogate",
+    "clipped_surrogate",
+    "gspo_surrogate",
+    "masked_log_ratio",
+    "pessimistic_clip",
+]
+
+#: Log-ratios ``log pi - log pi_old`` are clamped to ``[-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP]`` before
+#: ``exp`` (as verl does): ``exp(88.7)`` already overflows float32, and one ``inf`` ratio turns the loss
+#: (advantage 0: ``inf * 0``) or the gradient (``0 * inf`` through the unselected branch) into NaN.
+LOG_RATIO_CLAMP = 20.0
+
+
+def masked_log_ratio(log_prob: Tensor, old_log_prob: Tensor, mask: Tensor) -> Tensor:
+    """``clamp(log_prob - old_log_prob, -20, 20)`` on ``mask``, 0 elsewhere (``[B, L]``).
+
+    The clamp (:data:`LOG_RATIO_CLAMP`, as verl's ``compute_policy_loss``) keeps ``exp`` of it finite in
+    float32; inside the range the result is exactly the difference. Beyond it a token's gradient
+    through the ratio is 0 (the clamp is flat there).
+
+    Example:
+        >>> masked_log_ratio(torch.tensor([[0.5, 100.0, 7.0]]), torch.zeros(1, 3),
+        ...                  torch.tensor([[True, True, False]])).tolist()
+        [[0.5, 20.0, 0.0]]
+    """
+    zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
+    diff = torch.where(mask, log_prob - old_log_prob, zero)
+    return diff.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def pessimistic_clip(
+    ratio: Tensor, advantage: Tensor, mask: Tensor, *, clip_low: float, clip_high: float
+) -> tuple[Tensor, Tensor]:
+    """PPO's pessimistic bound ``max(-r A, -clamp(r, 1 - clip_low, 1 + clip_high) A)`` per token.
+
+    The core of :func:`clipped_surrogate` and of GSPO
+    (:func:`~ar_torchrl.functional.gspo_surrogate`, with a sequence ratio); no masking of the
+    loss itself (the callers zero masked positions).
+
+    Args:
+        ratio, advantage: ``[B, L]`` float; mask: ``[B, L]`` bool.
+
+    Returns:
+        ``(loss [B, L], clipped [B, L] bool)``: ``clipped`` marks trained tokens where the clipped
+        term is the larger loss (their gradient through ``r`` is 0).
+
+    Example:
+        >>> loss, clipped = pessimistic_clip(torch.tensor([[1.5, 1.0]]), torch.ones(1, 2),
+        ...                                  torch.ones(1, 2, dtype=torch.bool), clip_low=0.2, clip_high=0.2)
+        >>> loss.tolist(), clipped.tolist()
+        ([[-1.2000000476837158, -1.0]], [[True, False]])
+    """
+    surr = -ratio * advantage
+    surr_clipped = -ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantage
+    return torch.maximum(surr, surr_clipped), (surr_clipped > surr) & mask
+
+
+def clipped_surrogate(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantage: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-token clipped PPO policy loss (clip-higher and optional dual-clip).
+
+    ``ratio = exp(log_prob - old_log_prob)``;
+    ``loss = -min(ratio * A, clamp(ratio, 1 - clip_low, 1 + clip_high) * A)``; with ``dual_clip = c``
+    (> 1), tokens with ``A < 0`` use ``min(loss, -c * A)``. Masked positions give loss 0, ratio 1 and
+    zero gradient whatever their inputs hold. The log-ratio is clamped to ``[-20, 20]`` first
+    (:func:`masked_log_ratio`, as verl): identical results inside that range, and finite losses and
+    gradients outside it (an unclamped float32 ratio overflows above ~88.7).
+
+    Args:
+        log_prob, old_log_prob, advantage: ``[B, L]`` float; mask: ``[B, L]`` bool.
+
+    Returns:
+        ``(loss [B, L], ratio [B, L], clipped [B, L] bool)``; ``clipped`` marks tokens where a
+        clipped branch was taken (the clip, or the dual clip: verl's ``pg_clipfrac`` plus
+        ``pg_clipfrac_lower`` numerators; TorchRL's ``clip_fraction`` counts ratios outside the
+        band instead, whichever branch is taken).
+
+    Example:
+        >>> lp = torch.tensor([[0.5, 0.0]]); old = torch.zeros(1, 2); a = torch.ones(1, 2)
+        >>> loss, ratio, clipped = clipped_surrogate(lp, old, a, torch.ones(1, 2, dtype=torch.bool),
+        ...                                          clip_low=0.2, clip_high=0.28)
+        >>> [round(x, 2) for x in loss[0].tolist()], clipped.tolist()
+        ([-1.28, -1.0], [[True, False]])
+    """
+    _check_mask(mask, log_prob, "log_prob")
+    _check_same_shape("old_log_prob", old_log_prob, "log_prob", log_prob)
+    _check_same_shape("advantage", advantage, "log_prob", log_prob)
+    zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
+    adv = torch.where(mask, advantage, zero)
+    ratio = torch.exp(masked_log_ratio(log_prob, old_log_prob, mask))
+    loss, clipped = pessimistic_clip(ratio, adv, mask, clip_low=clip_low, clip_high=clip_high)
+    if dual_clip is not None:
+        dual = torch.minimum(loss, -dual_clip * adv)
+        clipped = clipped | ((adv < 0) & (dual < loss) & mask)
+        loss = torch.where(adv < 0, dual, loss)
+    return torch.where(mask, loss, zero), ratio, clipped
 
 
 def _check(log_prob: Tensor, old_log_prob: Tensor, advantage: Tensor, mask: Tensor) -> None:

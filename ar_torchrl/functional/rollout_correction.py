@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from ar_torchrl.functional._shapes import _check_mask, _check_same_shape
-from ar_torchrl.functional.losses import LOG_RATIO_CLAMP, masked_log_ratio
+from ar_torchrl.functional.policy_losses import LOG_RATIO_CLAMP, masked_log_ratio
 from ar_torchrl.functional.reductions import masked_mean as _masked_mean
 
 __all__ = [

@@ -31,7 +31,7 @@ from ar_torchrl.modules.log_probs import (
     token_log_probs,
 )
 from ar_torchrl.modules.packing import PACKED_KEY, PackedLayout, is_varlen, packed_layout
-from ar_torchrl.utils.checks import check_actor_args
+from ar_torchrl.utils.checks import check_actor_args, check_bool
 
 __all__ = ["LMActorCritic", "token_log_probs"]
 
@@ -116,12 +116,32 @@ class LMActorCritic(TensorDictModuleBase):
                 "actor without values (e.g. the reference policy)"
             )
         self.model = model
-        self.return_entropy = args["return_entropy"]
         self.temperature = args["temperature"]
         self.logits_chunk_tokens = args["logits_chunk_tokens"]
         self.critic = args["critic"]
         self.logits_memory_budget = args["logits_memory_budget"]
         self.tensor_keys = self._AcceptedKeys()
+        self.return_entropy = args["return_entropy"]  # also sets in_keys / out_keys
+
+    @property
+    def return_entropy(self) -> bool:
+        """Whether :meth:`forward` also writes per-token entropies (the ``entropy`` key).
+
+        Setting it updates :attr:`out_keys`; a loss that needs entropies (``TokenPPOLoss`` with
+        ``entropy_coeff > 0``) turns it on.
+
+        Example:
+            >>> from ar_torchrl.models.tiny import build_tiny_qwen3
+            >>> actor = LMActorCritic(build_tiny_qwen3(99), critic=False)
+            >>> actor.return_entropy = True
+            >>> actor.out_keys
+            ['log_prob', 'entropy']
+        """
+        return self._return_entropy
+
+    @return_entropy.setter
+    def return_entropy(self, value: bool) -> None:
+        self._return_entropy = check_bool("LMActorCritic", "return_entropy", value)
         self._refresh_keys()
 
     def set_keys(self, **keys: NestedKey) -> LMActorCritic:

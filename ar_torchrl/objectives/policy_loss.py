@@ -1,14 +1,30 @@
 """The registry of policy losses (:data:`POLICY_LOSSES`, verl's ``register_policy_loss`` style) and
 the torch-free config of the rollout correction (:class:`RolloutCorrection`, its presets).
 
-A policy loss's factory is called as ``factory(options, *, clip_low, clip_high, dual_clip)``
-(``options``: an instance of its schema; the other arguments are the PPO clip of
-:class:`~ar_torchrl.objectives.TokenPPOLoss`) and returns a function
-``fn(log_prob, old_log_prob, advantage, mask) -> (loss [B, L], ratio [B, L], clipped [B, L])``
-with the contract of :mod:`ar_torchrl.functional.policy_losses`; :class:`TokenPPOLoss` aggregates
-the loss with its ``loss_agg_mode``, weights it with the rollout correction, and counts ``clipped``
-as ``pg_clipfrac``. Built in: ``clip`` (PPO's clipped surrogate, the default), ``gspo``,
-``gspo_token`` and ``cispo``. Nothing here imports torch (a recipe checks its config first).
+**The call contract.** A registered factory is called once, when
+:class:`~ar_torchrl.objectives.TokenPPOLoss` is built: ``factory(options)`` (``options``: an
+instance of its schema, filled and checked) or, registered without ``config``, ``factory()``. It
+returns the loss function, which the PPO loss calls on every forward as
+
+``fn(log_prob, old_log_prob, advantage, mask, *, clip_low, clip_high, dual_clip) -> (loss, metrics)``
+
+- ``log_prob`` (differentiable), ``old_log_prob``, ``advantage``: float ``[B, L]``; ``mask``: bool
+  ``[B, L]``, the policy's trained tokens;
+- ``clip_low``, ``clip_high``: the loss's clip range *now* (``TokenPPOLoss.clip_epsilon``, which may
+  be scheduled); ``dual_clip``: its dual-clip constant or ``None`` (only ``clip`` accepts one:
+  :func:`make_policy_loss` refuses it for the others);
+- ``loss``: float ``[B, L]``, the per-token loss, 0 (with zero gradient) off ``mask``;
+  :class:`~ar_torchrl.objectives.TokenPPOLoss` aggregates it with its ``loss_agg_mode`` and
+  weights it with the rollout correction;
+- ``metrics``: ``name -> [B, L]`` per-token values (bool flags or floats, detached), each logged as
+  its mean over the trained tokens, over the whole mini-batch in
+  :func:`~ar_torchrl.training.ppo_update` (:mod:`ar_torchrl.objectives.metrics`). Every built-in
+  loss reports ``pg_clipfrac`` here, the fraction of tokens whose gradient its clip changed
+  (``clip`` also ``pg_clipfrac_lower`` with a dual clip: verl's definitions).
+
+The functions themselves are the formulas of :mod:`ar_torchrl.functional.policy_losses`. Built in:
+``clip`` (PPO's clipped surrogate, the default), ``gspo``, ``gspo_token`` and ``cispo``. Nothing
+here imports torch at import time (a recipe checks its config first).
 """
 
 from __future__ import annotations
@@ -16,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Optional, TypeVar
 
 from ar_torchrl.registry import Registry
@@ -45,16 +62,16 @@ def register_policy_loss(name: str, *, config: type | None = None) -> Callable[[
     """Decorator: register a policy-loss factory as ``name`` with its options' dataclass.
 
     With ``config`` (a dataclass with ``check(prefix)``) the factory is called as
-    ``factory(options, *, clip_low, clip_high, dual_clip)`` and a recipe gets an ``algo.<name>``
-    section; without, as ``factory(*, clip_low, clip_high, dual_clip)``.
+    ``factory(options)`` and a recipe gets an ``algo.<name>`` section; without, as ``factory()``.
+    The function it returns follows the call contract of the module docstring.
 
     Example:
         >>> import torch
         >>> @register_policy_loss("reinforce_example")
-        ... def _reinforce(*, clip_low, clip_high, dual_clip):
-        ...     def fn(log_prob, old_log_prob, advantage, mask):
+        ... def _reinforce():
+        ...     def fn(log_prob, old_log_prob, advantage, mask, *, clip_low, clip_high, dual_clip):
         ...         loss = torch.where(mask, -advantage * log_prob, 0.0)
-        ...         return loss, torch.ones_like(loss), torch.zeros_like(mask)
+        ...         return loss, {"pg_clipfrac": torch.zeros_like(mask)}
         ...     return fn
         >>> "reinforce_example" in policy_loss_names()
         True
@@ -72,15 +89,9 @@ def policy_loss_names() -> tuple[str, ...]:
     return POLICY_LOSSES.names()
 
 
-def make_policy_loss(
-    name: str,
-    options: Any = None,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
-) -> Callable:
-    """The per-token function of policy loss ``name`` (``options``: a mapping or its schema).
+def make_policy_loss(name: str, options: Any = None, *, dual_clip: float | None = None) -> Callable:
+    """The loss function of policy loss ``name`` (``options``: a mapping or its schema), checked
+    against the PPO loss's ``dual_clip``; call it as the module docstring says.
 
     Raises:
         ValueError: unknown name or option, a value out of range, or ``dual_clip`` with a loss other
@@ -90,18 +101,17 @@ def make_policy_loss(
         >>> import torch
         >>> fn = make_policy_loss("cispo", {"weight_max": 2.0})
         >>> m = torch.ones(1, 2, dtype=torch.bool)
-        >>> loss, w, clipped = fn(torch.zeros(1, 2), torch.full((1, 2), -1.0), torch.ones(1, 2), m)
-        >>> w.tolist(), clipped.tolist()
-        ([[2.0, 2.0]], [[True, True]])
+        >>> loss, metrics = fn(torch.full((1, 2), -0.5), torch.full((1, 2), -1.5), torch.ones(1, 2), m,
+        ...                    clip_low=0.2, clip_high=0.2, dual_clip=None)
+        >>> loss.tolist(), metrics["pg_clipfrac"].tolist()  # weight e^1 capped at 2: -2 * 1 * -0.5
+        ([[1.0, 1.0]], [[True, True]])
     """
     if dual_clip is not None and name != "clip":
         raise ValueError(
             f"dual_clip={dual_clip} is a clause of the clipped surrogate (policy_loss='clip'); "
             f"policy loss {name!r} has none: set dual_clip=None"
         )
-    return POLICY_LOSSES.build(
-        name, options, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip
-    )
+    return POLICY_LOSSES.build(name, options)
 
 
 @dataclass
@@ -112,13 +122,29 @@ class ClipConfig:
         return None
 
 
+def _clip_loss(log_prob, old_log_prob, advantage, mask, *, clip_low, clip_high, dual_clip):
+    """``clip``: :func:`~ar_torchrl.functional.clipped_surrogate` and verl's clip fractions."""
+    from ar_torchrl.functional.policy_losses import clipped_surrogate
+    from ar_torchrl.objectives.metrics import verl_clip_flags
+
+    loss, ratio, _ = clipped_surrogate(
+        log_prob,
+        old_log_prob,
+        advantage,
+        mask,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        dual_clip=dual_clip,
+    )
+    flags = verl_clip_flags(
+        ratio.detach(), advantage, mask, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip
+    )
+    return loss, flags
+
+
 @register_policy_loss("clip", config=ClipConfig)
-def _clip(options: ClipConfig, *, clip_low: float, clip_high: float, dual_clip: float | None):
-    from functools import partial
-
-    from ar_torchrl.functional.losses import clipped_surrogate
-
-    return partial(clipped_surrogate, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
+def _clip(options: ClipConfig) -> Callable:
+    return _clip_loss
 
 
 @dataclass
@@ -133,18 +159,27 @@ class GSPOConfig:
         check_number(prefix, "clip_high", self.clip_high, ge=0)
 
 
+def _gspo_loss(
+    log_prob, old_log_prob, advantage, mask, *, clip_low, clip_high, dual_clip, options, token_level
+):
+    """``gspo`` / ``gspo_token``: the band is GSPO's own (``options``), not the PPO clip range."""
+    from ar_torchrl.functional.policy_losses import gspo_surrogate
+
+    loss, _, clipped = gspo_surrogate(
+        log_prob,
+        old_log_prob,
+        advantage,
+        mask,
+        clip_low=options.clip_low,
+        clip_high=options.clip_high,
+        token_level=token_level,
+    )
+    return loss, {"pg_clipfrac": clipped}
+
+
 def _gspo(token_level: bool):
-    def factory(options: GSPOConfig, *, clip_low: float, clip_high: float, dual_clip: Any):
-        from functools import partial
-
-        from ar_torchrl.functional.policy_losses import gspo_surrogate
-
-        return partial(
-            gspo_surrogate,
-            clip_low=options.clip_low,
-            clip_high=options.clip_high,
-            token_level=token_level,
-        )
+    def factory(options: GSPOConfig) -> Callable:
+        return partial(_gspo_loss, options=options, token_level=token_level)
 
     return factory
 
@@ -169,13 +204,30 @@ class CISPOConfig:
             )
 
 
-@register_policy_loss("cispo", config=CISPOConfig)
-def _cispo(options: CISPOConfig, *, clip_low: float, clip_high: float, dual_clip: Any):
-    from functools import partial
-
+def _cispo_loss(
+    log_prob,
+    old_log_prob,
+    advantage,
+    mask,
+    *,
+    clip_low,
+    clip_high,
+    dual_clip,
+    weight_max,
+    weight_min,
+):
+    """``cispo``: the weight's bounds are CISPO's own, not the PPO clip range."""
     from ar_torchrl.functional.policy_losses import cispo_surrogate
 
-    return partial(cispo_surrogate, weight_max=options.weight_max, weight_min=options.weight_min)
+    loss, _, clipped = cispo_surrogate(
+        log_prob, old_log_prob, advantage, mask, weight_max=weight_max, weight_min=weight_min
+    )
+    return loss, {"pg_clipfrac": clipped}
+
+
+@register_policy_loss("cispo", config=CISPOConfig)
+def _cispo(options: CISPOConfig) -> Callable:
+    return partial(_cispo_loss, weight_max=options.weight_max, weight_min=options.weight_min)
 
 
 # --------------------------------------------------------------------------- rollout correction

@@ -1,48 +1,58 @@
-"""``TokenPPOLoss``: TorchRL's ``ClipPPOLoss`` for token trajectories, masked by ``loss_mask``.
+"""``TokenPPOLoss``: clipped PPO for token trajectories, a TorchRL ``LossModule`` masked by
+``loss_mask``.
 
-Departures from ``torchrl.objectives.ClipPPOLoss`` (docs/design.md section 8 lists why):
+It keeps TorchRL's loss contract (TensorDict in, ``loss_*`` terms out for the caller to sum, keys
+in an ``_AcceptedKeys`` dataclass changed with ``set_keys``, ``make_value_estimator``, the actor and
+an optional critic passed as ``ClipPPOLoss(actor_network, critic_network)`` takes them) and
+composes three parts:
 
-- one backbone forward of an :class:`~ar_torchrl.modules.LMActorCritic` gives new log-probs *and*
-  values (the actor and critic are one module, the value head on the policy), or, as TorchRL's
-  ``ClipPPOLoss(actor_network, critic_network)``, an actor and a separate
-  :class:`~ar_torchrl.modules.LMCritic` (a second model: its own forward, disjoint parameters);
-- every ``loss_*`` term **and every metric** is reduced over ``loss_mask`` only, with the
-  aggregation mode of :func:`ar_torchrl.functional.aggregate_loss` and an optional global normaliser
-  (``loss(td, normalizer=...)``) so gradient accumulation over micro-batches equals one big batch;
-- the value loss is ``0.5 * max((V - R)^2, (V_clip - R)^2)`` centred on the recomputed
-  ``state_value`` (on the normalised scale ``(x - mu) / sigma`` with a
-  :class:`~ar_torchrl.modules.PopArtValueHead`); optional dual-clip, k3 KL to a reference policy and truncated importance sampling
-  against ``rollout_log_prob`` (Yao et al. 2025, "Your efficient RL framework secretly brings you
-  off-policy RL training").
+- the **policy loss** registered under ``policy_loss`` (:mod:`ar_torchrl.objectives.policy_loss`;
+  ``clip`` by default), called with the clip range of the moment;
+- the **value loss** ``0.5 * max((V - R)^2, (V_clip - R)^2)`` centred on the recomputed
+  ``state_value`` (:func:`~ar_torchrl.functional.clipped_value_loss`; on the normalised scale
+  ``(x - mu) / sigma`` with a :class:`~ar_torchrl.modules.PopArtValueHead`), an entropy bonus and
+  a KL penalty to a reference policy (:mod:`ar_torchrl.functional.kl`);
+- the **metrics** (:mod:`ar_torchrl.objectives.metrics`: the table of definitions, and the
+  statistics :func:`~ar_torchrl.training.ppo_update` combines over a whole mini-batch).
+
+Departures from ``torchrl.objectives.ClipPPOLoss`` (docs/design.md section 8 lists why): one
+backbone forward of an :class:`~ar_torchrl.modules.LMActorCritic` gives new log-probs *and* values
+(or an actor and a separate :class:`~ar_torchrl.modules.LMCritic`); every ``loss_*`` term **and
+every metric** is reduced over ``loss_mask`` only, with the aggregation mode of
+:func:`ar_torchrl.functional.aggregate_loss` and an optional global normaliser
+(``loss(td, normalizer=...)``) so gradient accumulation over micro-batches equals one big batch;
+optional dual-clip, k3 KL to a reference policy, and importance weights / rejection masks against
+``rollout_log_prob`` (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy
+RL training").
 """
 
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase
 from tensordict.utils import NestedKey
-from torchrl.objectives import ClipPPOLoss
+from torchrl.objectives import LossModule
 from torchrl.objectives.utils import ValueEstimators
 from torchrl.objectives.value import ValueEstimatorBase
 
 from ar_torchrl import functional
 from ar_torchrl.functional import AggregationMode
 from ar_torchrl.modules import LMActorCritic, LMCritic, PopArtValueHead
+from ar_torchrl.objectives import metrics
 from ar_torchrl.objectives._keys import policy_tokens, require_key, squeeze_feature
 from ar_torchrl.objectives.gae import TokenGAE
 from ar_torchrl.objectives.policy_loss import RolloutCorrection, make_policy_loss
-from ar_torchrl.utils.checks import check_number, check_ppo_loss_args
+from ar_torchrl.utils.checks import check_clip_epsilon, check_number, check_ppo_loss_args
 
 __all__ = ["UNSUPPORTED_CLIP_PPO_SETTINGS", "TokenPPOLoss"]
 
 _OWNER = "TokenPPOLoss"
 
-#: No value of a ``ClipPPOLoss`` setting describes TokenPPOLoss: reading the setting raises.
+#: ``UNSUPPORTED_CLIP_PPO_SETTINGS[name][0]`` where no value describes what TokenPPOLoss does.
 _NO_VALUE = object()
 
 _WHITEN = (
@@ -54,10 +64,9 @@ _CRITIC = (
     "value head (LMActorCritic(critic=True)) and pass only actor_critic"
 )
 
-#: ``ClipPPOLoss``/``PPOLoss`` settings TokenPPOLoss does not have, ``name -> (value, hint)``:
-#: ``value`` is the TorchRL value that describes what TokenPPOLoss does (the attribute reads it;
-#: passing or setting it is accepted), ``_NO_VALUE`` where none does (reading raises); any other
-#: value raises, with ``hint`` saying what to use instead.
+#: ``ClipPPOLoss`` constructor arguments TokenPPOLoss has no setting for, ``name -> (value,
+#: hint)``: passing ``value`` (what TokenPPOLoss does, in TorchRL's terms) is accepted, any other
+#: value raises a ``TypeError`` with ``hint`` (``_NO_VALUE``: every value raises).
 UNSUPPORTED_CLIP_PPO_SETTINGS: dict[str, tuple[Any, str]] = {
     "reduction": (
         _NO_VALUE,
@@ -108,7 +117,7 @@ UNSUPPORTED_CLIP_PPO_SETTINGS: dict[str, tuple[Any, str]] = {
     ),
 }
 
-#: ``ClipPPOLoss`` constructor arguments that are not settings of TokenPPOLoss: ``name -> hint``.
+#: ``ClipPPOLoss`` constructor arguments with no counterpart at all: ``name -> hint``.
 _CLIP_PPO_ONLY_ARGS: dict[str, str] = {
     "critic": _CRITIC,
     "entropy_bonus": "set entropy_coeff (0 switches the entropy bonus off)",
@@ -127,10 +136,6 @@ def _same(value: Any, honoured: Any) -> bool:
     return type(value) is type(honoured) and value == honoured
 
 
-def _no_value_message(name: str) -> str:
-    return f"{_OWNER} has no {name}: {UNSUPPORTED_CLIP_PPO_SETTINGS[name][1]}"
-
-
 def _check_clip_ppo_kwargs(kwargs: dict[str, Any]) -> None:
     """Constructor arguments of ``ClipPPOLoss`` TokenPPOLoss does not take (or only as it behaves)."""
     for name, value in kwargs.items():
@@ -145,7 +150,7 @@ def _check_clip_ppo_kwargs(kwargs: dict[str, Any]) -> None:
         raise TypeError(f"{_OWNER}({name}={value!r}) is not supported: {hint}")
 
 
-class TokenPPOLoss(ClipPPOLoss):
+class TokenPPOLoss(LossModule):
     """Clipped PPO (actor) + clipped value (critic) loss over the trained tokens of a trajectory.
 
     Args:
@@ -174,7 +179,8 @@ class TokenPPOLoss(ClipPPOLoss):
         policy_loss: a name of :data:`~ar_torchrl.objectives.POLICY_LOSSES`: ``"clip"`` (PPO's
             clipped surrogate over ``clip_epsilon``, the default), ``"gspo"``, ``"gspo_token"``,
             ``"cispo"`` (:mod:`ar_torchrl.functional.policy_losses`), or one registered with
-            :func:`~ar_torchrl.objectives.register_policy_loss`.
+            :func:`~ar_torchrl.objectives.register_policy_loss`: the loss calls it on every forward
+            with the clip range of the moment.
         policy_loss_options: that loss's options (a dict or its schema: ``GSPOConfig``'s
             ``clip_low``/``clip_high``, ``CISPOConfig``'s ``weight_max``/``weight_min``).
         rollout_correction: IS weights and rejection masks of ``sample_log_prob`` vs
@@ -190,98 +196,25 @@ class TokenPPOLoss(ClipPPOLoss):
     only, such as dynamic sampling's zero-spread groups, teach the critic and not the policy). Keys are
     changed with :meth:`set_keys` (TorchRL's mechanism; the value estimator follows).
 
-    Output (every entry listed in :attr:`out_keys`): the summed terms ``loss_objective``,
-    ``loss_critic``, ``loss_entropy``, ``loss_kl``, and detached metrics. **Every metric is reduced
-    over the trained tokens** ``T`` (``loss_mask``; ``n = |T|``) and nothing else. A name TorchRL's
-    ``ClipPPOLoss`` or verl's ``core_algos.py`` also emits has *their* definition, with ``T`` as
-    the sample batch (so a curve compares like with like); ours have names of their own. With
-    ``lr = clamp(log pi - log pi_old, -20, 20)`` (``pi_old``: ``sample_log_prob``; the clamp is the
-    loss's, :data:`~ar_torchrl.functional.LOG_RATIO_CLAMP`), ``r = exp(lr)``, ``A`` the advantage,
-    ``eps_low``/``eps_high`` the clip range, ``c`` the ``dual_clip``, ``V``/``V_old``/``R`` the new
-    value, ``state_value`` and ``value_target``, means over ``T``:
+    Output: the terms ``loss_objective``, ``loss_critic``, ``loss_entropy``, ``loss_kl`` (to be
+    summed) and detached scalar metrics, every one reduced over the trained tokens and defined in
+    the table of :mod:`ar_torchrl.objectives.metrics`; :attr:`out_keys` lists them for this
+    configuration. ``entropy`` is present only when entropies are computed (``entropy_coeff > 0``
+    or the actor's ``return_entropy``), the critic metrics only with a critic,
+    ``pg_clipfrac_lower`` only with ``dual_clip``, ``loss_kl``/``kl_ref`` only with ``kl_coeff >
+    0``, ``rollout_log_prob_abs_diff`` and the ``rollout_*`` mismatch metrics only when the batch
+    holds ``rollout_log_prob``, the ``tis_*`` ones only with an IS weight, ``rollout_masked_*``
+    only with a rejection mask, ``explained_variance_policy_rows`` only with a ``policy_mask``.
+    With a ``normalizer`` (the batch is one micro-batch of a larger one) or ``statistics=True`` the
+    output also holds ``statistics``, the metrics' sufficient statistics, from which
+    :func:`~ar_torchrl.training.ppo_update` computes each metric over the whole mini-batch
+    (:func:`ar_torchrl.objectives.metrics.combine`).
 
-    ============================= ============================================== =================
-    name                          definition (over ``T``)                        defined as by
-    ============================= ============================================== =================
-    ``clip_fraction``             fraction with ``r`` outside                    TorchRL
-                                  ``[1 - eps_low, 1 + eps_high]`` (in log space:
-                                  ``lr`` outside ``[log1p(-eps_low),
-                                  log1p(eps_high)]``), whatever the sign of ``A``
-    ``pg_clipfrac``               fraction where the clipped term is the larger  verl (and TRL)
-                                  loss: ``-A clip(r) > -A r`` (the clip is
-                                  active: the token's gradient is 0)
-    ``pg_clipfrac_lower``         (``dual_clip`` only) fraction with ``A < 0``   verl
-                                  and ``max(-A r, -A clip(r)) > -c A`` (the
-                                  dual clip is active); disjoint from
-                                  ``pg_clipfrac``
-    ``kl_approx``                 ``mean(-lr)`` (k1 estimate of KL(old || new))  TorchRL (= verl's
-                                                                                 ``ppo_kl``)
-    ``mean_ratio``, ``max_ratio`` ``mean(r)``, ``max(r)``                        TorchRL
-    ``ESS``                       ``exp(2 logsumexp(lr) - logsumexp(2 lr)) / n`` TorchRL
-                                  ``= (sum r)^2 / sum r^2 / n``
-    ``entropy``                   mean per-token entropy of the policy           TorchRL
-    ``value_clip_fraction``       fraction with ``|V - V_old| > clip_value``     TorchRL
-                                  (0 without ``clip_value``)
-    ``vf_clipfrac``               fraction with ``(clamp(V, V_old - clip_value,  verl (and TRL)
-                                  V_old + clip_value) - R)^2 > (V - R)^2`` (the
-                                  clipped value loss is used; 0 without
-                                  ``clip_value``)
-    ``explained_variance``        ``1 - Var(R - V) / (Var(R) + eps)``,           TorchRL
-                                  population variances, ``eps`` the dtype's
-                                  machine epsilon (huge and negative when ``R``
-                                  is constant over ``T`` but ``V`` is not)
-    ``explained_variance_finite`` ``1 - Var(R - V) / Var(R)``; for a constant    ours (as
-                                  ``R``: 1 if ``R - V`` is constant too, else 0  scikit-learn's
-                                  (:func:`~ar_torchrl.functional.                ``force_finite``)
-                                  explained_variance`), a curve to plot
-    ``approx_kl``                 ``mean((r - 1) - lr)`` (k3, >= 0)              ours (as CleanRL)
-    ``min_ratio``                 ``min(r)``                                     ours
-    ``kl_ref``                    mean k3 KL to ``ref_log_prob``                 ours
-    ``rollout_log_prob_abs_diff`` ``mean(|log pi - rollout_log_prob|)``          ours
-    ``tis_weight_mean``           ``mean(min(w, tis_cap))``,                      ours
-                                  ``w = exp(sample_log_prob - rollout_log_prob)``
-    ``tis_weight_capped``         fraction of tokens with ``w > tis_cap``        ours
-    ``rollout_masked_tokens``,    (a rejection mask) fraction of trained tokens  ours (as verl's
-    ``rollout_masked_seqs``       rejected; of rows with a rejected token        ``rollout_rs_*``)
-    ``rollout_abs_log_ratio``     ``mean(|log pi_old - rollout_log_prob|)``      ours
-    ``rollout_token_mult_prob_    ``mean(exp(|log pi_old - rollout_log_prob|))`` NeMo-RL
-    error``
-    ``rollout_seq_ratio``         mean over rows of ``exp(sum(log pi_old -       ours
-                                  rollout_log_prob))``
-    ``explained_variance_policy_  (with a ``policy_mask``) ``explained_variance``  ours
-    rows``                        over ``loss_mask & policy_mask``
-    ``rollout_kl``                ``mean(rollout_log_prob - log pi_old)``        verl
-                                                                                 (``rollout_corr/kl``)
-    ============================= ============================================== =================
-
-    With a ``policy_loss`` other than ``clip``, ``pg_clipfrac`` is the fraction of trained tokens
-    whose gradient the loss's clip changed (GSPO: the clipped branch is taken, verl's definition;
-    CISPO: the weight was clamped), and the ratio metrics still describe the token ratio
-    ``pi / pi_old``. The tis_* weights are those of ``tis_cap`` or of the rollout correction's
-    ``is_level`` (``token`` or ``sequence``).
-
-    Where TorchRL's definitions are not met exactly: TorchRL does not clamp ``lr``, so its ratio
-    statistics differ once a trained token has ``|lr| > 20`` (its ``max_ratio`` then overflows to
-    ``inf`` above ``lr = 88.7``; ours stay finite); TorchRL reduces ``ESS`` and
-    ``explained_variance`` over the first batch dimension only (a ``[B, L]`` batch gives ``[L]``
-    vectors), ours treat the trained tokens as one flat batch; and a batch without trained tokens
-    gives 1 for the ratio statistics and 0 for the other metrics (TorchRL: ``nan``). ``kl_approx``,
-    ``mean_ratio``, ``max_ratio`` and ``ESS`` describe ``pi / pi_old`` (TorchRL without
-    ``delay_actor``): the ``tis_cap`` weight is not part of them. ``pg_clipfrac`` +
-    ``pg_clipfrac_lower`` is the fraction of tokens with zero policy gradient from the clip.
-
-    ``entropy`` is present only when entropies are computed (``entropy_coeff > 0`` or the actor's
-    ``return_entropy``), the critic metrics only with a critic, ``pg_clipfrac_lower`` only with
-    ``dual_clip``, ``loss_kl``/``kl_ref`` only with ``kl_coeff > 0``,
-    ``rollout_log_prob_abs_diff`` and the ``rollout_*`` mismatch metrics only when the batch holds
-    ``rollout_log_prob``, the ``tis_*`` ones only with an IS weight, ``rollout_masked_*`` only with
-    a rejection mask. One name per
-    metric: there are no aliases.
-
-    Inherited ``ClipPPOLoss`` settings TokenPPOLoss does not honour (``reduction``,
-    ``loss_critic_type``, ``normalize_advantage``, ``separate_losses``, ``samples_mc_entropy``,
-    ``delay_actor``, ``max_importance_ratio``, ... see :data:`UNSUPPORTED_CLIP_PPO_SETTINGS`) raise
-    when passed or set to anything but the behaviour TokenPPOLoss has, naming what to use instead;
+    Settings that may change between calls (schedules): ``clip_epsilon`` (or the buffers
+    ``clip_epsilon_low``/``clip_epsilon_high``), ``clip_value``, ``entropy_coeff`` and
+    ``critic_coeff`` (checked when set), ``kl_coeff``. ``ClipPPOLoss`` constructor arguments the
+    loss does not honour (``reduction``, ``loss_critic_type``, ``normalize_advantage``, ... see
+    :data:`UNSUPPORTED_CLIP_PPO_SETTINGS`) raise a ``TypeError`` naming what to use instead;
     ``loss_mask_key`` is ``tensor_keys.loss_mask`` (setting it renames the key).
 
     Example:
@@ -297,26 +230,40 @@ class TokenPPOLoss(ClipPPOLoss):
         >>> with torch.no_grad():
         ...     old = ac(td.select("tokens", "attention_mask"))
         >>> td["sample_log_prob"], td["state_value"] = old["log_prob"], old["state_value"]
-        >>> out = TokenPPOLoss(ac, clip_epsilon=(0.2, 0.28), clip_value=0.2)(td)
+        >>> loss = TokenPPOLoss(ac, clip_epsilon=(0.2, 0.28), clip_value=0.2)
+        >>> out = loss(td)
         >>> out["min_ratio"].item(), out["max_ratio"].item(), out["kl_approx"].item()
         (1.0, 1.0, 0.0)
+        >>> loss.clip_epsilon = 0.1  # a schedule: the policy loss gets the new range next call
+        >>> round(loss.clip_epsilon, 6), loss.clip_epsilon_low.item() == loss.clip_epsilon_high.item()
+        (0.1, True)
     """
 
     @dataclass
-    class _AcceptedKeys(ClipPPOLoss._AcceptedKeys):
-        """TorchRL's PPO keys plus ``loss_mask``, ``rollout_log_prob``, ``ref_log_prob`` and
+    class _AcceptedKeys:
+        """TorchRL's PPO keys (``ClipPPOLoss._AcceptedKeys``; ``action`` is not read: the actions
+        are the actor's tokens) plus ``loss_mask``, ``rollout_log_prob``, ``ref_log_prob`` and
         ``policy_mask`` (optional: rows whose tokens train the critic only)."""
 
+        advantage: NestedKey = "advantage"
+        value_target: NestedKey = "value_target"
+        value: NestedKey = "state_value"
+        sample_log_prob: NestedKey = "sample_log_prob"
+        action: NestedKey = "action"
+        reward: NestedKey = "reward"
+        done: NestedKey = "done"
+        terminated: NestedKey = "terminated"
         loss_mask: NestedKey = "loss_mask"
         rollout_log_prob: NestedKey = "rollout_log_prob"
         ref_log_prob: NestedKey = "ref_log_prob"
         policy_mask: NestedKey = "policy_mask"
 
-        def __post_init__(self):
-            if self.sample_log_prob is None:
-                self.sample_log_prob = "sample_log_prob"
-
     default_keys = _AcceptedKeys
+    default_value_estimator = ValueEstimators.GAE
+    #: ``loss.clip_epsilon_low = 0.1`` copies into the buffer (TorchRL's LossModule does it).
+    _schedulable_buffers = frozenset({"clip_epsilon_low", "clip_epsilon_high"})
+    #: What TorchRL's ``LossModule`` reads: no priority weights (``use_prioritized_weights``).
+    use_prioritized_weights = False
 
     def __init__(
         self,
@@ -353,21 +300,18 @@ class TokenPPOLoss(ClipPPOLoss):
             kl_estimator=kl_estimator,
         )
         _check_actor(actor_critic, a["critic_coeff"], critic_network)
+        super().__init__()
         if a["entropy_coeff"] and not actor_critic.return_entropy:
-            actor_critic.return_entropy = True
-            actor_critic._refresh_keys()
-        if critic_network is None and a["critic_coeff"]:
+            actor_critic.return_entropy = True  # the entropy bonus needs the actor's entropies
+        self.actor_network = actor_critic
+        self._has_critic = bool(a["critic_coeff"])
+        if critic_network is None and self._has_critic:
             critic_network = actor_critic  # the value head on the policy: one forward
-        super().__init__(
-            actor_critic,
-            critic_network,
-            clip_epsilon=a["clip_epsilon"],
-            entropy_bonus=bool(a["entropy_coeff"]),
-            entropy_coeff=a["entropy_coeff"],
-            critic_coeff=a["critic_coeff"] or None,
-            clip_value=a["clip_value"],
-            functional=False,
-        )
+        self.critic_network = critic_network
+        self._register_clip_epsilon(a["clip_epsilon"], actor_critic)
+        self._critic_coeff = a["critic_coeff"] if self._has_critic else None
+        self._entropy_coeff, self._entropy_bonus = a["entropy_coeff"], bool(a["entropy_coeff"])
+        self.clip_value = a["clip_value"]
         self.dual_clip = a["dual_clip"]
         self.kl_coeff = a["kl_coeff"]
         self.kl_estimator = a["kl_estimator"]
@@ -375,80 +319,109 @@ class TokenPPOLoss(ClipPPOLoss):
         self.norm_length = a["norm_length"]
         self.tis_cap = a["tis_cap"]
         self.policy_loss = policy_loss
-        low, high = (
-            (float(self.clip_epsilon_low), float(self.clip_epsilon_high))
-            if self._asymmetric_clip
-            else (float(self.clip_epsilon),) * 2
-        )
         self._policy_loss_fn = make_policy_loss(
-            policy_loss, policy_loss_options, clip_low=low, clip_high=high, dual_clip=self.dual_clip
+            policy_loss, policy_loss_options, dual_clip=self.dual_clip
         )
         self.rollout_correction = _rollout_correction(rollout_correction, self.tis_cap)
-        self._settings_frozen = True  # from here on, __setattr__ guards ClipPPOLoss's settings
 
-    # ------------------------------------------------------------------ inherited settings
-    def __setattr__(self, name: str, value: Any) -> None:
-        if not self.__dict__.get("_settings_frozen", False):
-            if name in UNSUPPORTED_CLIP_PPO_SETTINGS:
-                return  # ClipPPOLoss.__init__ writing its defaults: TokenPPOLoss has none of them
-            super().__setattr__(name, value)
-            return
-        if name in UNSUPPORTED_CLIP_PPO_SETTINGS:
-            honoured, hint = UNSUPPORTED_CLIP_PPO_SETTINGS[name]
-            if honoured is _NO_VALUE or not _same(value, honoured):
-                raise ValueError(f"{_OWNER}.{name} = {value!r} is not supported: {hint}")
-            return
-        self._check_setting(name, value)
-        super().__setattr__(name, value)
+    def _register_clip_epsilon(self, clip_epsilon, actor_critic: LMActorCritic) -> None:
+        low, high = clip_epsilon if isinstance(clip_epsilon, tuple) else (clip_epsilon,) * 2
+        device = next(actor_critic.parameters()).device
+        self.register_buffer("clip_epsilon_low", torch.tensor(low, device=device))
+        self.register_buffer("clip_epsilon_high", torch.tensor(high, device=device))
 
-    def __getattr__(self, name: str) -> Any:
-        if name in UNSUPPORTED_CLIP_PPO_SETTINGS:  # a property below raised: keep its message
-            raise AttributeError(_no_value_message(name))
-        return super().__getattr__(name)
+    # ------------------------------------------------------------------ settings
+    @property
+    def clip_epsilon(self) -> float | tuple[float, float]:
+        """The clip range: ``eps`` (a float) when ``eps_low == eps_high``, else ``(eps_low,
+        eps_high)``; setting it (either form, checked) updates ``clip_epsilon_low`` and
+        ``clip_epsilon_high``, which the policy loss reads on every call."""
+        low, high = self._clip_range()
+        return low if low == high else (low, high)
 
-    def _check_setting(self, name: str, value: Any) -> None:
-        """Assignments ClipPPOLoss would accept but TokenPPOLoss would silently not honour."""
-        number = isinstance(value, numbers.Real)  # bool included: check_number rejects it
-        if name == "critic_network" and value is not self.critic_network:
-            raise ValueError(
-                f"{_OWNER}.critic_network cannot be replaced (the old values, the value estimator and "
-                "the optimizer were built for it): build a new TokenPPOLoss(actor_critic, "
-                "critic_network=...)"
-            )
-        if name == "critic_coeff" and not self._has_critic:
-            raise ValueError(
-                f"{_OWNER}.critic_coeff = {value!r} has no effect on a loss built without a critic "
-                "term: build TokenPPOLoss(critic_coeff=...) with a positive value (it may be "
-                "scheduled to 0 later)"
-            )
-        if name == "critic_coeff" and value is None:
-            raise ValueError(
-                f"{_OWNER}.critic_coeff = None is not supported once built: set 0 to switch the "
-                "critic term off"
-            )
-        if name == "entropy_coeff" and number and not isinstance(value, bool) and value:
-            if not self.entropy_bonus:
-                raise ValueError(
-                    f"{_OWNER}.entropy_coeff = {value!r} has no effect on a loss built with "
-                    "entropy_coeff=0 (no entropy term, entropies not computed): build "
-                    "TokenPPOLoss(entropy_coeff=...) with a positive value (it may be scheduled "
-                    "to 0 later)"
-                )
-        if name == "entropy_bonus" and value and not self.actor_network.return_entropy:
-            raise ValueError(
-                f"{_OWNER}.entropy_bonus = {value!r} needs entropies: build "
-                "TokenPPOLoss(entropy_coeff=...) with a positive value instead"
-            )
-        if name in ("entropy_coeff", "critic_coeff") and number:
-            check_number(_OWNER, name, value, ge=0)
-        if name == "clip_value" and isinstance(value, bool):
+    @clip_epsilon.setter
+    def clip_epsilon(self, value: float | tuple[float, float]) -> None:
+        value = check_clip_epsilon(_OWNER, value)
+        low, high = value if isinstance(value, tuple) else (value, value)
+        self.clip_epsilon_low, self.clip_epsilon_high = low, high
+
+    def _clip_range(self) -> tuple[float, float]:
+        return float(self.clip_epsilon_low), float(self.clip_epsilon_high)
+
+    @property
+    def clip_value(self) -> float | None:
+        """Value-clip range around ``state_value`` (``None``: unclipped); checked when set."""
+        return self._clip_value
+
+    @clip_value.setter
+    def clip_value(self, value: float | None) -> None:
+        if isinstance(value, bool):
             raise TypeError(
                 f"{_OWNER}.clip_value = {value!r} is not supported (ClipPPOLoss reads True as "
                 "'clip at clip_epsilon'): pass the value clip range as a float, or None to disable "
                 "value clipping"
             )
-        if name == "clip_value" and number:
-            check_number(_OWNER, name, value, gt=0, hint="None disables value clipping")
+        check_number(
+            _OWNER, "clip_value", value, gt=0, allow_none=True, hint="None disables value clipping"
+        )
+        self._clip_value = None if value is None else float(value)
+
+    @property
+    def critic_coeff(self) -> float | None:
+        """Weight of the value loss (``None``: a loss built without a critic term); may be set
+        (scheduled) to any value ``>= 0`` on a loss built with one."""
+        return self._critic_coeff
+
+    @critic_coeff.setter
+    def critic_coeff(self, value: float) -> None:
+        if not self._has_critic:
+            raise ValueError(
+                f"{_OWNER}.critic_coeff = {value!r} has no effect on a loss built without a critic "
+                "term: build TokenPPOLoss(critic_coeff=...) with a positive value (it may be "
+                "scheduled to 0 later)"
+            )
+        if value is None:
+            raise ValueError(
+                f"{_OWNER}.critic_coeff = None is not supported once built: set 0 to switch the "
+                "critic term off"
+            )
+        self._critic_coeff = float(check_number(_OWNER, "critic_coeff", value, ge=0))
+
+    @property
+    def entropy_coeff(self) -> float:
+        """Weight of the entropy bonus; may be set (scheduled) on a loss built with a positive one."""
+        return self._entropy_coeff
+
+    @entropy_coeff.setter
+    def entropy_coeff(self, value: float) -> None:
+        value = float(check_number(_OWNER, "entropy_coeff", value, ge=0))
+        if value and not self._entropy_bonus:
+            raise ValueError(
+                f"{_OWNER}.entropy_coeff = {value!r} has no effect on a loss built with "
+                "entropy_coeff=0 (no entropy term, entropies not computed): build "
+                "TokenPPOLoss(entropy_coeff=...) with a positive value (it may be scheduled "
+                "to 0 later)"
+            )
+        self._entropy_coeff = value
+
+    @property
+    def entropy_bonus(self) -> bool:
+        """Whether the output has ``loss_entropy`` (a loss built with ``entropy_coeff > 0``)."""
+        return self._entropy_bonus
+
+    @entropy_bonus.setter
+    def entropy_bonus(self, value: bool) -> None:
+        if value and not self.actor_network.return_entropy:
+            raise ValueError(
+                f"{_OWNER}.entropy_bonus = {value!r} needs entropies: build "
+                "TokenPPOLoss(entropy_coeff=...) with a positive value instead"
+            )
+        self._entropy_bonus = bool(value)
+
+    @property
+    def functional(self) -> bool:
+        """``False``: the networks are called as modules (TorchRL's non-functional losses)."""
+        return False
 
     @property
     def loss_mask_key(self) -> NestedKey:
@@ -472,20 +445,12 @@ class TokenPPOLoss(ClipPPOLoss):
 
     def set_keys(self, **kwargs) -> None:
         """TorchRL's ``set_keys``; ``action`` is not read (the actions are the actor's tokens)."""
-        if "action" in kwargs and self.__dict__.get("_settings_frozen", False):
+        if "action" in kwargs:
             raise ValueError(
                 f"{_OWNER}.set_keys(action=...) is not supported: the actions are the tokens "
                 "actor_critic reads; rename them with actor_critic.set_keys(tokens=...)"
             )
         super().set_keys(**kwargs)
-
-    def loss_critic(self, tensordict: TensorDictBase) -> None:
-        """Not available: TorchRL's (unmasked, ``loss_critic_type``) critic loss is not this loss's."""
-        raise NotImplementedError(
-            f"{_OWNER}.loss_critic(td) is ClipPPOLoss's unmasked critic loss and is not "
-            "available: read forward(td)['loss_critic'] (masked by loss_mask, aggregated by "
-            "loss_agg_mode)"
-        )
 
     @property
     def actor_critic(self) -> LMActorCritic:
@@ -494,11 +459,21 @@ class TokenPPOLoss(ClipPPOLoss):
     @property
     def separate_critic(self) -> bool:
         """Whether the values come from a separate critic model (``critic_network``)."""
-        return self._has_critic and self.critic_network is not self.actor_network
+        critic = self.critic_network
+        return self._has_critic and critic is not None and critic is not self.actor_network
+
+    @property
+    def in_keys(self) -> list[NestedKey]:
+        """The entries :meth:`forward` reads (the optional ones aside)."""
+        k = self.tensor_keys
+        keys = [*self.actor_network.in_keys, k.sample_log_prob, k.value, k.loss_mask, k.advantage]
+        return keys + [k.value_target] if self._has_critic else keys
 
     @property
     def out_keys(self) -> list[NestedKey]:
-        """Every key the output may hold for this configuration (see the class docstring)."""
+        """Every term and metric the output may hold for this configuration (the class docstring
+        says when each is present), besides ``statistics`` and any metric of its own a registered
+        policy loss reports."""
         keys = ["loss_objective"]
         if self._has_critic:
             keys += ["loss_critic", *_CRITIC_METRICS, "explained_variance_policy_rows"]
@@ -517,17 +492,15 @@ class TokenPPOLoss(ClipPPOLoss):
             keys += ["rollout_masked_tokens", "rollout_masked_seqs"]
         return keys + ["entropy"] if self.actor_network.return_entropy else keys
 
-    @out_keys.setter
-    def out_keys(self, values) -> None:
-        self._out_keys = values
-
     # ------------------------------------------------------------------ value estimator
     def make_value_estimator(self, value_type=None, **hyperparams) -> TokenPPOLoss:
         """Build the advantage module used when a batch has no ``advantage`` (a :class:`TokenGAE`).
 
         ``value_type`` may be ``None``/``ValueEstimators.GAE``/``TokenGAE`` (hyper-parameters go to
         ``TokenGAE``, default ``gamma=1.0, lmbda=0.95``) or a ready ``ValueEstimatorBase`` instance.
-        For GRPO, run :class:`GRPOAdvantage` on the batch before the loss instead.
+        The estimator computes missing ``state_value`` with the critic the loss holds now (after
+        replacing ``critic_network``, call this again). For GRPO, run :class:`GRPOAdvantage` on the
+        batch before the loss instead.
         """
         if isinstance(value_type, ValueEstimatorBase):
             self._value_estimator = value_type
@@ -556,14 +529,8 @@ class TokenPPOLoss(ClipPPOLoss):
                 terminated=k.terminated,
                 loss_mask=k.loss_mask,
             )
-        self._set_in_keys()
 
-    def _set_in_keys(self) -> None:
-        k = self.tensor_keys
-        keys = [*self.actor_network.in_keys, k.sample_log_prob, k.value, k.loss_mask, k.advantage]
-        self._in_keys = keys + [k.value_target] if self._has_critic else keys
-
-    # ------------------------------------------------------------------ loss
+    # ------------------------------------------------------------------ normalisers
     def global_normalizer(
         self, tensordicts: TensorDictBase | list[TensorDictBase]
     ) -> torch.Tensor | dict[str, torch.Tensor]:
@@ -610,60 +577,69 @@ class TokenPPOLoss(ClipPPOLoss):
     def _get(self, td: TensorDictBase, key: NestedKey, hint: str) -> torch.Tensor:
         return squeeze_feature(require_key(td, key, _OWNER, hint), key, td.batch_size, _OWNER)
 
+    # ------------------------------------------------------------------ loss
     def forward(
-        self, tensordict: TensorDictBase, normalizer: torch.Tensor | float | None = None
+        self,
+        tensordict: TensorDictBase,
+        normalizer: torch.Tensor | float | dict | None = None,
+        *,
+        statistics: bool | None = None,
     ) -> TensorDict:
-        k = self.tensor_keys
-        if tensordict.batch_dims != 2:
-            raise ValueError(
-                f"{_OWNER} expects a [B, L] token trajectory, got batch_size {tuple(tensordict.batch_size)}"
-            )
-        mask = self._get(tensordict, k.loss_mask, "bool [B, L], True on generated tokens")
-        if mask.dtype != torch.bool:
-            raise TypeError(f"{_OWNER}: {k.loss_mask!r} must be bool, got {mask.dtype}")
-        if tensordict.get(k.advantage, None) is None:
+        """The loss terms and metrics of ``tensordict`` (``[B, L]``).
+
+        Args:
+            tensordict: the batch (or one micro-batch of it).
+            normalizer: the global normaliser of a micro-batch (:meth:`global_normalizer`).
+            statistics: also return the metrics' ``statistics`` (default: with a ``normalizer``).
+        """
+        self._check_networks()
+        mask = self._loss_mask(tensordict)
+        if tensordict.get(self.tensor_keys.advantage, None) is None:
             self.value_estimator(tensordict)
-        critic_mask = mask
-        mask = self._policy_mask(tensordict, critic_mask)  # the policy's tokens
-        has_policy_mask = tensordict.get(k.policy_mask, None) is not None
-        normalizer, critic_normalizer = self._split_normalizer(normalizer, has_policy_mask)
+        policy_mask = self._policy_mask(tensordict, mask)
+        has_policy_mask = tensordict.get(self.tensor_keys.policy_mask, None) is not None
+        norm, critic_norm = self._split_normalizer(normalizer, has_policy_mask)
         new = self.actor_network(self.actor_network.select_inputs(tensordict))
-        out: dict[str, torch.Tensor] = {}
         log_prob = new.get(self.actor_network.log_prob_key)
-        self._policy_terms(tensordict, log_prob, mask, normalizer, out)
+        terms: dict[str, torch.Tensor] = {}
+        stats: metrics.Statistics = {}
+        self._policy_terms(tensordict, log_prob, policy_mask, norm, terms, stats)
         if self._has_critic:
-            critic = self.critic_network
-            values = critic(critic.select_inputs(tensordict)) if self.separate_critic else new
-            value = values.get(critic.value_key).squeeze(-1)
-            self._critic_terms(tensordict, value, critic_mask, critic_normalizer, out)
-            if has_policy_mask:  # the policy's rows alone
-                target = self._get(tensordict, k.value_target, "value_target [B, L, 1]")
-                out["explained_variance_policy_rows"] = _torchrl_explained_variance(
-                    value.detach(), target, mask
-                )
-        if self.entropy_bonus or self.actor_network.return_entropy:
-            entropy = new.get(self.actor_network.entropy_key)
-            out["entropy"] = functional.masked_mean(entropy.detach(), mask)
-            if self.entropy_bonus:
-                out["loss_entropy"] = -self.entropy_coeff * self._agg(entropy, mask, normalizer)
+            rows = policy_mask if has_policy_mask else None
+            self._critic_terms(tensordict, new, mask, rows, critic_norm, terms, stats)
+        self._entropy_terms(new, policy_mask, norm, terms, stats)
         if self.kl_coeff:
-            ref = self._get(
-                tensordict,
-                k.ref_log_prob,
-                "reference log-probs: recompute_old_log_probs_and_values(..., ref_actor=...)",
-            )
-            old = tensordict.get(k.sample_log_prob) if self.kl_estimator == "k3_unbiased" else None
-            kl = functional.kl_penalty(
-                log_prob, ref, mask, estimator=self.kl_estimator, old_log_prob=old
-            )
-            out["loss_kl"] = self.kl_coeff * self._agg(kl, mask, normalizer)
-            k3 = kl if self.kl_estimator == "k3" else functional.k3_kl(log_prob.detach(), ref, mask)
-            out["kl_ref"] = functional.masked_mean(
-                k3.detach(), mask
-            )  # the k3 estimate, any estimator
+            self._kl_terms(tensordict, log_prob, policy_mask, norm, terms, stats)
+        out = {**terms, **{k: v.float() for k, v in metrics.finalize(stats).items()}}
+        if statistics or (statistics is None and normalizer is not None):
+            out["statistics"] = metrics.to_tensordict(stats)
         return TensorDict(out, batch_size=[])
 
-    def _policy_terms(self, td, log_prob, mask, normalizer, out) -> None:
+    def _loss_mask(self, td: TensorDictBase) -> torch.Tensor:
+        k = self.tensor_keys
+        if td.batch_dims != 2:
+            raise ValueError(
+                f"{_OWNER} expects a [B, L] token trajectory, got batch_size {tuple(td.batch_size)}"
+            )
+        mask = self._get(td, k.loss_mask, "bool [B, L], True on generated tokens")
+        if mask.dtype != torch.bool:
+            raise TypeError(f"{_OWNER}: {k.loss_mask!r} must be bool, got {mask.dtype}")
+        return mask
+
+    def _check_networks(self) -> None:
+        """The networks as they are now (``critic_network`` may have been replaced) still fit."""
+        critic = self.critic_network
+        if self._has_critic and critic is None:
+            raise ValueError(
+                f"{_OWNER}: critic_network is None but the loss was built with a critic term; "
+                "build TokenPPOLoss(critic_coeff=None) for an actor-only loss"
+            )
+        if critic is self.actor_network:
+            _check_actor(self.actor_network, self._critic_coeff, None)
+        elif critic is not None:
+            _check_pair(self.actor_network, critic)
+
+    def _policy_terms(self, td, log_prob, mask, normalizer, terms, stats) -> None:
         k = self.tensor_keys
         old = self._get(
             td,
@@ -671,57 +647,39 @@ class TokenPPOLoss(ClipPPOLoss):
             "PPO anchors: run recompute_old_log_probs_and_values(actor_critic, td, plan)",
         )
         adv = self._get(td, k.advantage, "advantage [B, L, 1]")
-        low, high = (
-            (self.clip_epsilon_low, self.clip_epsilon_high)
-            if self._asymmetric_clip
-            else (self.clip_epsilon,) * 2
+        low, high = self._clip_range()  # read now: the clip range may be scheduled
+        loss, per_token = self._policy_loss_fn(
+            log_prob, old, adv, mask, clip_low=low, clip_high=high, dual_clip=self.dual_clip
         )
-        if self.policy_loss == "clip":  # the clip range read now: it may be scheduled
-            loss, ratio, clipped = functional.clipped_surrogate(
-                log_prob,
-                old,
-                adv,
-                mask,
-                clip_low=float(low),
-                clip_high=float(high),
-                dual_clip=self.dual_clip,
-            )
-        else:
-            loss, ratio, clipped = self._policy_loss_fn(log_prob, old, adv, mask)
         rollout = td.get(k.rollout_log_prob, None)
         if rollout is not None:
             rollout = squeeze_feature(rollout, k.rollout_log_prob, td.batch_size, _OWNER)
-            out["rollout_log_prob_abs_diff"] = functional.masked_mean(
-                (log_prob.detach() - rollout).abs(), mask
-            )
-            out.update(functional.rollout_mismatch_metrics(old, rollout, mask))
-        rc = self.rollout_correction
-        if rc is not None:
-            if rollout is None:
-                raise KeyError(
-                    f"{_OWNER}: the rollout correction ({_describe_rc(rc)}) needs "
-                    f"{k.rollout_log_prob!r} (the engine's log-probs of the sampled tokens), "
-                    "missing from the batch"
-                )
-            weight, keep, metrics = functional.rollout_correction(
-                old, rollout, mask, **rc.arguments()
-            )
-            loss = torch.where(keep, loss * weight, torch.zeros((), dtype=loss.dtype))
-            out.update(metrics)
-        out["loss_objective"] = self._agg(loss, mask, normalizer)
+            stats.update(metrics.mismatch_statistics(log_prob, old, rollout, mask))
+        loss = self._corrected(loss, old, rollout, mask, stats)
+        terms["loss_objective"] = self._agg(loss, mask, normalizer)
         log_ratio = functional.masked_log_ratio(log_prob.detach(), old, mask)
-        out.update(_ratio_metrics(log_ratio, mask, self._clip_bounds))
-        if self.policy_loss == "clip":
-            out.update(
-                _verl_policy_clip_fractions(
-                    ratio.detach(), adv, mask, float(low), float(high), self.dual_clip
-                )
-            )
-        else:
-            out["pg_clipfrac"] = _fraction(clipped, mask)
+        stats.update(metrics.ratio_statistics(log_ratio, mask, clip_low=low, clip_high=high))
+        stats.update(metrics.per_token_statistics(per_token, mask))
 
-    def _critic_terms(self, td, value, mask, normalizer, out) -> None:
-        k = self.tensor_keys
+    def _corrected(self, loss, old, rollout, mask, stats) -> torch.Tensor:
+        """The per-token policy loss times the rollout correction's weight and keep-mask."""
+        rc = self.rollout_correction
+        if rc is None:
+            return loss
+        if rollout is None:
+            raise KeyError(
+                f"{_OWNER}: the rollout correction ({_describe_rc(rc)}) needs "
+                f"{self.tensor_keys.rollout_log_prob!r} (the engine's log-probs of the sampled "
+                "tokens), missing from the batch"
+            )
+        weight, keep, found = functional.rollout_correction(old, rollout, mask, **rc.arguments())
+        stats.update(metrics.row_or_token_means(found, mask))
+        return torch.where(keep, loss * weight, torch.zeros((), dtype=loss.dtype))
+
+    def _critic_terms(self, td, new, mask, policy_rows, normalizer, terms, stats) -> None:
+        k, critic = self.tensor_keys, self.critic_network
+        values = critic(critic.select_inputs(td)) if self.separate_critic else new
+        value = values.get(critic.value_key).squeeze(-1)
         old = self._get(
             td,
             k.value,
@@ -734,29 +692,41 @@ class TokenPPOLoss(ClipPPOLoss):
             "GRPOAdvantage(critic_targets=True) (or RLOOAdvantage(critic_targets=True)), or train "
             "without a critic: TokenPPOLoss(critic_coeff=0)",
         )
-        clip = None if self.clip_value is None else float(self.clip_value)
-        head = getattr(self.critic_network.model, "value_head", None)
+        head = getattr(critic.model, "value_head", None)
         if isinstance(head, PopArtValueHead):  # the loss (and its clip) in the layer's own scale
             value, old, target = (head.normalize(x) for x in (value, old, target))
-        loss, _ = functional.clipped_value_loss(value, old, target, mask, clip_value=clip)
-        out["loss_critic"] = self.critic_coeff * self._agg(loss, mask, normalizer)
-        out.update(_critic_metrics(value.detach(), old, target, mask, clip))
+        loss, _ = functional.clipped_value_loss(
+            value, old, target, mask, clip_value=self.clip_value
+        )
+        terms["loss_critic"] = self.critic_coeff * self._agg(loss, mask, normalizer)
+        stats.update(metrics.critic_statistics(value, old, target, mask, self.clip_value))
+        if policy_rows is not None:  # the policy's rows alone
+            ev = metrics.explained_variance_statistics(value, target, policy_rows)
+            stats[("explained_variance", "explained_variance_policy_rows")] = ev
 
+    def _entropy_terms(self, new, mask, normalizer, terms, stats) -> None:
+        if not (self.entropy_bonus or self.actor_network.return_entropy):
+            return
+        entropy = new.get(self.actor_network.entropy_key)
+        stats[("mean", "entropy")] = metrics.mean(entropy, mask)
+        if self.entropy_bonus:
+            terms["loss_entropy"] = -self.entropy_coeff * self._agg(entropy, mask, normalizer)
 
-def _read_setting(name: str) -> property:
-    honoured = UNSUPPORTED_CLIP_PPO_SETTINGS[name][0]
+    def _kl_terms(self, td, log_prob, mask, normalizer, terms, stats) -> None:
+        k = self.tensor_keys
+        ref = self._get(
+            td,
+            k.ref_log_prob,
+            "reference log-probs: recompute_old_log_probs_and_values(..., ref_actor=...)",
+        )
+        old = td.get(k.sample_log_prob) if self.kl_estimator == "k3_unbiased" else None
+        kl = functional.kl_penalty(
+            log_prob, ref, mask, estimator=self.kl_estimator, old_log_prob=old
+        )
+        terms["loss_kl"] = self.kl_coeff * self._agg(kl, mask, normalizer)
+        k3 = kl if self.kl_estimator == "k3" else functional.k3_kl(log_prob.detach(), ref, mask)
+        stats[("mean", "kl_ref")] = metrics.mean(k3, mask)  # the k3 estimate, any estimator
 
-    def get(self) -> Any:
-        if honoured is _NO_VALUE:
-            raise AttributeError(_no_value_message(name))
-        return honoured
-
-    return property(get, doc=f"ClipPPOLoss's ``{name}``: {UNSUPPORTED_CLIP_PPO_SETTINGS[name][1]}.")
-
-
-for _name in UNSUPPORTED_CLIP_PPO_SETTINGS:
-    setattr(TokenPPOLoss, _name, _read_setting(_name))
-del _name
 
 #: Policy metrics of every call, in ``out_keys`` order (TorchRL's names, verl's, then ours);
 #: ``pg_clipfrac_lower`` (verl) follows with ``dual_clip``.
@@ -778,6 +748,14 @@ _MISMATCH_METRICS = (
     "rollout_token_mult_prob_error",
     "rollout_seq_ratio",
     "rollout_kl",
+)
+
+#: Critic metrics (with a critic), in ``out_keys`` order (TorchRL's, verl's, then ours).
+_CRITIC_METRICS = (
+    "value_clip_fraction",
+    "explained_variance",
+    "vf_clipfrac",
+    "explained_variance_finite",
 )
 
 
@@ -818,123 +796,26 @@ def _describe_rc(rc: RolloutCorrection) -> str:
     )
 
 
-#: Critic metrics (with a critic), in ``out_keys`` order (TorchRL's, verl's, then ours).
-_CRITIC_METRICS = (
-    "value_clip_fraction",
-    "explained_variance",
-    "vf_clipfrac",
-    "explained_variance_finite",
-)
-
-
-def _fraction(flags: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return functional.masked_mean((flags & mask).float(), mask)
-
-
-def _ratio_metrics(
-    log_ratio: torch.Tensor, mask: torch.Tensor, clip_bounds: tuple[torch.Tensor, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """TorchRL's ratio diagnostics (and ours) over ``mask`` from the detached log-ratio ``[B, L]``.
-
-    ``clip_bounds``: ``ClipPPOLoss._clip_bounds``, ``(log1p(-eps_low), log1p(eps_high))``; the
-    band test is TorchRL's ``log_weight.clamp(*bounds) != log_weight``.
-    """
-    one = torch.ones((), dtype=log_ratio.dtype, device=log_ratio.device)
-    low, high = (bound.to(log_ratio.device) for bound in clip_bounds)
-    outside = log_ratio.clamp(low, high) != log_ratio
-    out = {
-        "clip_fraction": _fraction(outside, mask),
-        "kl_approx": functional.masked_mean(-log_ratio, mask),
-        "approx_kl": functional.masked_mean(torch.expm1(log_ratio) - log_ratio, mask),
-    }
-    if not bool(mask.any()):
-        return {**out, "mean_ratio": one, "max_ratio": one, "min_ratio": one, "ESS": one}
-    lw = log_ratio[mask]
-    ratio = lw.exp()
-    ess = (2 * lw.logsumexp(0) - (2 * lw).logsumexp(0)).exp()
-    return {
-        **out,
-        "mean_ratio": ratio.mean(),
-        "max_ratio": ratio.max(),
-        "min_ratio": ratio.min(),
-        "ESS": ess / lw.numel(),
-    }
-
-
-def _verl_policy_clip_fractions(
-    ratio: torch.Tensor,
-    advantage: torch.Tensor,
-    mask: torch.Tensor,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None,
-) -> dict[str, torch.Tensor]:
-    """verl's ``pg_clipfrac`` (and ``pg_clipfrac_lower`` with ``dual_clip``) over ``mask``.
-
-    verl's ``compute_policy_loss_vanilla``: ``pg_losses1 = -A r``, ``pg_losses2 = -A clip(r)``;
-    ``pg_clipfrac`` counts ``pg_losses2 > pg_losses1``, ``pg_clipfrac_lower`` counts ``A < 0`` and
-    ``max(pg_losses1, pg_losses2) > -c A``. ``ratio``: the loss's (clamped) ``[B, L]`` ratio.
-    """
-    adv = torch.where(mask, advantage, torch.zeros((), dtype=ratio.dtype, device=ratio.device))
-    losses1 = -adv * ratio
-    losses2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    out = {"pg_clipfrac": _fraction(losses2 > losses1, mask)}
-    if dual_clip is not None:
-        lower = (torch.maximum(losses1, losses2) > -adv * dual_clip) & (adv < 0)
-        out["pg_clipfrac_lower"] = _fraction(lower, mask)
-    return out
-
-
-def _critic_metrics(
-    value: torch.Tensor,
-    old_value: torch.Tensor,
-    target: torch.Tensor,
-    mask: torch.Tensor,
-    clip_value: float | None,
-) -> dict[str, torch.Tensor]:
-    """TorchRL's, verl's and our critic diagnostics over ``mask`` (``[B, L]`` tensors, detached)."""
-    zero = torch.zeros((), dtype=value.dtype, device=value.device)
-    v, old, tgt = (torch.where(mask, x, zero) for x in (value, old_value, target))
-    out = {"explained_variance_finite": functional.explained_variance(value, target, mask)}
-    if clip_value is None:
-        out["value_clip_fraction"], out["vf_clipfrac"] = zero.clone(), zero.clone()
-    else:
-        diff = v - old  # TorchRL's _clip_value_loss: pre_clipped != pre_clipped.clamp(-c, c)
-        out["value_clip_fraction"] = _fraction(diff.clamp(-clip_value, clip_value) != diff, mask)
-        v_clip = torch.max(torch.min(v, old + clip_value), old - clip_value)  # verl clip_by_value
-        out["vf_clipfrac"] = _fraction((v_clip - tgt) ** 2 > (v - tgt) ** 2, mask)
-    out["explained_variance"] = _torchrl_explained_variance(v, tgt, mask)
-    return out
-
-
-def _torchrl_explained_variance(
-    value: torch.Tensor, target: torch.Tensor, mask: torch.Tensor
-) -> torch.Tensor:
-    """TorchRL's ``1 - Var(R - V) / (Var(R) + eps)`` (population variances) over the tokens of
-    ``mask`` as one batch; 0 without any."""
-    if not bool(mask.any()):
-        return torch.zeros((), dtype=value.dtype, device=value.device)
-    tgt, pred = target[mask], value[mask]
-    eps = torch.finfo(tgt.dtype).eps
-    resid = torch.var(tgt - pred, correction=0)
-    return 1.0 - resid / (torch.var(tgt, correction=0) + eps)
+def _check_pair(actor_critic: LMActorCritic, critic_network: Any) -> None:
+    """A separate critic: an :class:`LMCritic` beside an actor without a value head."""
+    if not isinstance(critic_network, LMCritic):
+        raise TypeError(
+            f"{_OWNER}(critic_network=...) takes an LMCritic (a separate model with a value "
+            f"head), got {type(critic_network).__name__}"
+        )
+    if actor_critic.critic:
+        raise ValueError(
+            f"{_OWNER}: critic_network was given but actor_critic computes values too (its "
+            "value head); with a separate critic pass the actor as LMActorCritic(model, "
+            "critic=False)"
+        )
 
 
 def _check_actor(actor_critic, critic_coeff: float | None, critic_network) -> None:
     if not isinstance(actor_critic, LMActorCritic):
         raise TypeError(f"{_OWNER} needs an LMActorCritic, got {type(actor_critic).__name__}")
     if critic_network is not None:
-        if not isinstance(critic_network, LMCritic):
-            raise TypeError(
-                f"{_OWNER}(critic_network=...) takes an LMCritic (a separate model with a value "
-                f"head), got {type(critic_network).__name__}"
-            )
-        if actor_critic.critic:
-            raise ValueError(
-                f"{_OWNER}: critic_network was given but actor_critic computes values too (its "
-                "value head); with a separate critic pass the actor as LMActorCritic(model, "
-                "critic=False)"
-            )
+        _check_pair(actor_critic, critic_network)
         if not critic_coeff:
             raise ValueError(
                 f"{_OWNER}: critic_network was given with critic_coeff={critic_coeff}: the critic "

@@ -26,6 +26,9 @@ from ar_torchrl.modules.packing import PACKED_KEY
 
 __all__ = ["MicroBatch", "MicroBatchPlan", "plan_micro_batches"]
 
+#: What :meth:`Plan.reduce` computes over ranks.
+ReduceOp = Literal["sum", "max", "min"]
+
 
 # "auto" packs when at least this fraction of the tokens the padded plan computes is padding. A
 # packed forward computes no more backbone tokens than the padded one and runs the LM head on real
@@ -74,8 +77,8 @@ class Plan(Protocol):
     :class:`MicroBatchPlan` (one process) and :class:`~ar_torchrl.distributed.ShardedPlan` (this
     rank's share of a plan over several ranks) implement it. ``spans_ranks``: the plan is a rank's
     share, run in lockstep with the other ranks (every backward pass runs even after a non-finite
-    loss; the ranks agree on skipping the step) and :meth:`reduce` sums over ranks; a one-process
-    plan's :meth:`reduce` returns its values.
+    loss; the ranks agree on skipping the step) and :meth:`reduce` sums (or, with ``op``, takes the
+    maximum or minimum) over ranks; a one-process plan's :meth:`reduce` returns its values.
     """
 
     batch_size: tuple[int, int]
@@ -91,7 +94,7 @@ class Plan(Protocol):
         self, num_minibatches: int, generator: torch.Generator | None = None
     ) -> list[list[MicroBatch]]: ...
 
-    def reduce(self, values: Mapping[str, float]) -> dict[str, float]: ...
+    def reduce(self, values: Mapping[str, float], op: ReduceOp = "sum") -> dict[str, float]: ...
 
 
 @dataclass(frozen=True)
@@ -119,8 +122,9 @@ class MicroBatchPlan:
     #: a one-process plan: :meth:`reduce` returns its values
     spans_ranks = False
 
-    def reduce(self, values: Mapping[str, float]) -> dict[str, float]:
-        """The values as floats (the sum over the one process; see :class:`Plan`)."""
+    def reduce(self, values: Mapping[str, float], op: ReduceOp = "sum") -> dict[str, float]:
+        """The values as floats (the sum, or ``op`` ``"max"``/``"min"``, over the one process; see
+        :class:`Plan`)."""
         return {k: float(values[k]) for k in sorted(values)}
 
     @property

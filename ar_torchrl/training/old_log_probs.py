@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
-from torchrl.objectives import ClipPPOLoss
+from torchrl.objectives import LossModule
 
 from ar_torchrl.modules import LMActorCritic, LMCritic
 from ar_torchrl.training.micro_batch import MicroBatchPlan
@@ -20,7 +20,7 @@ def recompute_old_log_probs_and_values(
     plan: MicroBatchPlan,
     *,
     ref_actor: LMActorCritic | None = None,
-    loss: ClipPPOLoss | None = None,
+    loss: LossModule | None = None,
     critic: LMCritic | None = None,
 ) -> TensorDictBase:
     """Fill the old log-probs and values of ``td`` in place (no grad), one forward per micro-batch of ``plan``.
@@ -74,7 +74,7 @@ def recompute_old_log_probs_and_values(
 def _output_keys(
     actor_critic: LMActorCritic,
     ref_actor: LMActorCritic | None,
-    loss: ClipPPOLoss | None,
+    loss: LossModule | None,
     critic: LMCritic | None = None,
 ) -> dict[NestedKey, tuple[LMActorCritic | LMCritic, NestedKey]]:
     """Destination key -> (module, the module's output key)."""

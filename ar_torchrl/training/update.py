@@ -7,6 +7,12 @@ into ``num_minibatches`` mini-batches; a mini-batch accumulates the gradients of
 each loss divided by the mini-batch's *global* normaliser, so the accumulated gradient equals the
 gradient of one big batch. A mini-batch whose loss or gradient norm is not finite is skipped (no
 optimizer step, gradients dropped) and counted in ``train/skipped_steps``: nothing is silently lost.
+
+Metrics are those of each whole mini-batch (STYLE.md rule 14): the loss's statistics
+(:mod:`ar_torchrl.objectives.metrics`) stay on the device during the passes, are read to the host
+once per optimizer step with the finiteness flags and gradient norms, summed (or maxed) over the
+micro-batches and the ranks, and finalised; ``train/<metric>`` is then the mean over the
+mini-batches that define the metric.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 from torch import nn
 
+from ar_torchrl.objectives.metrics import combine, output_statistics
 from ar_torchrl.training.micro_batch import Plan
 from ar_torchrl.utils.checks import check_ppo_update_args
 
@@ -82,10 +89,6 @@ def lr_schedule_factor(
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def _mask_count(td: TensorDictBase, mask_key: NestedKey) -> float:
-    return float(td.get(mask_key).sum())
-
-
 def _minibatch_step(
     loss_fn: Callable,
     optimizer: torch.optim.Optimizer,
@@ -101,59 +104,56 @@ def _minibatch_step(
 ) -> tuple[dict[str, float], bool]:
     """Accumulate gradients over ``micro`` (``(td, is_padding)`` pairs); step unless not finite.
 
-    Data-parallel (``plan.spans_ranks``): the normaliser and metric weights are summed over ranks
-    (``plan.reduce``), and a non-finite loss does not return early (every rank must run the same
-    backward passes): the ranks agree on skipping the step after the last one.
+    Every pass runs, also after a non-finite loss (data parallel: every rank must run the same
+    backward passes); the loss's finiteness, the gradient norms and the metrics' statistics are
+    read to the host once, after the last pass, and (``plan.reduce``) combined over ranks, so the
+    ranks agree on skipping the step and the metrics are those of the whole mini-batch
+    (:func:`~ar_torchrl.objectives.metrics.combine`).
     """
     optimizer.zero_grad(set_to_none=True)
-    real = [mb for mb, pad in micro if not pad]
-    counts = [0.0 if pad else _mask_count(mb, mask_key) for mb, pad in micro]
-    weights = sum(counts)
-    if real:
-        norm = normalizer(real)
-    else:  # only padding passes on this rank: a zero of the normaliser's form (scalar or dict)
-        norm = _zero_like(normalizer([mb for mb, _ in micro]))
-    sharded = plan.spans_ranks
-    if sharded:  # a dict normaliser ({"policy": ..., "critic": ...}) is reduced per entry
-        parts = norm if isinstance(norm, dict) else {"": norm}
-        total = plan.reduce(
-            {**{f"norm/{key}": float(v) for key, v in parts.items()}, "weights": weights}
-        )
-        reduced = {key: total[f"norm/{key}"] for key in parts}
-        norm, weights = reduced if isinstance(norm, dict) else reduced[""], total["weights"]
-    weights = weights or 1.0
-    sums: dict[str, float] = {}
-    finite = True
-    for (mb, pad), count in zip(micro, counts):
+    norm = _normalizer(normalizer, micro, plan)
+    parts: list[tuple[dict, bool]] = []
+    nonfinite: list[torch.Tensor] = []
+    for mb, pad in micro:
         out = loss_fn(mb, normalizer=norm)
         loss = total_loss(out, loss_keys)
         if pad:  # a padding pass: FSDP's collectives run, the gradient gets exactly nothing
             loss = loss * 0.0
-        if not torch.isfinite(loss):
-            finite = False
-            if not sharded:
-                optimizer.zero_grad(set_to_none=True)
-                return {}, False
+        nonfinite.append(~torch.isfinite(loss.detach()))
         loss.backward()
-        _accumulate(sums, out, count / weights, padding=pad)
-    if sharded:
-        sums = plan.reduce({**sums, "_nonfinite": float(not finite)})
-        finite = sums.pop("_nonfinite") == 0.0
-    if not finite:
-        optimizer.zero_grad(set_to_none=True)
-        return {}, False
+        parts.append((output_statistics(out, mb.get(mask_key).sum()), pad))
     if trainable is not None:
         for p in (p for group in params.values() for p in group):
             if id(p) not in trainable:
                 p.grad = None
     norms = {name: _grad_norm(group, grad_clip) for name, group in params.items()}
-    if not all(math.isfinite(norm) for norm in norms.values()):
+    metrics, bad, norms = _read_and_combine(parts, nonfinite, norms, plan)
+    if bad or not all(math.isfinite(norm) for norm in norms.values()):
         optimizer.zero_grad(set_to_none=True)
         return {}, False
     optimizer.step()
     for name, norm in norms.items():
-        sums[f"grad_norm_{name}" if name else "grad_norm"] = norm
-    return sums, True
+        metrics[f"grad_norm_{name}" if name else "grad_norm"] = norm
+    return metrics, True
+
+
+def _normalizer(
+    normalizer: Callable[[list[TensorDictBase]], object],
+    micro: list[tuple[TensorDictBase, bool]],
+    plan: Plan,
+) -> object:
+    """The mini-batch's global normaliser (summed over ranks when the plan spans them)."""
+    real = [mb for mb, pad in micro if not pad]
+    if real:
+        norm = normalizer(real)
+    else:  # only padding passes on this rank: a zero of the normaliser's form (scalar or dict)
+        norm = _zero_like(normalizer([mb for mb, _ in micro]))
+    if not plan.spans_ranks:
+        return norm
+    parts = norm if isinstance(norm, dict) else {"": norm}  # a dict is reduced per entry
+    total = plan.reduce({f"norm/{key}": float(v) for key, v in parts.items()})
+    reduced = {key: total[f"norm/{key}"] for key in parts}
+    return reduced if isinstance(norm, dict) else reduced[""]
 
 
 def _zero_like(norm: object) -> object:
@@ -162,23 +162,50 @@ def _zero_like(norm: object) -> object:
     return 0.0
 
 
-def _accumulate(sums: dict[str, float], out: TensorDictBase, weight: float, padding: bool) -> None:
-    """Add a micro-batch's scalars: ``loss_*`` are already normalised by the whole mini-batch (sum
-    them), other metrics are averaged with ``weight``; padding passes and empty masks add 0."""
-    for key, value in out.items():
-        if isinstance(key, str) and value.numel() == 1:
-            scale = 1.0 if key.startswith("loss_") else weight
-            add = 0.0 if padding or scale == 0.0 else scale * float(value.detach())
-            sums[key] = sums.get(key, 0.0) + add
+def _read_and_combine(
+    parts: list[tuple[dict, bool]],
+    nonfinite: list[torch.Tensor],
+    norms: dict[str, object],
+    plan: Plan,
+) -> tuple[dict[str, float], bool, dict[str, float]]:
+    """One host read of every statistic (``(statistics, is_padding)`` per pass), loss flag and
+    gradient norm: the mini-batch's metrics, whether a pass was not finite (on any rank), and the
+    norms as floats. A padding pass's statistics are not read; its keys count (a rank may have
+    only padding passes, and every rank reduces the same keys)."""
+    keys = list(dict.fromkeys(k for stats, _ in parts for k in stats))
+    real = [stats for stats, pad in parts if not pad]
+    flat = [p[k] for p in real for k in keys if k in p]
+    values = iter(_to_floats([*flat, *nonfinite, *norms.values()]))
+    floats = [{k: next(values) for k in keys if k in p} for p in real]
+    bad = sum(next(values) for _ in nonfinite)
+    norms = {name: next(values) for name in norms}
+    metrics, extra = combine(floats, keys, plan.reduce, {"nonfinite": bad})
+    return metrics, extra["nonfinite"] > 0, norms
 
 
-def _grad_norm(params: list[nn.Parameter], grad_clip: float | None) -> float:
+def _to_floats(values: list) -> list[float]:
+    """Scalars (tensors on any device, or numbers) as Python floats: one transfer per device."""
+    out: list = list(values)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, value in enumerate(values):
+        if isinstance(value, torch.Tensor):
+            local = value.full_tensor() if hasattr(value, "full_tensor") else value  # a DTensor
+            out[i] = local.detach().reshape(()).to(torch.float64)
+            by_device.setdefault(out[i].device, []).append(i)
+    for idx in by_device.values():
+        for i, value in zip(idx, torch.stack([out[i] for i in idx]).tolist()):
+            out[i] = value
+    return [float(v) for v in out]
+
+
+def _grad_norm(params: list[nn.Parameter], grad_clip: float | None) -> torch.Tensor | float:
+    """The pre-clip global gradient norm (clipping the gradients in place), not read yet."""
     with_grad = [p for p in params if p.grad is not None]
     if not with_grad:
         return 0.0
     max_norm = grad_clip if grad_clip is not None else float("inf")
     # FSDP2 parameters are DTensors: the norm is global (a replicated DTensor) on every rank.
-    return float(torch.nn.utils.clip_grad_norm_(with_grad, max_norm))
+    return torch.nn.utils.clip_grad_norm_(with_grad, max_norm)
 
 
 def ppo_update(
@@ -200,7 +227,10 @@ def ppo_update(
 
     Args:
         loss_fn: called as ``loss_fn(micro_batch, normalizer=norm)``, returns a TensorDict of
-            ``loss_*`` terms and scalar metrics (e.g. :class:`~ar_torchrl.objectives.TokenPPOLoss`).
+            ``loss_*`` terms and scalar metrics, and optionally their ``statistics``
+            (:class:`~ar_torchrl.objectives.TokenPPOLoss` does: then every metric is computed over
+            the whole mini-batch; a loss without them has each scalar averaged over the
+            micro-batches weighted by their trained tokens, which is exact for means only).
         optimizer: steps once per mini-batch.
         td: the ``[B, L]`` rollout batch carrying old log-probs, values and advantages.
         plan: the micro-batch plan the old log-probs and values were computed with: any
@@ -221,12 +251,14 @@ def ppo_update(
             with ``trainable=value_head.parameters()`` is a critic-only warm-up step).
         trainable: only these parameters are updated (others' gradients are dropped).
         generator: RNG of the shuffles (seed it for reproducible runs).
-        mask_key: the mask that weights per-micro-batch metrics (default: the loss's own
-            ``tensor_keys.loss_mask``, else ``"loss_mask"``).
+        mask_key: the mask that weights the scalar metrics of a loss without ``statistics``
+            (default: the loss's own ``tensor_keys.loss_mask``, else ``"loss_mask"``).
 
     Returns:
-        ``train/<metric>`` averaged over the mini-batches that stepped, plus ``train/grad_norm``,
-        ``train/optimizer_steps`` and ``train/skipped_steps`` (non-finite loss or gradient).
+        ``train/<metric>`` averaged over the mini-batches that stepped and define it (a metric no
+        mini-batch defines, such as ``explained_variance`` when no return varies, is absent), plus
+        ``train/grad_norm``, ``train/optimizer_steps`` and ``train/skipped_steps`` (non-finite
+        loss or gradient).
 
     Example:
         >>> from tensordict import TensorDict
@@ -259,6 +291,7 @@ def ppo_update(
         params.setdefault(group.get("clip_group", ""), []).extend(group["params"])
     keep = None if trainable is None else {id(p) for p in trainable}
     totals: dict[str, float] = {}
+    defined: dict[str, int] = {}  # mini-batches that define each metric
     steps = skipped = 0
     for _ in range(epochs):
         for group in plan.minibatches(num_minibatches, generator):
@@ -277,9 +310,10 @@ def ppo_update(
             steps, skipped = steps + ok, skipped + (not ok)
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + value
+                defined[key] = defined.get(key, 0) + 1
     if skipped:
         logger.warning("ppo_update: skipped %d of %d steps (non-finite)", skipped, steps + skipped)
-    out = {f"train/{k}": v / max(steps, 1) for k, v in totals.items()}
+    out = {f"train/{k}": v / defined[k] for k, v in totals.items()}
     out.update({"train/optimizer_steps": float(steps), "train/skipped_steps": float(skipped)})
     return out
 

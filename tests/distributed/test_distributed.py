@@ -65,7 +65,19 @@ def test_two_ranks_train_like_one_process(two_ranks, mode):
     assert want["train/grad_norm"] > 0.05, "clipping must be active"
     metrics = info["metrics"]
     assert metrics["train/optimizer_steps"] == want["train/optimizer_steps"] == 2.0
-    for key in ("loss_objective", "loss_critic", "grad_norm", "mean_ratio", "clip_fraction"):
+    assert metrics.keys() == want.keys()
+    for key in (
+        "loss_objective",
+        "loss_critic",
+        "grad_norm",
+        "mean_ratio",
+        "clip_fraction",
+        "max_ratio",  # whole mini-batch: the maximum over both ranks' tokens
+        "min_ratio",
+        "ESS",
+        "explained_variance",  # from sums over both ranks
+        "explained_variance_finite",
+    ):
         assert metrics[f"train/{key}"] == pytest.approx(want[f"train/{key}"], rel=1e-5, abs=1e-6)
     for name, param in ac.model.state_dict().items():
         torch.testing.assert_close(got[name], param, atol=1e-5, rtol=0, msg=name)

@@ -7,7 +7,8 @@ import copy
 import pytest
 import torch
 from support.dist_workers import actor_critic, batch, ppo_loss, prepare
-from support.trajectories import make_trajectory
+from support.threaded_ranks import ThreadedRanks
+from support.trajectories import make_trajectory, perturb
 
 from ar_torchrl.distributed import ShardedPlan, shard_plan
 from ar_torchrl.training import MicroBatch, plan_micro_batches, ppo_update
@@ -176,3 +177,44 @@ def test_shard_plan_errors_name_the_problem():
     sharded = shard_plan(plan, td, rank=0, world_size=2)
     with pytest.raises(ValueError, match="cannot make 6 mini-batches from 5 micro-batches"):
         sharded.minibatches(6)
+
+
+def test_two_ranks_log_the_metrics_of_the_whole_mini_batch():
+    """Two ranks (threads meeting in ``plan.reduce``, as all_reduce) on a ShardedPlan log what one
+    process logs over the whole batch: means, sums, maxima/minima and explained variance. One
+    step, so every metric is taken at the same weights (no gradient crosses these ranks)."""
+    td = batch()
+    plan = plan_micro_batches(td, 20)
+    ac = actor_critic(seed=1)
+    td = prepare(ac, td, plan)
+    perturb(ac.model, scale=0.02, seed=4)  # ratios != 1
+
+    def update(plan_, model):
+        return ppo_update(
+            ppo_loss(model),
+            torch.optim.SGD(model.parameters(), lr=0.5),
+            td.clone(),
+            plan_,
+            generator=torch.Generator().manual_seed(0),
+        )
+
+    want = update(plan, copy.deepcopy(ac))
+    ranks = ThreadedRanks(2)
+
+    class Threaded(ShardedPlan):
+        def reduce(self, values, op="sum"):
+            return ranks.reduce(values, op)
+
+    def rank_update(rank: int):
+        mine = shard_plan(plan, td, rank=rank, world_size=2, collective=False)
+        threaded = Threaded(mine.plan, mine.owners, mine.filler, rank, 2, collective=False)
+        return update(threaded, copy.deepcopy(ac))
+
+    got = ranks.run(rank_update)
+    assert got[0].keys() == got[1].keys() == want.keys()
+    assert want["train/max_ratio"] > 1.01 and want["train/min_ratio"] < 0.99
+    for key, value in want.items():
+        if key.startswith("train/grad_norm"):
+            continue  # each thread's gradient is its share (FSDP would all-reduce it)
+        for out in got:
+            assert out[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key

@@ -406,3 +406,27 @@ def test_clamp_changes_nothing_inside_the_range():
     kl = functional.k3_kl(lp, old, mask, clamp=1e9)
     ref = torch.exp(old - lp) - (old - lp) - 1
     assert torch.equal(kl, ref.clamp(0.0, 1e9))
+
+
+@pytest.mark.parametrize(
+    ("name", "home"),
+    [
+        ("clipped_surrogate", "policy_losses"),
+        ("masked_log_ratio", "policy_losses"),
+        ("pessimistic_clip", "policy_losses"),
+        ("LOG_RATIO_CLAMP", "policy_losses"),
+        ("k3_kl", "kl"),
+    ],
+)
+def test_names_that_left_functional_losses_keep_an_alias_for_one_release(name, home):
+    import importlib
+
+    from ar_torchrl.functional import losses
+
+    with pytest.warns(
+        DeprecationWarning, match=rf"losses\.{name} is now ar_torchrl\.functional\.{home}\.{name}"
+    ):
+        old = getattr(losses, name)
+    assert old is getattr(importlib.import_module(f"ar_torchrl.functional.{home}"), name)
+    with pytest.raises(AttributeError, match="has no attribute 'clipped_surogate'"):
+        losses.clipped_surogate  # noqa: B018

@@ -193,3 +193,20 @@ def test_actor_without_value_head_and_accepted_keys():
         LMActorCritic(bare, critic="no")
     with pytest.raises(ValueError, match="LMActorCritic: logits_chunk_tokens must be >= 1, got 0"):
         LMActorCritic(bare, critic=False, logits_chunk_tokens=0)
+
+
+def test_return_entropy_is_a_public_setting_that_updates_out_keys():
+    """What TokenPPOLoss(entropy_coeff > 0) flips: setting it changes out_keys and the forward."""
+    from ar_torchrl.objectives import TokenPPOLoss
+
+    ac = tiny_actor_critic(seed=0)
+    td = make_trajectory([3, 2], [2, 4], seed=0).select("tokens", "attention_mask")
+    assert "entropy" not in ac.out_keys and "entropy" not in ac(td.clone()).keys()
+    ac.return_entropy = True
+    assert ac.out_keys[-1] == "entropy" and ac(td.clone())["entropy"].shape == td.shape
+    ac.return_entropy = False
+    assert "entropy" not in ac.out_keys
+    with pytest.raises(TypeError, match="LMActorCritic: return_entropy must be true or false"):
+        ac.return_entropy = "yes"
+    TokenPPOLoss(ac, entropy_coeff=0.01)  # the loss asks its actor for entropies
+    assert ac.return_entropy and "entropy" in ac.out_keys

@@ -4,8 +4,6 @@ exact old values over the micro-batch plan (padded and packed), and the errors."
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from support.trajectories import VOCAB, make_trajectory
@@ -124,6 +122,26 @@ def test_gradients_stay_on_their_side():
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in trunk)
 
 
+def test_a_replaced_critic_is_the_one_the_loss_trains_and_anchors_with():
+    """``loss.critic_network = other``: the old values and the value loss come from ``other``, and
+    only ``other`` gets gradients."""
+    actor, critic = _pair()
+    other = LMCritic(_perturbed_head(attach_value_head(build_tiny_qwen3(VOCAB, seed=9)), 5))
+    td = make_trajectory(PROMPTS, RESPONSES, seed=6)
+    plan = plan_micro_batches(td, token_budget=1000)
+    loss = TokenPPOLoss(actor, critic, clip_value=0.2)
+    loss.critic_network = other
+    recompute_old_log_probs_and_values(actor, td, plan, loss=loss)
+    with torch.no_grad():
+        assert torch.equal(td["state_value"], other(other.select_inputs(td))["state_value"])
+    td = TokenGAE(gamma=1.0, lmbda=0.95)(td)
+    loss(td)["loss_critic"].backward()
+    assert all(p.grad is None for p in critic.parameters())
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in other.parameters())
+    fresh = TokenPPOLoss(actor, other, clip_value=0.2)(td)
+    assert torch.equal(loss(td)["loss_critic"], fresh["loss_critic"])
+
+
 def test_ppo_update_trains_both_and_grpo_targets_reach_the_separate_critic():
     actor, critic = _pair()
     td = make_trajectory(PROMPTS, RESPONSES, seed=4, group_size=2)
@@ -176,9 +194,12 @@ def test_the_loss_names_what_is_wrong_with_a_critic():
         TokenPPOLoss(actor)
     loss = TokenPPOLoss(actor, critic)
     assert loss.separate_critic and not TokenPPOLoss(shared).separate_critic
-    with pytest.raises(ValueError, match=r"critic_network cannot be replaced"):
-        loss.critic_network = copy.deepcopy(critic)
     td = make_trajectory(PROMPTS, RESPONSES, seed=5)
+    # critic_network is a module of the loss, as in TorchRL: a replacement that does not fit is
+    # named when the loss is called
+    loss.critic_network = shared
+    with pytest.raises(TypeError, match=r"takes an LMCritic .* got LMActorCritic"):
+        loss(td)
     with pytest.raises(ValueError, match=r"a separate critic was given but actor_critic computes"):
         recompute_old_log_probs_and_values(
             shared, td, plan_micro_batches(td, token_budget=1000), critic=critic

@@ -29,6 +29,11 @@ def batch(seed: int, B: int = 8, L: int = 7, spread: float = 0.3, row_adv: bool 
     return lp, old, adv, mask
 
 
+def call(fn, lp, old, adv, mask, clip_low: float = 0.2, clip_high: float = 0.2):
+    """A registered loss function, called as TokenPPOLoss calls it: ``(loss, metrics)``."""
+    return fn(lp, old, adv, mask, clip_low=clip_low, clip_high=clip_high, dual_clip=None)
+
+
 def grad_of(loss: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
     (g,) = torch.autograd.grad(loss, lp, retain_graph=True)
     return g
@@ -179,7 +184,8 @@ def test_masked_tokens_get_exactly_zero_gradient_whatever_they_hold(name):
     adv[~mask] = float("-inf")
     x = garbage.requires_grad_(True)
     fn = make_policy_loss(name)
-    loss, ratio, clipped = fn(x, old, adv, mask)
+    loss, metrics = call(fn, x, old, adv, mask)
+    clipped = metrics["pg_clipfrac"]
     total = aggregate_loss(loss, mask, "token_mean")
     (g,) = torch.autograd.grad(total, x)
     assert torch.isfinite(total) and torch.isfinite(g).all()
@@ -205,7 +211,7 @@ def test_expected_gradients_on_an_enumerated_categorical_policy(seed):
 
     def expected(loss_fn, th):
         lp = torch.log_softmax(th, -1)
-        loss, _, _ = loss_fn(lp[:, None], old[:, None], A[:, None], mask)
+        loss, _ = call(loss_fn, lp[:, None], old[:, None], A[:, None], mask)
         return (old.exp() * loss[:, 0]).sum()
 
     lp = torch.log_softmax(theta, -1)
@@ -325,7 +331,7 @@ def test_gspo_sequence_and_clip_match_trl(seed):
     ours = aggregate_loss(loss, mask, "seq_mean_token_mean")
     same_loss_and_gradient(ours, theirs, lp)
     theirs = trl_loss(lp, old, row_adv, mask.to(F64), "grpo", "token", (0.2, 0.28))
-    loss, _, _ = make_policy_loss("clip", clip_low=0.2, clip_high=0.28)(lp, old, adv, mask)
+    loss, _ = call(make_policy_loss("clip"), lp, old, adv, mask, clip_low=0.2, clip_high=0.28)
     ours = aggregate_loss(loss, mask, "seq_mean_token_mean")
     torch.testing.assert_close(ours, theirs, atol=1e-12, rtol=1e-10)
 
@@ -355,13 +361,82 @@ def test_token_ppo_loss_uses_the_registered_policy_loss(name):
     out = loss_fn(td)
     mask = td["loss_mask"]
     lp = ac(td.select(*ac.in_keys))["log_prob"].detach()
-    fn = make_policy_loss(name, options, clip_low=0.2, clip_high=0.2)
-    expect, _, clipped = fn(lp, td["sample_log_prob"], td["advantage"].squeeze(-1), mask)
+    fn = make_policy_loss(name, options)
+    expect, metrics = call(fn, lp, td["sample_log_prob"], td["advantage"].squeeze(-1), mask)
     torch.testing.assert_close(
         out["loss_objective"].detach(), aggregate_loss(expect, mask, "seq_mean_token_mean")
     )
-    if name != "clip":
-        assert out["pg_clipfrac"] == clipped[mask].float().mean()
+    assert out["pg_clipfrac"] == metrics["pg_clipfrac"][mask].float().mean()
     assert "loss_critic" in out.keys()
     out["loss_objective"].backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in ac.parameters())
+
+
+def _private_registry(monkeypatch):
+    """Registrations in this test stay in it (the registry's entries are restored afterwards)."""
+    from ar_torchrl.objectives import POLICY_LOSSES
+
+    monkeypatch.setattr(POLICY_LOSSES, "_entries", dict(POLICY_LOSSES._entries))
+    return POLICY_LOSSES
+
+
+def test_token_ppo_loss_calls_the_registered_loss_with_the_clip_range_of_the_moment(monkeypatch):
+    from ar_torchrl.objectives import TokenPPOLoss, register_policy_loss
+
+    _private_registry(monkeypatch)
+    clip, calls = make_policy_loss("clip"), []
+
+    @register_policy_loss("recording")
+    def _recording():
+        def fn(log_prob, old_log_prob, advantage, mask, *, clip_low, clip_high, dual_clip):
+            calls.append((clip_low, clip_high, dual_clip))
+            loss, metrics = clip(
+                log_prob,
+                old_log_prob,
+                advantage,
+                mask,
+                clip_low=clip_low,
+                clip_high=clip_high,
+                dual_clip=dual_clip,
+            )
+            return loss, {**metrics, "tokens_seen": mask.clone()}
+
+        return fn
+
+    ac, td = tiny_batch(seed=0)
+    loss_fn = TokenPPOLoss(ac, policy_loss="recording", clip_epsilon=(0.2, 0.28))
+    out = loss_fn(td)
+    loss_fn.clip_epsilon = 0.1  # scheduled: the next call gets the new range
+    loss_fn(td)
+    assert calls == [
+        (pytest.approx(0.2), pytest.approx(0.28), None),
+        (pytest.approx(0.1), pytest.approx(0.1), None),
+    ]
+    assert out["tokens_seen"].item() == 1.0  # a loss's own metric is reported (a mean over T)
+    builtin = TokenPPOLoss(ac, clip_epsilon=(0.2, 0.28))(td)
+    for key in ("loss_objective", "pg_clipfrac", "clip_fraction"):
+        torch.testing.assert_close(out[key], builtin[key], msg=key)
+
+
+def test_the_default_clip_is_the_registered_clip_entry(monkeypatch):
+    from ar_torchrl.objectives import TokenPPOLoss, register_policy_loss
+    from ar_torchrl.objectives.policy_loss import ClipConfig
+
+    registry = _private_registry(monkeypatch)
+    ac, td = tiny_batch(seed=1)
+    before = TokenPPOLoss(ac, dual_clip=3.0)(td)
+    clip = make_policy_loss("clip", dual_clip=3.0)
+    del registry._entries["clip"]
+
+    @register_policy_loss("clip", config=ClipConfig)
+    def _doubled(options):
+        def fn(log_prob, old_log_prob, advantage, mask, **clip_range):
+            loss, metrics = clip(log_prob, old_log_prob, advantage, mask, **clip_range)
+            return 2 * loss, {**metrics, "pg_clipfrac": torch.ones_like(mask)}
+
+        return fn
+
+    after = TokenPPOLoss(ac, dual_clip=3.0)(td)
+    torch.testing.assert_close(after["loss_objective"], 2 * before["loss_objective"])
+    assert after["pg_clipfrac"].item() == 1.0 != before["pg_clipfrac"].item()
+    assert after["pg_clipfrac_lower"] == before["pg_clipfrac_lower"]
