@@ -1,9 +1,9 @@
 """The registry of policy losses (:data:`POLICY_LOSSES`, verl's ``register_policy_loss`` style) and
 the torch-free config of the rollout correction (:class:`RolloutCorrection`, its presets).
 
-A policy loss's factory is called as ``factory(options, *, clip_low, clip_high, dual_clip)``
-(``options``: an instance of its schema; the other arguments are the PPO clip of
-:class:`~ar_torchrl.objectives.TokenPPOLoss`) and returns a function
+A policy loss is registered by decorating its options' dataclass (the one shape of
+:mod:`ar_torchrl.registry`); its ``build(self, *, clip_low, clip_high, dual_clip)`` (the PPO clip
+of :class:`~ar_torchrl.objectives.TokenPPOLoss`) returns a function
 ``fn(log_prob, old_log_prob, advantage, mask) -> (loss [B, L], ratio [B, L], clipped [B, L])``
 with the contract of :mod:`ar_torchrl.functional.policy_losses`; :class:`TokenPPOLoss` aggregates
 the loss with its ``loss_agg_mode``, weights it with the rollout correction, and counts ``clipped``
@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Optional, TypeVar
+from typing import Any, ClassVar, Optional
 
 from ar_torchrl.registry import Registry
 from ar_torchrl.utils.checks import check_choice, check_number
@@ -30,36 +30,23 @@ __all__ = [
     "CISPOConfig",
     "ClipConfig",
     "GSPOConfig",
+    "GSPOTokenConfig",
     "RolloutCorrection",
     "make_policy_loss",
     "policy_loss_names",
     "register_policy_loss",
 ]
 
-Factory = TypeVar("Factory", bound=Callable[..., Any])
+POLICY_LOSSES = Registry(
+    "policy loss",
+    decorator="register_policy_loss",
+    build="build(self, *, clip_low: float, clip_high: float, dual_clip: float | None)",
+)
 
-POLICY_LOSSES = Registry("policy loss")
-
-
-def register_policy_loss(name: str, *, config: type | None = None) -> Callable[[Factory], Factory]:
-    """Decorator: register a policy-loss factory as ``name`` with its options' dataclass.
-
-    With ``config`` (a dataclass with ``check(prefix)``) the factory is called as
-    ``factory(options, *, clip_low, clip_high, dual_clip)`` and a recipe gets an ``algo.<name>``
-    section; without, as ``factory(*, clip_low, clip_high, dual_clip)``.
-
-    Example:
-        >>> import torch
-        >>> @register_policy_loss("reinforce_example")
-        ... def _reinforce(*, clip_low, clip_high, dual_clip):
-        ...     def fn(log_prob, old_log_prob, advantage, mask):
-        ...         loss = torch.where(mask, -advantage * log_prob, 0.0)
-        ...         return loss, torch.ones_like(loss), torch.zeros_like(mask)
-        ...     return fn
-        >>> "reinforce_example" in policy_loss_names()
-        True
-    """
-    return POLICY_LOSSES.register(name, config=config)
+#: ``@register_policy_loss(name, help=...)`` on the loss's options dataclass, whose
+#: ``build(self, *, clip_low, clip_high, dual_clip)`` returns the per-token function
+#: (:meth:`ar_torchrl.registry.Registry.register` of :data:`POLICY_LOSSES`).
+register_policy_loss = POLICY_LOSSES.register
 
 
 def policy_loss_names() -> tuple[str, ...]:
@@ -104,6 +91,7 @@ def make_policy_loss(
     )
 
 
+@register_policy_loss("clip", help="PPO's clipped surrogate (dual-clip optional)")
 @dataclass
 class ClipConfig:
     """``clip``: PPO's clipped surrogate; its clip range is the loss's ``clip_epsilon``."""
@@ -111,16 +99,17 @@ class ClipConfig:
     def check(self, prefix: str) -> None:
         return None
 
+    def build(self, *, clip_low: float, clip_high: float, dual_clip: float | None) -> Callable:
+        from functools import partial
 
-@register_policy_loss("clip", config=ClipConfig)
-def _clip(options: ClipConfig, *, clip_low: float, clip_high: float, dual_clip: float | None):
-    from functools import partial
+        from ar_torchrl.functional.losses import clipped_surrogate
 
-    from ar_torchrl.functional.losses import clipped_surrogate
-
-    return partial(clipped_surrogate, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
+        return partial(
+            clipped_surrogate, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip
+        )
 
 
+@register_policy_loss("gspo", help="GSPO: the clipped length-normalised sequence ratio")
 @dataclass
 class GSPOConfig:
     """``gspo`` / ``gspo_token``: the band of the length-normalised sequence ratio."""
@@ -128,31 +117,35 @@ class GSPOConfig:
     clip_low: float = 3.0e-4  # the ratio's band is [1 - clip_low, 1 + clip_high] (GSPO paper)
     clip_high: float = 4.0e-4
 
+    #: ``gspo_token``: the sequence ratio with each token's own gradient (GSPO-token)
+    token_level: ClassVar[bool] = False
+
     def check(self, prefix: str) -> None:
         check_number(prefix, "clip_low", self.clip_low, ge=0, lt=1)
         check_number(prefix, "clip_high", self.clip_high, ge=0)
 
-
-def _gspo(token_level: bool):
-    def factory(options: GSPOConfig, *, clip_low: float, clip_high: float, dual_clip: Any):
+    def build(self, *, clip_low: float, clip_high: float, dual_clip: Any) -> Callable:
         from functools import partial
 
         from ar_torchrl.functional.policy_losses import gspo_surrogate
 
         return partial(
             gspo_surrogate,
-            clip_low=options.clip_low,
-            clip_high=options.clip_high,
-            token_level=token_level,
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            token_level=self.token_level,
         )
 
-    return factory
+
+@register_policy_loss("gspo_token", help="GSPO-token: GSPO's ratio, per-token gradients")
+@dataclass
+class GSPOTokenConfig(GSPOConfig):
+    """``gspo_token``: :class:`GSPOConfig`'s band, per-token gradients."""
+
+    token_level: ClassVar[bool] = True
 
 
-register_policy_loss("gspo", config=GSPOConfig)(_gspo(False))
-register_policy_loss("gspo_token", config=GSPOConfig)(_gspo(True))
-
-
+@register_policy_loss("cispo", help="CISPO: the clipped, detached importance weight")
 @dataclass
 class CISPOConfig:
     """``cispo``: the bounds of the detached importance weight."""
@@ -168,14 +161,12 @@ class CISPOConfig:
                 f"{prefix}weight_min={self.weight_min} is above weight_max={self.weight_max}"
             )
 
+    def build(self, *, clip_low: float, clip_high: float, dual_clip: Any) -> Callable:
+        from functools import partial
 
-@register_policy_loss("cispo", config=CISPOConfig)
-def _cispo(options: CISPOConfig, *, clip_low: float, clip_high: float, dual_clip: Any):
-    from functools import partial
+        from ar_torchrl.functional.policy_losses import cispo_surrogate
 
-    from ar_torchrl.functional.policy_losses import cispo_surrogate
-
-    return partial(cispo_surrogate, weight_max=options.weight_max, weight_min=options.weight_min)
+        return partial(cispo_surrogate, weight_max=self.weight_max, weight_min=self.weight_min)
 
 
 # --------------------------------------------------------------------------- rollout correction

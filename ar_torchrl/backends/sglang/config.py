@@ -5,17 +5,28 @@
   sglang-router (launched, or running);
 - its weight-sync methods and their options: ``disk`` (:class:`DiskSyncOptions`), ``tensor``
   (:class:`TensorSyncOptions``), ``distributed`` (:class:`DistributedSyncOptions`). A ``None`` option
-  keeps the sender's own default.
+  keeps the sender's own default;
+- how the client talks to the servers: :class:`SGLangClientOptions` (``SGLangBackend(options=...)``).
+
+Every option is checked by one function, which the client and the senders call too.
 """
 
 from __future__ import annotations
 
+import importlib
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ar_torchrl.backends.registry import BackendContext, register_backend
-from ar_torchrl.utils.checks import check_choice, check_number, is_server_url
+from ar_torchrl.backends.registry import BackendConfig, BackendContext, register_backend
+from ar_torchrl.utils.checks import (
+    MAX_TIMEOUT_S,
+    check_choice,
+    check_number,
+    check_timeout,
+    is_server_url,
+)
 from ar_torchrl.weight_sync.registry import register_sync_method, sender_options, set_options
 
 # OmegaConf reads the annotations at run time: they must stay `Optional[...]`, not `X | None`.
@@ -25,6 +36,7 @@ __all__ = [
     "DiskSyncOptions",
     "DistributedSyncOptions",
     "SGLangBackendConfig",
+    "SGLangClientOptions",
     "TensorSyncOptions",
     "check_server_url",
 ]
@@ -52,6 +64,17 @@ def check_server_url(prefix: str, name: str, url: Any) -> str:
 
 
 # --------------------------------------------------------------------------- weight sync methods
+def _sender(module: str, cls: str, options: Any, target: Any) -> Any:
+    """``senders.<module>.<cls>(target, **options that are set)``, imported when built."""
+    found = importlib.import_module(f"ar_torchrl.backends.sglang.senders.{module}")
+    return getattr(found, cls)(target, **set_options(options))
+
+
+@register_sync_method(
+    "disk",
+    engine="sglang",
+    help="safetensors shards in a temp dir + /update_weights_from_disk (shared filesystem)",
+)
 @dataclass
 class DiskSyncOptions:
     """Options of :class:`~.senders.disk.DiskWeightSender`."""
@@ -63,7 +86,15 @@ class DiskSyncOptions:
     def check(self, prefix: str) -> None:
         check_number(prefix, "bucket_bytes", self.bucket_bytes, ge=1, integer=True, allow_none=True)
 
+    def build(self, *, target: Any) -> Any:
+        return _sender("disk", "DiskWeightSender", self, target)
 
+
+@register_sync_method(
+    "tensor",
+    engine="sglang",
+    help="buckets through shared memory + /update_weights_from_tensor (same machine)",
+)
 @dataclass
 class TensorSyncOptions:
     """Options of :class:`~.senders.tensor.TensorWeightSender`."""
@@ -73,7 +104,15 @@ class TensorSyncOptions:
     def check(self, prefix: str) -> None:
         check_number(prefix, "bucket_bytes", self.bucket_bytes, ge=1, integer=True, allow_none=True)
 
+    def build(self, *, target: Any) -> Any:
+        return _sender("tensor", "TensorWeightSender", self, target)
 
+
+@register_sync_method(
+    "distributed",
+    engine="sglang",
+    help="broadcast over a gloo/nccl group + /update_weights_from_distributed",
+)
 @dataclass
 class DistributedSyncOptions:
     """Options of :class:`~.senders.distributed.DistributedWeightSender`."""
@@ -92,39 +131,107 @@ class DistributedSyncOptions:
             prefix, "master_port", self.master_port, ge=1, le=65535, integer=True, allow_none=True
         )
         check_number(prefix, "bucket_bytes", self.bucket_bytes, ge=1, integer=True, allow_none=True)
-        check_number(prefix, "timeout_s", self.timeout_s, gt=0, allow_none=True)
+        check_timeout(prefix, "timeout_s", self.timeout_s, allow_none=True)
+
+    def build(self, *, target: Any) -> Any:
+        return _sender("distributed", "DistributedWeightSender", self, target)
 
 
-def _sender(module: str, cls: str):
-    def factory(options: Any, *, target: Any) -> Any:
-        import importlib
+# --------------------------------------------------------------------------- the client
+def check_stall_grace(
+    owner: str, value: Any, *, at_least: float | None = None, hint: str = ""
+) -> Any:
+    """How long a server holding requests may stay silent before they move (``None``: never):
+    ``> 0`` seconds (``>= at_least`` where given: real servers answer the probe after 1 s at the
+    earliest), a week at most.
 
-        sender = getattr(
-            importlib.import_module(f"ar_torchrl.backends.sglang.senders.{module}"), cls
+    Example:
+        >>> check_stall_grace("SGLangBackend", 0)
+        Traceback (most recent call last):
+        ...
+        ValueError: SGLangBackend: stall_grace_s must be > 0, got 0 (None disables the stall detection)
+    """
+    hint = hint or "None disables the stall detection"
+    bound = {"gt": 0} if at_least is None else {"ge": at_least}
+    check_number(owner, "stall_grace_s", value, **bound, allow_none=True, hint=hint)
+    return check_timeout(owner, "stall_grace_s", value, allow_none=True)
+
+
+@dataclass(frozen=True)
+class SGLangClientOptions:
+    """How :class:`~ar_torchrl.backends.SGLangBackend` talks to the servers (everything but where
+    they are and how the weights travel), checked once by :meth:`check` (the client calls it).
+
+    Attributes:
+        api_key: the servers' ``--api-key`` (``None``: ``$AR_TORCHRL_SGLANG_API_KEY``, if set).
+        max_concurrency: in-flight ``/generate`` requests.
+        timeout_s: deadline of one whole ``/generate`` answer (seconds).
+        stall_grace_s: how long a server holding requests may stay silent (no answer, no passed
+            probe) before its requests move to the other servers (``None``: never; then only
+            ``timeout_s`` ends a wait). Keep it well above the probe's latency (SGLang answers
+            ``/health_generate`` after 1 s at the earliest).
+        sync_timeout_s: deadline of each weight-sync request.
+        probe_path: the liveness probe, ``GET`` while requests wait (``"/health_generate"``: the
+            scheduler made progress; ``"/health"``: only the HTTP process answers).
+        connect_timeout_s: TCP connect timeout.
+        max_retries, backoff_s, backoff_max_s: retry policy for connection errors and 5xx.
+        max_response_bytes: largest answer accepted (``None``: the HTTP client's 64 MiB).
+        on_abort: ``"raise"`` or ``"keep"`` the completions a server aborted.
+        extra_sampling_params: more SGLang ``sampling_params`` (e.g. ``{"ignore_eos": True}``);
+            keys are checked against SGLang's schema by the client, not at the server.
+        vocab_size: token ids at or above it are a protocol error (``None``: not checked here).
+        show_progress: tqdm bar over prompts (``None``: only on a terminal).
+        abort_all_after_s: partial rollouts: a request still running this long after its first
+            abort (whose abort SGLang lost) is ended with ``{"abort_all": true}`` on its server.
+
+    Example:
+        >>> SGLangClientOptions(timeout_s=30.0, show_progress=False).timeout_s
+        30.0
+        >>> SGLangClientOptions(sync_timeout_s=1e10).check()
+        Traceback (most recent call last):
+        ...
+        ValueError: SGLangBackend: sync_timeout_s must be <= 604800 (seconds: a week), got 10000000000.0
+    """
+
+    api_key: Optional[str] = None
+    max_concurrency: int = 8
+    timeout_s: float = 600.0
+    stall_grace_s: Optional[float] = 60.0
+    sync_timeout_s: float = 600.0
+    probe_path: str = "/health_generate"
+    connect_timeout_s: float = 5.0
+    max_retries: int = 3
+    backoff_s: float = 0.5
+    backoff_max_s: float = 8.0
+    max_response_bytes: Optional[int] = None
+    on_abort: str = "raise"
+    extra_sampling_params: Optional[Mapping[str, Any]] = None
+    vocab_size: Optional[int] = None
+    show_progress: Optional[bool] = None
+    abort_all_after_s: float = 5.0
+
+    def check(self, owner: str = "SGLangBackend") -> None:
+        check_number(owner, "max_concurrency", self.max_concurrency, ge=1, integer=True)
+        check_choice(owner, "on_abort", self.on_abort, ("raise", "keep"))
+        check_timeout(owner, "timeout_s", self.timeout_s)
+        check_timeout(owner, "sync_timeout_s", self.sync_timeout_s)
+        check_timeout(owner, "connect_timeout_s", self.connect_timeout_s)
+        check_number(owner, "abort_all_after_s", self.abort_all_after_s, ge=0, le=MAX_TIMEOUT_S)
+        check_stall_grace(owner, self.stall_grace_s)
+        if not isinstance(self.probe_path, str) or not self.probe_path.startswith("/"):
+            raise ValueError(f"{owner}: probe_path must start with '/', got {self.probe_path!r}")
+        check_number(owner, "max_retries", self.max_retries, ge=0, integer=True)
+        check_number(owner, "backoff_s", self.backoff_s, ge=0)
+        check_number(owner, "backoff_max_s", self.backoff_max_s, ge=0)
+        check_number(
+            owner,
+            "max_response_bytes",
+            self.max_response_bytes,
+            ge=1,
+            integer=True,
+            allow_none=True,
         )
-        return sender(target, **set_options(options))
-
-    return factory
-
-
-register_sync_method(
-    "disk",
-    engine="sglang",
-    config=DiskSyncOptions,
-    help="safetensors shards in a temp dir + /update_weights_from_disk (shared filesystem)",
-)(_sender("disk", "DiskWeightSender"))
-register_sync_method(
-    "tensor",
-    engine="sglang",
-    config=TensorSyncOptions,
-    help="buckets through shared memory + /update_weights_from_tensor (same machine)",
-)(_sender("tensor", "TensorWeightSender"))
-register_sync_method(
-    "distributed",
-    engine="sglang",
-    config=DistributedSyncOptions,
-    help="broadcast over a gloo/nccl group + /update_weights_from_distributed",
-)(_sender("distributed", "DistributedWeightSender"))
+        check_number(owner, "vocab_size", self.vocab_size, ge=1, integer=True, allow_none=True)
 
 
 # --------------------------------------------------------------------------- the backend
@@ -132,7 +239,7 @@ register_sync_method(
     "sglang", help="an SGLang server: launched locally on the policy, or running ones"
 )
 @dataclass
-class SGLangBackendConfig:
+class SGLangBackendConfig(BackendConfig):
     """``backend=sglang``: :class:`~ar_torchrl.backends.SGLangBackend` over one or more servers."""
 
     url: Any = None  # None (launch num_servers) | a URL | a list of URLs
@@ -181,14 +288,12 @@ class SGLangBackendConfig:
                 check_server_url(prefix, "url", url)
         self._check_router(prefix)
         check_choice(prefix, "device", self.device, ("cpu", "cuda"))
-        check_number(prefix, "timeout_s", self.timeout_s, gt=0)
-        check_number(prefix, "sync_timeout_s", self.sync_timeout_s, gt=0)
-        check_number(
+        check_timeout(prefix, "timeout_s", self.timeout_s)
+        check_timeout(prefix, "sync_timeout_s", self.sync_timeout_s)
+        check_stall_grace(  # real servers: the probe answers after 1 s at the earliest
             prefix,
-            "stall_grace_s",
             self.stall_grace_s,
-            ge=2,
-            allow_none=True,
+            at_least=2,
             hint="SGLang answers the /health_generate probe after 1 s at the earliest; null disables "
             "the stall detection",
         )
@@ -216,6 +321,9 @@ class SGLangBackendConfig:
                 f"NVIDIA driver on your system): set {key}device=cuda, or leave "
                 "release_memory_during_update=false"
             )
+
+    def releases_memory_during_update(self) -> bool:
+        return self.release_memory_during_update
 
     def server_args(self) -> list[str]:
         """The flags a launched server gets beyond the launcher's: ``extra_args``, and
@@ -297,11 +405,13 @@ class SGLangBackendConfig:
             router_url=router_url,
             weight_sync=self.weight_sync,
             weight_sync_options=dict(self.weight_sync_options),
-            timeout_s=self.timeout_s,
-            stall_grace_s=self.stall_grace_s,
-            sync_timeout_s=self.sync_timeout_s,
-            vocab_size=context.model.config.vocab_size,
-            show_progress=False,
+            options=SGLangClientOptions(
+                timeout_s=self.timeout_s,
+                stall_grace_s=self.stall_grace_s,
+                sync_timeout_s=self.sync_timeout_s,
+                vocab_size=context.model.config.vocab_size,
+                show_progress=False,
+            ),
         )
         context.stack.callback(backend.close)
         if not backend.health():  # said once, before anything reads as a weight-sync failure

@@ -16,6 +16,7 @@ from ar_torchrl.recipes.dapo_ppo.main import (
     find_checkpoint,
     help_text,
     hydra_argv,
+    launch_argv,
     run,
 )
 
@@ -27,6 +28,7 @@ __all__ = [
     "find_checkpoint",
     "help_text",
     "hydra_argv",
+    "launch_argv",
     "run",
     "schemas",
     "validate_config",

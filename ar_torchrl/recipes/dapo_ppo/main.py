@@ -20,10 +20,23 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from ar_torchrl.recipes import run as runs
-from ar_torchrl.recipes.config import render_help
-from ar_torchrl.recipes.dapo_ppo.config import Config, validate_config
+from ar_torchrl.recipes.config import (
+    check_overrides,
+    component_imports,
+    import_components,
+    render_help,
+)
+from ar_torchrl.recipes.dapo_ppo.config import GROUPS, Config, config_schema, validate_config
 
-__all__ = ["PROG", "RESUMABLE_CHANGES", "Result", "help_text", "hydra_argv", "run"]
+__all__ = [
+    "PROG",
+    "RESUMABLE_CHANGES",
+    "Result",
+    "help_text",
+    "hydra_argv",
+    "launch_argv",
+    "run",
+]
 
 logger = logging.getLogger("dapo_ppo")
 
@@ -59,6 +72,47 @@ def hydra_argv(argv: list[str]) -> list[str]:
     if int(os.environ.get("RANK", "0")) > 0:
         return [*argv, "hydra.output_subdir=null", "hydra/job_logging=stdout"]
     return argv
+
+
+def _flag(argv: list[str], names: tuple[str, ...]) -> list[str]:
+    """The values of a command-line flag (``--config-dir DIR`` or ``--config-dir=DIR``)."""
+    found = []
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if name in names:
+            found.append(value if eq else (argv[i + 1] if i + 1 < len(argv) else ""))
+    return [v for v in found if v]
+
+
+def launch_argv(config_dir: Path, argv: list[str]) -> list[str]:
+    """What the entry point does before Hydra composes: import the modules of the config's
+    ``imports:`` list (a user's components register themselves, so their names can be chosen),
+    check every ``key=value`` override against the schemas (a typo'd key gets the closest known
+    one here: Hydra's own answer is to add it with ``+``), and return Hydra's arguments
+    (:func:`hydra_argv`).
+
+    Raises:
+        ValueError: a module that does not import, or a key that no schema has.
+
+    Example:
+        >>> from pathlib import Path
+        >>> configs = Path(__file__).resolve().parents[3] / "configs"
+        >>> launch_argv(configs, ["dapo_ppo.py", "algo.lr=1e-4"])
+        ['dapo_ppo.py', 'algo.lr=1e-4']
+        >>> launch_argv(configs, ["dapo_ppo.py", "algo.lrr=1e-4"])
+        Traceback (most recent call last):
+        ...
+        ValueError: config: no key 'algo.lrr' (did you mean 'algo.lr'?); `--help` lists every key
+    """
+    args = argv[1:]
+    dirs = [
+        Path(config_dir),
+        *map(Path, _flag(args, ("--config-dir", "-cd", "--config-path", "-cp"))),
+    ]
+    name = (_flag(args, ("--config-name", "-cn")) or ["dapo_ppo"])[-1]
+    import_components(component_imports(dirs, name, args))
+    check_overrides(config_schema(), GROUPS, dirs, name, args)
+    return hydra_argv(argv)
 
 
 def help_text(config_dir: Path, argv: list[str]) -> str:
