@@ -222,7 +222,9 @@ def plan_micro_batches(
         ValueError: a row longer than ``token_budget`` on its own, a row without any real token,
             or bad arguments.
     """
-    check_token_budget("plan_micro_batches", token_budget)  # the recipe's rollout.token_budget check
+    check_token_budget(
+        "plan_micro_batches", token_budget
+    )  # the recipe's rollout.token_budget check
     if max_rows is not None and max_rows < 1:
         raise ValueError(f"max_rows must be >= 1 or None, got {max_rows}")
     if packing not in (True, False, "auto"):
