@@ -18,6 +18,7 @@ from support.sglang_helpers import (
     SentNames,
     assert_server_matches,
     require_schema,
+    sglang_backend,
     trainer_log_probs,
     trainer_with_value_head,
 )
@@ -38,9 +39,7 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def _backend(urls, **kw) -> SGLangBackend:
-    kw.setdefault("backoff_s", 0.01)
-    kw.setdefault("show_progress", False)
-    return SGLangBackend(urls, **kw)
+    return sglang_backend(urls, **kw)
 
 
 # ---------------------------------------------------------------------------------------------
