@@ -75,13 +75,17 @@ _REGISTRIES: list[Registry] = []
 
 
 def closest(name: str, known: Iterable[str]) -> str:
-    """`` (did you mean 'x'?)`` for the known name closest to ``name``, or ``""``.
+    """`` (did you mean 'x'?)`` for the known name closest to ``name``, or ``""``: the longest
+    known name that ``name`` starts with (``lr_typo`` -> ``lr``), else the most similar one.
 
     Example:
-        >>> closest("lrr", ["lr", "value_lr", "gamma"])
-        " (did you mean 'lr'?)"
+        >>> closest("lrr", ["lr", "value_lr", "gamma"]), closest("lr_typo", ["grpo", "lr"])
+        (" (did you mean 'lr'?)", " (did you mean 'lr'?)")
     """
-    match = difflib.get_close_matches(name, list(known), n=1, cutoff=0.5)
+    known = list(known)
+    prefixes = [k for k in known if len(k) >= 2 and name.startswith(k)]
+    match = [max(prefixes, key=len)] if prefixes else []
+    match = match or difflib.get_close_matches(name, known, n=1, cutoff=0.5)
     return f" (did you mean {match[0]!r}?)" if match else ""
 
 

@@ -152,7 +152,7 @@ def build_envs(
         tool_error_penalty=r.tool_error_penalty,
         template_check=r.template_check,
     )
-    env = ENV_KINDS[kind].build(options, context)
+    env = ENV_KINDS[kind].build(options, context=context)
     trainside = isinstance(backend, TransformersBackend) and trainer_can_generate
     eval_context = dataclasses.replace(
         context,
@@ -164,7 +164,7 @@ def build_envs(
         seed=0,
         shuffle=False,
     )
-    return env, ENV_KINDS[kind].build(options, eval_context)
+    return env, ENV_KINDS[kind].build(options, context=eval_context)
 
 
 def build_advantage(cfg: Config) -> Any:
