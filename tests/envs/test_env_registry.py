@@ -66,7 +66,9 @@ def test_the_config_picks_the_kind_it_implies():
         typed(["rollout.env=tool"])
     with pytest.raises(ValueError, match=r"tools are set but rollout.env=single_turn calls none"):
         typed(["rollout.env=single_turn"], name="tool_arithmetic")
-    with pytest.raises(ValueError, match=r"rollout.env: unknown environment kind 'tools' \(did you"):
+    with pytest.raises(
+        ValueError, match=r"rollout.env: unknown environment kind 'tools' \(did you"
+    ):
         typed(["rollout.env=tools"])
     with pytest.raises(ValueError, match=r"rollout.max_turns=3 needs tools"):
         typed(["rollout.max_turns=3"])
