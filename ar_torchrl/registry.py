@@ -232,7 +232,7 @@ class Registry:
         old = self._entries.get(entry.name)
         if old is not None and _origin(old) != _origin(entry):
             raise ValueError(
-                f"{self.kind} {entry.name!r} is already registered to {_origin(old)[-1]}"
+                f"{self.kind} {entry.name!r} is already registered to {_origin(old)[1]}"
             )
         self._entries[entry.name] = entry
 
@@ -245,7 +245,7 @@ class Registry:
             order = {m: i for i, m in enumerate(self._builtins)}
             ranked = sorted(
                 self._entries.values(), key=lambda e: order.get(_origin(e)[0], len(order))
-            )
+            )  # stable: registration order within a module
             self._entries = {e.name: e for e in ranked}
 
     # ------------------------------------------------------------------ looking up
@@ -335,11 +335,13 @@ class Registry:
         return self[name].build(self.options(name, options), **context)
 
 
-def _origin(entry: Entry) -> tuple[str, str]:
-    """What an entry was registered from (``module``, ``qualname``): the same schema registered
-    again (a module imported a second time) replaces the entry; another one is an error."""
-    target = entry.config if entry.factory is None else entry.factory
-    return (getattr(target, "__module__", ""), getattr(target, "__qualname__", repr(target)))
+def _origin(entry: Entry) -> tuple[Any, ...]:
+    """What an entry was registered from: the same schema class registered again (its module
+    imported a second time) replaces the entry; another one is an error. A factory (the old shape)
+    is itself."""
+    if entry.factory is not None:
+        return (entry.factory.__module__, entry.factory.__qualname__, id(entry.factory))
+    return (entry.config.__module__, entry.config.__qualname__)
 
 
 def resolve_component(path: str, registry: Registry) -> tuple[str, type]:

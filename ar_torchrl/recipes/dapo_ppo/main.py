@@ -52,6 +52,10 @@ RESUMABLE_CHANGES = (
     "dist.timeout_s",
 )
 
+#: Keys added since a run's saved config may have been written, with their defaults: a saved config
+#: without them matches (``train.resume_from=auto``) as if it had the defaults.
+ADDED_KEYS = {"imports": [], "rollout.env": None, "rollout.env_options": {}}
+
 #: What ``--help`` says above the groups and keys.
 HELP_HEADER = """DAPO-math PPO (token-level GAE + value head, or GRPO / RLOO) with TorchRL.
 Override any key (algo.lr=1e-4 train.iterations=50), pick a group option (algo=grpo), resume a run
@@ -124,11 +128,23 @@ def help_text(config_dir: Path, argv: list[str]) -> str:
     return render_help(config_dir, name, app=PROG, header=HELP_HEADER, overrides=overrides)
 
 
+def _with_added_keys(container: dict) -> dict:
+    """``container`` with every key of :data:`ADDED_KEYS` it lacks set to its default."""
+    for key, default in ADDED_KEYS.items():
+        *parents, leaf = key.split(".")
+        node = container
+        for part in parents:
+            node = node.setdefault(part, {}) if isinstance(node, dict) else {}
+        if isinstance(node, dict):
+            node.setdefault(leaf, default)
+    return container
+
+
 def _matches(raw: DictConfig):
     want = runs.without_keys(OmegaConf.to_container(raw, resolve=False), RESUMABLE_CHANGES)
 
     def matches(saved: Path) -> bool:
-        other = OmegaConf.to_container(OmegaConf.load(saved), resolve=False)
+        other = _with_added_keys(OmegaConf.to_container(OmegaConf.load(saved), resolve=False))
         return runs.without_keys(other, RESUMABLE_CHANGES) == want
 
     return matches
