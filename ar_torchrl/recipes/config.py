@@ -172,26 +172,33 @@ def component_imports(
         ['my_pkg.tasks', 'my_pkg.losses']
     """
     found: list[str] = []
-    _yaml_imports([Path(d) for d in config_dirs], config_name, found, seen=set())
+    for node in _primary_chain([Path(d) for d in config_dirs], config_name):
+        found += _names(node.get("imports"))
     for arg in argv:
         key, eq, value = str(arg).lstrip("+").partition("=")
         if eq and key == "imports":
-            loaded = yaml.safe_load(value) if value.strip() else []
-            found += [str(m) for m in ([loaded] if isinstance(loaded, str) else loaded or [])]
+            found += _names(yaml.safe_load(value) if value.strip() else None)
     return list(dict.fromkeys(found))
 
 
-def _yaml_imports(dirs: list[Path], name: str, found: list[str], seen: set[str]) -> None:
+def _names(value: Any) -> list[str]:
+    return [value] if isinstance(value, str) else [str(v) for v in value or []]
+
+
+def _primary_chain(dirs: list[Path], name: str, seen: set[str] | None = None) -> list[dict]:
+    """The YAML of primary config ``name`` (the first file found in ``dirs``), after those of the
+    primary configs its ``defaults`` list starts from (``- dapo_ppo``): Hydra's merge order."""
+    seen = set() if seen is None else seen
     path = next((d / f"{name}.yaml" for d in dirs if (d / f"{name}.yaml").is_file()), None)
     if path is None or name in seen:
-        return
+        return []
     seen.add(name)
     node = yaml.safe_load(path.read_text()) or {}
+    chain = []
     for item in node.get("defaults") or []:
         if isinstance(item, str) and item not in ("_self_", "schema"):
-            _yaml_imports(dirs, item, found, seen)  # a primary config this one starts from
-    imports = node.get("imports") or []
-    found += [imports] if isinstance(imports, str) else [str(m) for m in imports]
+            chain += _primary_chain(dirs, item, seen)
+    return [*chain, node]
 
 
 # --------------------------------------------------------------------------- typo'd keys
@@ -223,30 +230,18 @@ def check_overrides(
 
 
 def _chosen_options(dirs: list[Path], config_name: str, argv: Iterable[str]) -> dict[str, str]:
-    """``group -> option`` the launch picks: the primary config's defaults (after those of the
-    configs it starts from), then ``group=option`` overrides."""
-    chosen = _defaults_of(dirs, config_name, set())
+    """``group -> option`` the launch picks: the defaults of the primary config (after those of
+    the configs it starts from), then ``group=option`` overrides."""
+    chosen: dict[str, str] = {}
+    for node in _primary_chain(dirs, config_name):
+        for item in node.get("defaults") or []:
+            for key, option in item.items() if isinstance(item, dict) else ():
+                if option is not None:  # `- model: tiny` or `- override data: tool_arithmetic`
+                    chosen[str(key).removeprefix("override").strip().lstrip("/")] = str(option)
     for arg in argv:
         key, eq, value = str(arg).partition("=")
         if eq and "." not in key and not key.startswith(("+", "~", "-")):
             chosen[key] = value
-    return chosen
-
-
-def _defaults_of(dirs: list[Path], name: str, seen: set[str]) -> dict[str, str]:
-    path = next((d / f"{name}.yaml" for d in dirs if (d / f"{name}.yaml").is_file()), None)
-    if path is None or name in seen:
-        return {}
-    seen.add(name)
-    chosen: dict[str, str] = {}
-    for item in (yaml.safe_load(path.read_text()) or {}).get("defaults") or []:
-        if isinstance(item, str) and item not in ("_self_", "schema"):
-            chosen.update(_defaults_of(dirs, item, seen))  # a primary config it starts from
-        elif isinstance(item, dict):
-            for key, option in item.items():
-                group = str(key).removeprefix("override").strip().lstrip("/")
-                if option is not None:
-                    chosen[group] = str(option)
     return chosen
 
 
