@@ -1,34 +1,52 @@
-"""Registries of named components, each entry carrying its torch-free config schema.
+"""Registries of named components: one decorator shape for all of them.
 
-One :class:`Registry` per kind of component (advantage estimators, weight-sync methods, tasks,
-rewards, models, rollout backends). An entry is
+One :class:`Registry` per kind of component (advantage estimators, policy losses, weight-sync
+methods, tasks, rewards, tools, tool-call parsers, models, rollout backends, environment kinds).
+Every entry is registered the same way, by decorating its **schema**::
 
-- a **factory** that builds the component (``factory(options, **context)``), importing the heavy
-  implementation when called;
-- a **config schema**: a dataclass whose fields are the component's configurable keys (types and
-  defaults), with an optional ``check(prefix)`` method that applies the range checks of
-  :mod:`ar_torchrl.utils.checks` (the checks the component itself applies);
-- free-form metadata (``needs_critic``, ``engine``, ``help``, ...).
+    @ADVANTAGES.register("rloo", help="leave-one-out baseline", needs_critic=False)
+    @dataclass
+    class RLOOConfig:
+        def check(self, prefix: str) -> None: ...    # optional: the options' range checks
+        def build(self, *, critic: bool, gamma: float): ...   # makes the component
 
-Nothing here imports torch, so a recipe can list the options and validate a whole configuration
-before it loads the training stack; the recipe stores the schemas in Hydra's ConfigStore and builds
-components *by lookup* (:meth:`Registry.build`), never by ``isinstance`` chains. Built-in entries
-are registered by torch-free modules that a registry imports on first lookup (``builtins``).
+- the schema is a dataclass whose fields are the component's options (OmegaConf-compatible
+  annotations: a recipe stores it in Hydra's ConfigStore); ``check(prefix)`` (optional) range-checks
+  them with the functions of :mod:`ar_torchrl.utils.checks` that the component itself calls;
+  ``build(self, **context)`` makes the component (what ``context`` holds is each registry's
+  contract, stated in its module: ``critic``/``gamma`` for estimators, a ``BackendContext`` for
+  backends, nothing for tasks...);
+- ``help`` says in one line what it is; any other keyword is metadata (``needs_critic``,
+  ``engine``), read as ``entry.needs_critic``.
+
+Each ``register_<kind>`` function of the library *is* its registry's :meth:`Registry.register`.
+
+**Where schemas live.** A schema is registered by the module that holds the component's code when
+that module imports nothing heavy (tasks, rewards, tools, parsers: one file). A built-in whose code
+needs torch (estimators, policy losses, models, backends, senders, environments) registers from its
+package's torch-free ``config`` module (``objectives/config.py``, ``backends/<engine>/config.py``...)
+and ``build`` imports the code, so that a recipe lists and validates every option before it imports
+torch. A component of your own is one file (schema, registration and code; torch allowed) that the
+recipe imports through its ``imports:`` list or a ``_component_`` path (``docs/extending.md``).
+
+Built-in entries are registered by the modules a registry imports on first lookup (``builtins``).
 
 Example:
     >>> from dataclasses import dataclass
     >>> from ar_torchrl.utils.checks import check_number
     >>> shapes = Registry("shape")
-    >>> @dataclass
-    ... class SquareConfig:
+    >>> @shapes.register("square", help="a square")
+    ... @dataclass
+    ... class Square:
     ...     side: float = 1.0
     ...     def check(self, prefix: str) -> None:
     ...         check_number(prefix, "side", self.side, gt=0)
-    >>> @shapes.register("square", config=SquareConfig, help="a square")
-    ... def _square(options: SquareConfig) -> float:
-    ...     return options.side**2
-    >>> shapes.names(), shapes.build("square", {"side": 3.0})
-    (('square',), 9.0)
+    ...     def build(self, *, scale: float = 1.0) -> float:
+    ...         return scale * self.side**2
+    >>> shapes.names(), shapes.build("square", {"side": 3.0}, scale=2.0)
+    (('square',), 18.0)
+    >>> shapes["square"].help
+    'a square'
     >>> shapes.options("square", {"side": -1.0}, prefix="config: shape.")
     Traceback (most recent call last):
     ...
@@ -44,40 +62,69 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-__all__ = ["Entry", "Registry", "closest"]
+__all__ = ["Entry", "Registry", "closest", "registries", "resolve_component"]
 
-F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
+
+_REGISTRIES: list[Registry] = []
 
 
 def closest(name: str, known: Iterable[str]) -> str:
-    """`` (did you mean 'x'?)`` for the known name closest to ``name``, or ``""``.
+    """`` (did you mean 'x'?)`` for the known name closest to ``name``, or ``""``: the longest
+    known name that ``name`` starts with (``lr_typo`` -> ``lr``), else the most similar one.
 
     Example:
-        >>> closest("lrr", ["lr", "value_lr", "gamma"])
-        " (did you mean 'lr'?)"
+        >>> closest("lrr", ["lr", "value_lr", "gamma"]), closest("lr_typo", ["grpo", "lr"])
+        (" (did you mean 'lr'?)", " (did you mean 'lr'?)")
     """
-    match = difflib.get_close_matches(name, list(known), n=1, cutoff=0.5)
+    known = list(known)
+    prefixes = [k for k in known if len(k) >= 2 and name.startswith(k)]
+    match = [max(prefixes, key=len)] if prefixes else []
+    match = match or difflib.get_close_matches(name, known, n=1, cutoff=0.5)
     return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def registries() -> tuple[Registry, ...]:
+    """Every :class:`Registry` created so far (the library's, and any of a user's), in order."""
+    return tuple(_REGISTRIES)
 
 
 @dataclass(frozen=True)
 class Entry:
-    """A registered component: ``factory(options, **context)``, its schema, its metadata."""
+    """A registered component: its schema, its metadata (``help`` and the rest).
+
+    ``factory`` is set only for an entry registered in the old shape (a factory function, deprecated:
+    ``factory(options, **context)``, or ``factory(**context)`` without a schema).
+    """
 
     name: str
-    factory: Callable[..., Any]
+    factory: Callable[..., Any] | None
     config: type | None = None
     meta: Mapping[str, Any] = field(default_factory=dict)
 
-    def __getattr__(self, key: str) -> Any:  # entry.needs_critic, entry.engine, ...
+    def __getattr__(self, key: str) -> Any:  # entry.needs_critic, entry.engine, entry.help, ...
         meta = object.__getattribute__(self, "meta")
         if key in meta:
             return meta[key]
         raise AttributeError(f"{type(self).__name__} {self.name!r} has no {key!r}")
+
+    @property
+    def schema(self) -> type | None:
+        """The options' dataclass (``None`` only for an old-shape factory without one)."""
+        return self.config
+
+    def build(self, options: Any, **context: Any) -> Any:
+        """The component: ``options.build(**context)`` (``options``: an instance of the schema)."""
+        if self.factory is None:
+            return options.build(**context)
+        if self.config is None:
+            return self.factory(**context)
+        return self.factory(options, **context)
 
 
 class Registry:
@@ -85,42 +132,121 @@ class Registry:
 
     Args:
         kind: what the entries are, used in messages (``"advantage estimator"``).
-        builtins: torch-free modules that register the built-in entries, imported on first use.
+        builtins: modules that register the built-in entries, imported on first use.
+        decorator: how users spell :meth:`register` (``"register_advantage"``), for messages.
+        build: the signature of the schemas' ``build`` (``"build(self, *, critic, gamma)"``), for
+            messages.
+        meta: default metadata of every entry (``{"needs_critic": False}``).
+        required: metadata every entry must give (``("engine",)``).
+        base: a class every schema must subclass (what the caller asks of every entry beyond
+            ``build``, e.g. :class:`~ar_torchrl.backends.registry.BackendConfig`).
     """
 
-    def __init__(self, kind: str, *, builtins: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        kind: str,
+        *,
+        builtins: Iterable[str] = (),
+        decorator: str | None = None,
+        build: str = "build(self, **context)",
+        meta: Mapping[str, Any] | None = None,
+        required: Iterable[str] = (),
+        base: type | None = None,
+    ) -> None:
         self.kind = kind
+        self.decorator = decorator or "register"
+        self.build_signature = build
+        self._defaults = dict(meta or {})
+        self._required = tuple(required)
+        self.base = base
         self._builtins = tuple(builtins)
         self._loaded = not self._builtins
         self._entries: dict[str, Entry] = {}
+        _REGISTRIES.append(self)
+
+    def __repr__(self) -> str:
+        return f"Registry({self.kind!r}, {list(self._entries)})"
 
     # ------------------------------------------------------------------ registering
-    def register(self, name: str, *, config: type | None = None, **meta: Any) -> Callable[[F], F]:
-        """Decorator: register ``factory`` as ``name`` with its config schema and metadata.
+    def register(
+        self, name: str, *, help: str = "", config: type | None = None, **meta: Any
+    ) -> Callable[[T], T]:
+        """Class decorator: register the dataclass ``schema`` (options, optional ``check(prefix)``,
+        ``build(self, **context)``) as ``name``, with its one-line ``help`` and metadata.
+
+        The old shape (decorating a factory function, with its schema as ``config=``) still works
+        for one release, with a ``DeprecationWarning``.
 
         Raises:
-            ValueError: ``name`` is already registered to another factory, or ``config`` is not a
-                dataclass.
+            ValueError: ``name`` is already registered to another schema, the schema is not a
+                dataclass with a ``build`` method, or required metadata is missing.
         """
+        missing = [key for key in self._required if key not in meta]
+        if missing:
+            raise ValueError(f"{self.kind} {name!r}: give {missing} when registering it")
         if config is not None and not dataclasses.is_dataclass(config):
             raise ValueError(f"{self.kind} {name!r}: config must be a dataclass, got {config!r}")
+        meta = {**self._defaults, "help": help, **meta}
 
-        def decorator(factory: F) -> F:
-            old = self._entries.get(name)
-            if old is not None and old.factory is not factory:
-                raise ValueError(
-                    f"{self.kind} {name!r} is already registered to {old.factory.__qualname__}"
-                )
-            self._entries[name] = Entry(name, factory, config, dict(meta))
-            return factory
+        def decorator(target: T) -> T:
+            if isinstance(target, type):
+                if config is not None:
+                    raise ValueError(
+                        f"{self.kind} {name!r}: decorate the schema itself, without config="
+                    )
+                self._check_schema(name, target)
+                entry = Entry(name, None, target, meta)
+            else:
+                self._warn_old_shape(name, meta)
+                entry = Entry(name, target, config, meta)
+            self._add(entry)
+            return target
 
         return decorator
+
+    def _check_schema(self, name: str, schema: type) -> None:
+        if not dataclasses.is_dataclass(schema) or not callable(getattr(schema, "build", None)):
+            raise ValueError(
+                f"{self.kind} {name!r}: register a @dataclass whose {self.build_signature} makes "
+                f"the component, got {schema!r}"
+            )
+        if self.base is not None and not issubclass(schema, self.base):
+            raise ValueError(
+                f"{self.kind} {name!r}: its schema {schema.__name__} must subclass "
+                f"{self.base.__module__}.{self.base.__qualname__}"
+            )
+
+    def _warn_old_shape(self, name: str, meta: Mapping[str, Any]) -> None:
+        extra = "".join(
+            f", {k}={v!r}" for k, v in meta.items() if k != "help" and v != self._defaults.get(k)
+        )
+        warnings.warn(
+            f"registering a factory function as {self.kind} {name!r} is deprecated (removed in "
+            f"ar_torchrl 0.2): decorate its options dataclass instead, @{self.decorator}({name!r}"
+            f"{extra}) on a @dataclass whose {self.build_signature} makes the component",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+
+    def _add(self, entry: Entry) -> None:
+        old = self._entries.get(entry.name)
+        if old is not None and _origin(old) != _origin(entry):
+            raise ValueError(
+                f"{self.kind} {entry.name!r} is already registered to {_origin(old)[1]}"
+            )
+        self._entries[entry.name] = entry
 
     def _load(self) -> None:
         if not self._loaded:
             self._loaded = True
             for module in self._builtins:
                 importlib.import_module(module)
+            # built-ins first, in the order of `builtins`, whichever module was imported first
+            order = {m: i for i, m in enumerate(self._builtins)}
+            ranked = sorted(
+                self._entries.values(), key=lambda e: order.get(_origin(e)[0], len(order))
+            )  # stable: registration order within a module
+            self._entries = {e.name: e for e in ranked}
 
     # ------------------------------------------------------------------ looking up
     def names(self) -> tuple[str, ...]:
@@ -144,6 +270,23 @@ class Registry:
                 f"{list(self._entries)}"
             )
         return self._entries[name]
+
+    def lookup(self, name: Any, *, key: str = "") -> Entry:
+        """``self[name]``; an unknown name's error starts with ``key`` (``"config: tools.tools"``).
+
+        Example:
+            >>> from ar_torchrl.tools.registry import TOOLS
+            >>> TOOLS.lookup("calculater", key="config: tools.tools")
+            Traceback (most recent call last):
+            ...
+            ValueError: config: tools.tools: unknown tool 'calculater' (did you mean 'calculator'?); registered: ['calculator']
+        """
+        try:
+            return self[name]
+        except ValueError as err:
+            if not key:
+                raise
+            raise ValueError(f"{key}: {err}") from None
 
     def entry_for(self, options: Any) -> Entry:
         """The entry whose schema ``options`` is an instance of (the most derived one)."""
@@ -188,8 +331,48 @@ class Registry:
         return options
 
     def build(self, name: str, options: Any = None, /, **context: Any) -> Any:
-        """Build ``name`` from its (checked) options; ``context`` goes to the factory as is."""
-        entry = self[name]
-        if entry.config is None:
-            return entry.factory(**context)
-        return entry.factory(self.options(name, options), **context)
+        """Build ``name`` from its (checked) options; ``context`` goes to ``build`` as is."""
+        return self[name].build(self.options(name, options), **context)
+
+
+def _origin(entry: Entry) -> tuple[Any, ...]:
+    """What an entry was registered from: the same schema class registered again (its module
+    imported a second time) replaces the entry; another one is an error. A factory (the old shape)
+    is itself."""
+    if entry.factory is not None:
+        return (entry.factory.__module__, entry.factory.__qualname__, id(entry.factory))
+    return (entry.config.__module__, entry.config.__qualname__)
+
+
+def resolve_component(path: str, registry: Registry) -> tuple[str, type]:
+    """``(name, schema)`` of the entry of ``registry`` whose schema is the class at the dotted
+    ``path`` (torchtune's ``_component_``): the class's module is imported first, so that its own
+    registration runs.
+
+    Raises:
+        ValueError: the path does not import, or names a class that ``registry`` does not hold.
+
+    Example:
+        >>> from ar_torchrl.data.registry import TASKS
+        >>> resolve_component("ar_torchrl.data.datasets.ArithmeticDataConfig", TASKS)[0]
+        'arithmetic'
+        >>> resolve_component("ar_torchrl.data.datasets.MathDataset", TASKS)
+        Traceback (most recent call last):
+        ...
+        ValueError: _component_: ar_torchrl.data.datasets.MathDataset is not a registered task schema; register it with @register_task(...) (registered: ['arithmetic', 'dapo_math', 'fewshot_arithmetic', 'tool_arithmetic'])
+    """
+    module, _, attr = str(path).rpartition(".")
+    try:
+        target = getattr(importlib.import_module(module), attr) if module else None
+    except (ImportError, AttributeError) as err:
+        raise ValueError(
+            f"_component_: cannot import {path!r} ({type(err).__name__}: {err}); give the dotted "
+            "path of a registered schema class (my_pkg.module.MyConfig) on the PYTHONPATH"
+        ) from None
+    for entry in registry.entries():
+        if entry.config is not None and entry.config is target:
+            return entry.name, target
+    raise ValueError(
+        f"_component_: {path} is not a registered {registry.kind} schema; register it with "
+        f"@{registry.decorator}(...) (registered: {list(registry.names())})"
+    )

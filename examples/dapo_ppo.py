@@ -28,8 +28,6 @@ from hydra.core.hydra_config import HydraConfig
 from ar_torchrl.recipes import Launch, dapo_ppo  # no torch: --help and bad values answer at once
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-for group, name, schema in dapo_ppo.schemas():  # typed keys of every config group option
-    ConfigStore.instance().store(group=group, name=name, node=schema)
 
 
 @hydra.main(config_path="../configs", config_name="dapo_ppo", version_base="1.3")
@@ -50,5 +48,10 @@ def main(raw) -> None:
 if __name__ == "__main__":
     if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
         sys.exit(print(dapo_ppo.help_text(CONFIGS, sys.argv), end=""))
-    sys.argv = dapo_ppo.hydra_argv(sys.argv)
+    try:  # the config's `imports:` (your own components), then a typo'd key, before Hydra
+        sys.argv = dapo_ppo.launch_argv(CONFIGS, sys.argv)
+    except ValueError as err:
+        sys.exit(print(f"{dapo_ppo.PROG}: {err}", file=sys.stderr) or 1)
+    for group, name, schema in dapo_ppo.schemas():  # typed keys of every config group option
+        ConfigStore.instance().store(group=group, name=name, node=schema)
     main()

@@ -14,12 +14,20 @@ from ar_torchrl._lazy import lazy_exports
 
 _EXPORTS = {
     **dict.fromkeys(
-        ["Completion", "ContextLengthError", "FinishReason", "GenerationBackend", "SamplingParams"],
+        [
+            "BackendCapabilities",
+            "Completion",
+            "ContextLengthError",
+            "FinishReason",
+            "GenerationBackend",
+            "SamplingParams",
+        ],
         "base",
     ),
     "TransformersBackend": "transformers",
     "next_token_log_probs": "transformers",
     "SGLangBackend": "sglang",
+    "SGLangClientOptions": "sglang",
     "launch_sglang_server": "sglang",
 }
 __all__ = sorted(_EXPORTS)

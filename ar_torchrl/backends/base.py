@@ -30,10 +30,12 @@ from typing import ClassVar, Literal
 
 import torch
 
+from ar_torchrl.utils.checks import check_sampling_args
 from ar_torchrl.weight_sync.base import WeightSender
 from ar_torchrl.weight_sync.errors import WeightSyncError
 
 __all__ = [
+    "BackendCapabilities",
     "Completion",
     "ContextLengthError",
     "FinishReason",
@@ -81,16 +83,12 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(
-                f"SamplingParams: max_new_tokens must be >= 1, got {self.max_new_tokens}"
-            )
-        if self.temperature < 0:
-            raise ValueError(f"SamplingParams: temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"SamplingParams: top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"SamplingParams: top_k must be -1 (off) or >= 1, got {self.top_k}")
+        check_sampling_args(  # the checks of the recipe's rollout.* keys
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+        )
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property
@@ -168,6 +166,29 @@ def validate_prompts(
     return prompts
 
 
+@dataclass(frozen=True)
+class BackendCapabilities:
+    """What a rollout engine can do, declared once by its class (:attr:`GenerationBackend.capabilities`)
+    and read by the recipe, the collector and the environments (never probed with ``getattr``).
+
+    Attributes:
+        partial_rollouts: ``_generate`` stops at the next token when :attr:`~GenerationBackend.interrupted`
+            (a sync may interrupt a generation in flight; see the module docstring).
+        memory_release: :meth:`~GenerationBackend.release_memory` / ``resume_memory`` free and restore
+            the engine's (GPU) memory around an update (colocated engines).
+        sampler_state: :meth:`~GenerationBackend.state_dict` holds the engine's sampling RNG, saved
+            in checkpoints so that a resumed run samples what the uninterrupted one would.
+
+    Example:
+        >>> BackendCapabilities(partial_rollouts=True).memory_release
+        False
+    """
+
+    partial_rollouts: bool = False
+    memory_release: bool = False
+    sampler_state: bool = False
+
+
 class GenerationBackend(abc.ABC):
     """Interface of a rollout engine (trainside transformers, SGLang, ...).
 
@@ -193,9 +214,26 @@ class GenerationBackend(abc.ABC):
         [([2], 3), ([2], 3)]
     """
 
-    #: the engine's ``_generate`` stops at the next token when :attr:`interrupted` (and returns
-    #: what each completion has, unfinished ones with ``finish_reason="abort"``)
-    supports_partial_rollouts: ClassVar[bool] = False
+    #: what the engine can do (see :class:`BackendCapabilities`); a subclass declares its own
+    capabilities: ClassVar[BackendCapabilities] = BackendCapabilities()
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        old = cls.__dict__.get("supports_partial_rollouts")
+        if isinstance(old, bool):  # the 0.1 declaration, kept for one release
+            warnings.warn(
+                f"{cls.__name__}.supports_partial_rollouts is deprecated (removed in ar_torchrl "
+                "0.2): declare capabilities = BackendCapabilities(partial_rollouts=True)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            cls.capabilities = dataclasses.replace(cls.capabilities, partial_rollouts=old)
+            del cls.supports_partial_rollouts
+
+    @property
+    def supports_partial_rollouts(self) -> bool:
+        """``capabilities.partial_rollouts`` (the 0.1 name)."""
+        return self.capabilities.partial_rollouts
 
     def __init__(self, sender: WeightSender | None = None) -> None:
         self._sender = sender
@@ -215,10 +253,11 @@ class GenerationBackend(abc.ABC):
 
     @partial_rollouts.setter
     def partial_rollouts(self, value: bool) -> None:
-        if value and not self.supports_partial_rollouts:
+        if value and not self.capabilities.partial_rollouts:
             raise ValueError(
                 f"{type(self).__name__} cannot interrupt its generation: partial rollouts need an "
-                "engine that supports them (TransformersBackend, SGLangBackend)"
+                "engine that declares capabilities.partial_rollouts (TransformersBackend, "
+                "SGLangBackend)"
             )
         self._partial_rollouts = bool(value)
 
@@ -258,6 +297,36 @@ class GenerationBackend(abc.ABC):
     def weight_dtype(self) -> torch.dtype | None:
         """The dtype the engine keeps its weights in (``None``: send them as they are)."""
         return None
+
+    @property
+    def shares_trainer_weights(self) -> bool:
+        """The engine samples from the trainer's own module (no copy: an update changes it while a
+        generation may run, so it cannot generate in the background)."""
+        return False
+
+    def state_dict(self) -> dict:
+        """The engine's sampling state (``capabilities.sampler_state``), saved in checkpoints."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` (an engine without sampling state accepts only ``{}``)."""
+        if state:
+            raise ValueError(
+                f"{type(self).__name__} keeps no sampling state (capabilities.sampler_state is "
+                f"False), got one with {sorted(state)}"
+            )
+
+    def release_memory(self) -> dict[str, float]:
+        """Free the engine's memory before an update (``capabilities.memory_release``); returns
+        timings. Generation is refused until :meth:`resume_memory` and the next sync."""
+        raise ValueError(
+            f"{type(self).__name__} does not release its memory (capabilities.memory_release is "
+            "False): set backend.release_memory_during_update=false"
+        )
+
+    def resume_memory(self) -> dict[str, float]:
+        """Restore what :meth:`release_memory` freed; returns timings."""
+        raise ValueError(f"{type(self).__name__} does not release its memory, so none to resume")
 
     def generate(
         self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams

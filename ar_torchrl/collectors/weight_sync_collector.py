@@ -134,7 +134,7 @@ class WeightSyncCollector(BaseCollector):
         """Batches are generated ahead by a background thread under admission control (async with
         ``max_policy_lag >= 2`` or partial rollouts; see the module docstring)."""
         return self.mode == "async" and (
-            self.max_policy_lag >= 2 or getattr(self.env.backend, "partial_rollouts", False)
+            self.max_policy_lag >= 2 or self.env.backend.partial_rollouts
         )
 
     @property
@@ -405,7 +405,7 @@ class _Ahead:
 
     def __init__(self, collector: WeightSyncCollector, left: int | None, queue: list) -> None:
         self.collector, self.k = collector, collector.max_policy_lag
-        self.partial = bool(getattr(collector.env.backend, "partial_rollouts", False))
+        self.partial = collector.env.backend.partial_rollouts
         self.left = left if left is None else left - len(queue)  # batches still to generate
         self.queue: deque = deque((batch, stats, None) for batch, stats in queue)
         self.held = self.generating = self.syncing = self.stopping = self.paused = False
@@ -524,7 +524,7 @@ def _check_args(env, mode, max_policy_lag, total_batches, max_sampling_rounds) -
             f"WeightSyncCollector: async mode generates one batch ahead, so max_policy_lag must be "
             f">= 1 (got {max_policy_lag}); use mode='sync' for on-policy batches"
         )
-    if mode == "async" and getattr(env.backend, "mode", None) == "share":
+    if mode == "async" and env.backend.shares_trainer_weights:
         raise ValueError(
             "WeightSyncCollector: async mode with a backend that shares the trainer's module "
             "(mode='share') would sample from weights being updated; use TransformersBackend(mode='copy')"

@@ -310,7 +310,7 @@ class LLMEnv(EnvBase):
             self.samples(seq),
             pad_token_id=self.tokenizer.pad_token_id,
             rewards=seq["next", "reward"].reshape(-1),
-            allow_mixed_versions=getattr(self.backend, "partial_rollouts", False),
+            allow_mixed_versions=self.backend.partial_rollouts,
         )
 
     def episodes(self, steps: TensorDictBase) -> TensorDictBase:
@@ -332,14 +332,14 @@ class LLMEnv(EnvBase):
             "sampler": self.sampler.state_dict(),
             "non_finite_rewards_dropped": self.non_finite_rewards_dropped,
         }
-        if hasattr(self.backend, "state_dict"):
+        if self.backend.capabilities.sampler_state:
             state["backend"] = self.backend.state_dict()
         return state
 
     def load_state_dict(self, state: dict, *args, **kwargs) -> None:
         self.sampler.load_state_dict(state["sampler"])
         self.non_finite_rewards_dropped = int(state.get("non_finite_rewards_dropped", 0))
-        if "backend" in state and hasattr(self.backend, "load_state_dict"):
+        if "backend" in state and self.backend.capabilities.sampler_state:
             self.backend.load_state_dict(state["backend"])
 
     def close(self, *, raise_if_closed: bool = True) -> None:

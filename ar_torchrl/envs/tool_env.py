@@ -294,7 +294,7 @@ class ToolEnv(LLMEnv):
             samples,
             pad_token_id=self.tokenizer.pad_token_id,
             rewards=[0.0] * len(samples),
-            allow_mixed_versions=getattr(self.backend, "partial_rollouts", False),
+            allow_mixed_versions=self.backend.partial_rollouts,
         )
 
     def collect(self) -> TensorDict:

@@ -11,7 +11,6 @@ may build the model from on the meta device, shard by shard (``None``: build it 
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -36,20 +35,7 @@ __all__ = [
     "register_model",
 ]
 
-MODELS = Registry("model")
 DTYPES = ("float32", "bfloat16", "float16")
-
-
-def register_model(name: str, *, help: str) -> Callable[[type], type]:
-    """Class decorator: register a :class:`ModelConfig` subclass as model option ``name``."""
-
-    def decorator(schema: type) -> type:
-        MODELS.register(name, config=schema, help=help)(
-            lambda options, **context: options.build(**context)
-        )
-        return schema
-
-    return decorator
 
 
 @dataclass
@@ -144,6 +130,18 @@ class ModelConfig(abc.ABC):
     @abc.abstractmethod
     def load(self, cache_dir: str | Path) -> tuple[Any, Any, str]:
         """``(model, tokenizer, what it is)`` before the warm start."""
+
+
+MODELS = Registry(
+    "model",
+    decorator="register_model",
+    build="build(self, cache_dir) -> (model, tokenizer)",
+    base=ModelConfig,
+)
+
+#: ``@register_model(name, help=...)`` on a :class:`ModelConfig` dataclass
+#: (:meth:`ar_torchrl.registry.Registry.register` of :data:`MODELS`).
+register_model = MODELS.register
 
 
 @register_model("tiny", help="a random Qwen3 with the 99-token character tokenizer, built by code")

@@ -3,12 +3,11 @@
 The estimator registry (:mod:`ar_torchrl.objectives.registry`, with the built-in schemas in
 :mod:`ar_torchrl.objectives.config`) imports nothing heavy; the classes below are imported on first
 access (PEP 562), so ``import ar_torchrl.objectives.registry`` does not import torch (the recipe
-checks ``algo.advantage_mode``, ``algo.policy_loss`` and ``algo.rollout_correction`` before it loads the training stack).
+checks ``algo.advantage_mode``, ``algo.policy_loss`` and ``algo.rollout_correction`` before it loads
+the training stack). A class is listed once, in ``_LAZY`` (name -> its module); ``__all__`` follows.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 from ar_torchrl._lazy import lazy_exports
 from ar_torchrl.objectives.policy_loss import (
@@ -27,13 +26,7 @@ from ar_torchrl.objectives.registry import (
     register_advantage,
 )
 
-if TYPE_CHECKING:
-    from ar_torchrl.objectives.gae import TokenGAE
-    from ar_torchrl.objectives.grpo import GRPOAdvantage
-    from ar_torchrl.objectives.kl_reward import KLRewardShaping
-    from ar_torchrl.objectives.ppo import TokenPPOLoss
-    from ar_torchrl.objectives.rloo import RLOOAdvantage
-
+#: the torch classes, imported on first access: name -> module
 _LAZY = {
     "GRPOAdvantage": "grpo",
     "KLRewardShaping": "kl_reward",
@@ -47,11 +40,6 @@ __all__ = [
     "POLICY_LOSSES",
     "ROLLOUT_CORRECTION_PRESETS",
     "RolloutCorrection",
-    "GRPOAdvantage",
-    "KLRewardShaping",
-    "RLOOAdvantage",
-    "TokenGAE",
-    "TokenPPOLoss",
     "advantage_names",
     "make_advantage",
     "make_policy_loss",
@@ -59,6 +47,7 @@ __all__ = [
     "policy_loss_names",
     "register_advantage",
     "register_policy_loss",
+    *_LAZY,
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)

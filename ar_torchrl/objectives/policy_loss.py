@@ -1,9 +1,11 @@
 """The registry of policy losses (:data:`POLICY_LOSSES`, verl's ``register_policy_loss`` style) and
 the torch-free config of the rollout correction (:class:`RolloutCorrection`, its presets).
 
-**The call contract.** A registered factory is called once, when
-:class:`~ar_torchrl.objectives.TokenPPOLoss` is built: ``factory(options)`` (``options``: an
-instance of its schema, filled and checked) or, registered without ``config``, ``factory()``. It
+A policy loss is registered by decorating its options' dataclass (the one shape of
+:mod:`ar_torchrl.registry`): ``@register_policy_loss("name", help=...)``.
+
+**The call contract.** The schema's ``build(self)`` is called once, when
+:class:`~ar_torchrl.objectives.TokenPPOLoss` is built, on its options (filled and checked). It
 returns the loss function, which the PPO loss calls on every forward as
 
 ``fn(log_prob, old_log_prob, advantage, mask, *, clip_low, clip_high, dual_clip) -> (loss, metrics)``
@@ -33,7 +35,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Optional, TypeVar
+from typing import Any, ClassVar, Optional
 
 from ar_torchrl.registry import Registry
 from ar_torchrl.utils.checks import check_choice, check_number
@@ -47,36 +49,23 @@ __all__ = [
     "CISPOConfig",
     "ClipConfig",
     "GSPOConfig",
+    "GSPOTokenConfig",
     "RolloutCorrection",
     "make_policy_loss",
     "policy_loss_names",
     "register_policy_loss",
 ]
 
-Factory = TypeVar("Factory", bound=Callable[..., Any])
+POLICY_LOSSES = Registry(
+    "policy loss",
+    decorator="register_policy_loss",
+    build="build(self) -> fn(log_prob, old_log_prob, advantage, mask, *, clip_low, clip_high, dual_clip)",
+)
 
-POLICY_LOSSES = Registry("policy loss")
-
-
-def register_policy_loss(name: str, *, config: type | None = None) -> Callable[[Factory], Factory]:
-    """Decorator: register a policy-loss factory as ``name`` with its options' dataclass.
-
-    With ``config`` (a dataclass with ``check(prefix)``) the factory is called as
-    ``factory(options)`` and a recipe gets an ``algo.<name>`` section; without, as ``factory()``.
-    The function it returns follows the call contract of the module docstring.
-
-    Example:
-        >>> import torch
-        >>> @register_policy_loss("reinforce_example")
-        ... def _reinforce():
-        ...     def fn(log_prob, old_log_prob, advantage, mask, *, clip_low, clip_high, dual_clip):
-        ...         loss = torch.where(mask, -advantage * log_prob, 0.0)
-        ...         return loss, {"pg_clipfrac": torch.zeros_like(mask)}
-        ...     return fn
-        >>> "reinforce_example" in policy_loss_names()
-        True
-    """
-    return POLICY_LOSSES.register(name, config=config)
+#: ``@register_policy_loss(name, help=...)`` on the loss's options dataclass, whose ``build(self)``
+#: returns the loss function of the call contract above (:meth:`ar_torchrl.registry.Registry.register`
+#: of :data:`POLICY_LOSSES`).
+register_policy_loss = POLICY_LOSSES.register
 
 
 def policy_loss_names() -> tuple[str, ...]:
@@ -114,12 +103,16 @@ def make_policy_loss(name: str, options: Any = None, *, dual_clip: float | None 
     return POLICY_LOSSES.build(name, options)
 
 
+@register_policy_loss("clip", help="PPO's clipped surrogate (dual-clip optional)")
 @dataclass
 class ClipConfig:
     """``clip``: PPO's clipped surrogate; its clip range is the loss's ``clip_epsilon``."""
 
     def check(self, prefix: str) -> None:
         return None
+
+    def build(self) -> Callable:
+        return _clip_loss
 
 
 def _clip_loss(log_prob, old_log_prob, advantage, mask, *, clip_low, clip_high, dual_clip):
@@ -142,11 +135,7 @@ def _clip_loss(log_prob, old_log_prob, advantage, mask, *, clip_low, clip_high, 
     return loss, flags
 
 
-@register_policy_loss("clip", config=ClipConfig)
-def _clip(options: ClipConfig) -> Callable:
-    return _clip_loss
-
-
+@register_policy_loss("gspo", help="GSPO: the clipped length-normalised sequence ratio")
 @dataclass
 class GSPOConfig:
     """``gspo`` / ``gspo_token``: the band of the length-normalised sequence ratio."""
@@ -154,9 +143,15 @@ class GSPOConfig:
     clip_low: float = 3.0e-4  # the ratio's band is [1 - clip_low, 1 + clip_high] (GSPO paper)
     clip_high: float = 4.0e-4
 
+    #: ``gspo_token``: the sequence ratio with each token's own gradient (GSPO-token)
+    token_level: ClassVar[bool] = False
+
     def check(self, prefix: str) -> None:
         check_number(prefix, "clip_low", self.clip_low, ge=0, lt=1)
         check_number(prefix, "clip_high", self.clip_high, ge=0)
+
+    def build(self) -> Callable:
+        return partial(_gspo_loss, options=self, token_level=self.token_level)
 
 
 def _gspo_loss(
@@ -177,17 +172,15 @@ def _gspo_loss(
     return loss, {"pg_clipfrac": clipped}
 
 
-def _gspo(token_level: bool):
-    def factory(options: GSPOConfig) -> Callable:
-        return partial(_gspo_loss, options=options, token_level=token_level)
+@register_policy_loss("gspo_token", help="GSPO-token: GSPO's ratio, per-token gradients")
+@dataclass
+class GSPOTokenConfig(GSPOConfig):
+    """``gspo_token``: :class:`GSPOConfig`'s band, per-token gradients."""
 
-    return factory
-
-
-register_policy_loss("gspo", config=GSPOConfig)(_gspo(False))
-register_policy_loss("gspo_token", config=GSPOConfig)(_gspo(True))
+    token_level: ClassVar[bool] = True
 
 
+@register_policy_loss("cispo", help="CISPO: the clipped, detached importance weight")
 @dataclass
 class CISPOConfig:
     """``cispo``: the bounds of the detached importance weight."""
@@ -202,6 +195,9 @@ class CISPOConfig:
             raise ValueError(
                 f"{prefix}weight_min={self.weight_min} is above weight_max={self.weight_max}"
             )
+
+    def build(self) -> Callable:
+        return partial(_cispo_loss, weight_max=self.weight_max, weight_min=self.weight_min)
 
 
 def _cispo_loss(
@@ -223,11 +219,6 @@ def _cispo_loss(
         log_prob, old_log_prob, advantage, mask, weight_max=weight_max, weight_min=weight_min
     )
     return loss, {"pg_clipfrac": clipped}
-
-
-@register_policy_loss("cispo", config=CISPOConfig)
-def _cispo(options: CISPOConfig) -> Callable:
-    return partial(_cispo_loss, weight_max=options.weight_max, weight_min=options.weight_min)
 
 
 # --------------------------------------------------------------------------- rollout correction

@@ -1,22 +1,28 @@
 """The registry of advantage estimators (:data:`ADVANTAGES`, verl's ``register_adv_est`` style).
 
-An entry's factory is called as ``factory(options, *, critic, gamma)`` (``options``: an instance of
-its torch-free config schema, range-checked) and returns a module used as ``td = module(td)`` on a
-token-trajectory batch (it writes ``"advantage"``, and ``"value_target"`` when a value head is
-trained). ``critic`` says whether the policy has a trained value head (its ``state_value`` is in the
-batch): an estimator registered with ``needs_critic=True`` (GAE) refuses to be built without one;
-the others receive the flag (GRPO then writes Monte-Carlo value targets so that the head keeps
-training). A factory registered without a schema is called as ``factory(*, critic, **kwargs)``.
+An estimator is registered by decorating its options' dataclass (the one shape of
+:mod:`ar_torchrl.registry`)::
+
+    @register_advantage("rloo", help="leave-one-out baseline over the prompt's group")
+    @dataclass
+    class RLOOConfig:
+        def build(self, *, critic: bool, gamma: float) -> Any: ...
+
+``build`` returns a module used as ``td = module(td)`` on a token-trajectory batch (it writes
+``"advantage"``, and ``"value_target"`` when a value head is trained). ``critic`` says whether the
+policy has a trained value head (its ``state_value`` is in the batch): an estimator registered with
+``needs_critic=True`` (GAE) refuses to be built without one; the others receive the flag (GRPO then
+writes Monte-Carlo value targets so that the head keeps training). ``gamma`` is the recipe's shared
+``algo.gamma``; the schema's fields are the ``algo.<name>.*`` keys.
 
 This module imports nothing heavy; the built-in estimators (``gae``, ``grpo``, ``rloo``) are
-registered with their schemas in :mod:`ar_torchrl.objectives.config`, whose factories import their
-class when called, so a recipe can list and check estimators before it imports torch.
+registered in :mod:`ar_torchrl.objectives.config`, whose ``build`` methods import their class when
+called, so a recipe can list and check estimators before it imports torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from ar_torchrl.registry import Registry
 
@@ -28,37 +34,17 @@ __all__ = [
     "register_advantage",
 ]
 
-Factory = TypeVar("Factory", bound=Callable[..., Any])
+ADVANTAGES = Registry(
+    "advantage estimator",
+    builtins=("ar_torchrl.objectives.config",),
+    decorator="register_advantage",
+    build="build(self, *, critic: bool, gamma: float)",
+    meta={"needs_critic": False},
+)
 
-ADVANTAGES = Registry("advantage estimator", builtins=("ar_torchrl.objectives.config",))
-
-
-def register_advantage(
-    name: str, *, needs_critic: bool = False, config: type | None = None
-) -> Callable[[Factory], Factory]:
-    """Decorator: register an estimator factory as ``name``.
-
-    Args:
-        name: the name configs use (``algo.advantage_mode`` in the recipe).
-        needs_critic: the estimator reads ``state_value`` (a value head must be trained).
-        config: the dataclass of its options (``check(prefix)`` for ranges); the factory is then
-            ``factory(options, *, critic, gamma)``, else ``factory(*, critic, **kwargs)``.
-
-    Raises:
-        ValueError: ``name`` is already registered to another factory.
-
-    Example:
-        >>> @register_advantage("reward_as_advantage")
-        ... def _reward_as_advantage(*, critic: bool, scale: float = 1.0):
-        ...     def module(td):
-        ...         td["advantage"] = scale * td["next", "reward"] * td["loss_mask"].unsqueeze(-1)
-        ...         return td
-        ...     return module
-        >>> "reward_as_advantage" in advantage_names()
-        True
-        >>> module = make_advantage("reward_as_advantage", scale=2.0)
-    """
-    return ADVANTAGES.register(name, config=config, needs_critic=needs_critic)
+#: ``@register_advantage(name, help=..., needs_critic=False)`` on the estimator's options dataclass
+#: (:meth:`ar_torchrl.registry.Registry.register` of :data:`ADVANTAGES`).
+register_advantage = ADVANTAGES.register
 
 
 def advantage_names() -> tuple[str, ...]:
@@ -114,6 +100,6 @@ def make_advantage(
             "'state_value' the head writes; train one, or use an estimator without a critic "
             f"({[e.name for e in ADVANTAGES.entries() if not e.needs_critic]})"
         )
-    if entry.config is None:
+    if entry.config is None:  # an old-shape factory without a schema (deprecated)
         return entry.factory(critic=critic, **({} if gamma is None else {"gamma": gamma}), **kwargs)
     return ADVANTAGES.build(name, kwargs, critic=critic, gamma=1.0 if gamma is None else gamma)

@@ -7,22 +7,40 @@ schema)`` for Hydra's ConfigStore (the entry point stores them; YAML options nam
 ``defaults``), so Hydra rejects a wrong type or an unknown key while composing. :func:`validate`
 then builds the typed object, rejects keys that no schema reads (added with ``+key=value``, which
 Hydra allows), and runs every section's range checks. Nothing here imports torch or Hydra.
+
+Components from outside the library: a config's ``imports:`` list names modules that register
+components (:func:`component_imports` reads it before Hydra composes, :func:`import_components`
+imports them), and a group option may name its schema class by dotted path instead of a
+``defaults`` entry (torchtune's ``_component_``: ``_component_: my_pkg.tasks.MyTaskConfig``).
+:func:`check_overrides` answers a typo'd ``key=value`` with the closest known key before Hydra
+does.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import re
+import typing
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+import yaml
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from ar_torchrl.registry import Registry, closest
+from ar_torchrl.registry import Registry, closest, resolve_component
 
-__all__ = ["group_schemas", "render_help", "unknown_keys", "validate"]
+__all__ = [
+    "check_overrides",
+    "component_imports",
+    "group_schemas",
+    "import_components",
+    "render_help",
+    "unknown_keys",
+    "validate",
+]
 
 
 def group_schemas(groups: Mapping[str, Registry]) -> Iterator[tuple[str, str, type]]:
@@ -58,13 +76,23 @@ def unknown_keys(raw: Any, typed: Any, prefix: str = "") -> list[str]:
     return found
 
 
-def validate(raw: DictConfig, schema: type, *, prefix: str = "config: ") -> Any:
-    """The typed, checked configuration (interpolations resolved).
+def validate(
+    raw: DictConfig,
+    schema: type,
+    *,
+    groups: Mapping[str, Registry] | None = None,
+    prefix: str = "config: ",
+) -> Any:
+    """The typed, checked configuration (interpolations resolved): the modules of ``imports`` are
+    imported first and every group option of ``groups`` given as ``_component_`` gets its schema.
 
     Raises:
         ValueError, TypeError: a value out of range, of the wrong type, missing, or a key that no
-            schema reads, naming the key.
+            schema reads, naming the key; a module of ``imports`` or a ``_component_`` path that
+            does not import.
     """
+    import_components(raw.get("imports") or [])
+    resolve_components(raw, groups or {})
     try:
         typed = OmegaConf.to_object(raw)
     except OmegaConfBaseException as err:  # a missing value, an unresolvable ${...}
@@ -82,6 +110,191 @@ def validate(raw: DictConfig, schema: type, *, prefix: str = "config: ") -> Any:
         )
     typed.check()
     return typed
+
+
+# --------------------------------------------------------------------------- outside components
+def import_components(modules: Iterable[str]) -> None:
+    """Import the modules of a config's ``imports:`` list (each registers its components with the
+    library's decorators, so that their names can be chosen).
+
+    Raises:
+        ValueError: a module that does not import, naming it and the error.
+
+    Example:
+        >>> import_components(["ar_torchrl.data.tasks"])
+        >>> import_components(["my_pkg.nope"])
+        Traceback (most recent call last):
+        ...
+        ValueError: config: imports: cannot import 'my_pkg.nope' (ModuleNotFoundError: No module named 'my_pkg'); put its package on the PYTHONPATH
+    """
+    if isinstance(modules, str):
+        modules = [modules]
+    for module in modules:
+        try:
+            importlib.import_module(str(module))
+        except ImportError as err:
+            raise ValueError(
+                f"config: imports: cannot import {module!r} ({type(err).__name__}: {err}); put its "
+                "package on the PYTHONPATH"
+            ) from None
+
+
+def resolve_components(raw: DictConfig, groups: Mapping[str, Registry]) -> None:
+    """Give every group option written as ``{_component_: pkg.module.Schema, key: value, ...}``
+    its registered schema (the class's module is imported, which registers it), in place."""
+    for group, registry in groups.items():
+        node = raw.get(group)
+        if not isinstance(node, DictConfig) or "_component_" not in node:
+            continue
+        values = OmegaConf.to_container(node, resolve=False)
+        path = values.pop("_component_")
+        try:
+            _, schema = resolve_component(path, registry)
+        except ValueError as err:
+            raise ValueError(f"config: {group}.{err}") from None
+        try:
+            typed = OmegaConf.merge(OmegaConf.structured(schema), values)
+        except OmegaConfBaseException as err:
+            raise ValueError(f"config: {group} ({path}): {err}") from None
+        with open_dict(raw):
+            raw[group] = typed
+
+
+def component_imports(
+    config_dirs: Iterable[Path], config_name: str, argv: Iterable[str]
+) -> list[str]:
+    """The ``imports:`` of a launch before Hydra composes it: those of the primary config
+    ``config_name`` (and of the primary configs its ``defaults`` start from), then an
+    ``imports=[...]`` override.
+
+    Example:
+        >>> component_imports([], "none", ["imports=[my_pkg.tasks, my_pkg.losses]"])
+        ['my_pkg.tasks', 'my_pkg.losses']
+    """
+    found: list[str] = []
+    for node in _primary_chain([Path(d) for d in config_dirs], config_name):
+        found += _names(node.get("imports"))
+    for arg in argv:
+        key, eq, value = str(arg).lstrip("+").partition("=")
+        if eq and key == "imports":
+            found += _names(yaml.safe_load(value) if value.strip() else None)
+    return list(dict.fromkeys(found))
+
+
+def _names(value: Any) -> list[str]:
+    return [value] if isinstance(value, str) else [str(v) for v in value or []]
+
+
+def _primary_chain(dirs: list[Path], name: str, seen: set[str] | None = None) -> list[dict]:
+    """The YAML of primary config ``name`` (the first file found in ``dirs``), after those of the
+    primary configs its ``defaults`` list starts from (``- dapo_ppo``): Hydra's merge order."""
+    seen = set() if seen is None else seen
+    path = next((d / f"{name}.yaml" for d in dirs if (d / f"{name}.yaml").is_file()), None)
+    if path is None or name in seen:
+        return []
+    seen.add(name)
+    node = yaml.safe_load(path.read_text()) or {}
+    chain = []
+    for item in node.get("defaults") or []:
+        if isinstance(item, str) and item not in ("_self_", "schema"):
+            chain += _primary_chain(dirs, item, seen)
+    return [*chain, node]
+
+
+# --------------------------------------------------------------------------- typo'd keys
+def check_overrides(
+    schema: type,
+    groups: Mapping[str, Registry],
+    config_dirs: Iterable[Path],
+    config_name: str,
+    argv: Iterable[str],
+) -> None:
+    """Every ``key=value`` override must name a key of the configuration: a typo gets the closest
+    known key here, before Hydra (whose own answer suggests adding the key with ``+``). Group
+    options are looked up in the option the launch picks (its YAML's schema); ``+key``, ``~key``,
+    ``hydra.*`` and free-form ``dict`` sections are left to Hydra and :func:`validate`.
+
+    Raises:
+        ValueError: ``config: no key 'algo.lrr' (did you mean 'algo.lr'?) ...``.
+    """
+    dirs = [Path(d) for d in config_dirs]
+    chosen = _chosen_options(dirs, config_name, argv)
+    for arg in argv:
+        key, eq, _ = str(arg).partition("=")
+        if not eq or key.startswith(("+", "~", "-", "hydra.", "hydra/")) or "@" in key:
+            continue
+        parts = key.split(".")
+        if len(parts) == 1 and parts[0] in groups:  # picks a group option: Hydra's business
+            continue
+        _check_key(schema, parts, groups, chosen, dirs)
+
+
+def _chosen_options(dirs: list[Path], config_name: str, argv: Iterable[str]) -> dict[str, str]:
+    """``group -> option`` the launch picks: the defaults of the primary config (after those of
+    the configs it starts from), then ``group=option`` overrides."""
+    chosen: dict[str, str] = {}
+    for node in _primary_chain(dirs, config_name):
+        for item in node.get("defaults") or []:
+            for key, option in item.items() if isinstance(item, dict) else ():
+                if option is not None:  # `- model: tiny` or `- override data: tool_arithmetic`
+                    chosen[str(key).removeprefix("override").strip().lstrip("/")] = str(option)
+    for arg in argv:
+        key, eq, value = str(arg).partition("=")
+        if eq and "." not in key and not key.startswith(("+", "~", "-")):
+            chosen[key] = value
+    return chosen
+
+
+def _group_schema(
+    group: str, option: str | None, registry: Registry, dirs: list[Path]
+) -> type | None:
+    """The schema a group option's YAML names (``defaults: [schema_<name>]``), or ``None``."""
+    if option is None:
+        return None
+    path = next(
+        (d / group / f"{option}.yaml" for d in dirs if (d / group / f"{option}.yaml").is_file()),
+        None,
+    )
+    if path is None:
+        name = option.removeprefix("schema_")
+        return registry[name].config if name in registry else None
+    node = yaml.safe_load(path.read_text()) or {}
+    for item in node.get("defaults") or []:
+        if isinstance(item, str) and item.startswith("schema_") and item[7:] in registry:
+            return registry[item[7:]].config
+    return None  # untyped (e.g. a _component_ option): validate() checks it
+
+
+def _check_key(
+    schema: type,
+    parts: list[str],
+    groups: Mapping[str, Registry],
+    chosen: Mapping[str, str],
+    dirs: list[Path],
+) -> None:
+    node, done = schema, []
+    for part in parts:
+        if node is None:
+            return
+        fields = {f.name: f for f in dataclasses.fields(node)}
+        if part not in fields:
+            where = ".".join(done)
+            hint = closest(part, fields).replace("'", f"'{where}." if where else "'", 1)
+            raise ValueError(f"config: no key {'.'.join(parts)!r}{hint}; `--help` lists every key")
+        done.append(part)
+        if not done[1:] and part in groups:
+            node = _group_schema(part, chosen.get(part), groups[part], dirs)
+            continue
+        node = _dataclass_of(node, part)
+
+
+def _dataclass_of(schema: type, name: str) -> type | None:
+    """The dataclass type of field ``name`` (``None``: a leaf, ``Any`` or a free-form dict)."""
+    hint = typing.get_type_hints(schema).get(name)
+    for candidate in (hint, *typing.get_args(hint)):
+        if isinstance(candidate, type) and dataclasses.is_dataclass(candidate):
+            return candidate
+    return None
 
 
 # --------------------------------------------------------------------------- --help

@@ -14,8 +14,9 @@ row (any schema). It implements
 wrapper, not an environment argument: :class:`OverlongPenalty` (DAPO's soft overlong punishment)
 adds to the score of the reward it wraps and leaves "correct" to it.
 
-Reward options are torch-free schemas registered with :func:`register_reward` whose ``build()``
-returns the reward: ``dapo_math`` and ``arithmetic`` are built in (:mod:`ar_torchrl.rewards.math`).
+Reward options are torch-free schemas registered with ``@register_reward(name, help=...)`` (the one
+shape of :mod:`ar_torchrl.registry`) whose ``build()`` returns the reward: ``dapo_math`` and
+``arithmetic`` are built in (:mod:`ar_torchrl.rewards.math`).
 """
 
 from __future__ import annotations
@@ -39,17 +40,16 @@ __all__ = [
     "register_reward",
 ]
 
-REWARDS = Registry("reward", builtins=("ar_torchrl.rewards.math",))
+REWARDS = Registry(
+    "reward",
+    builtins=("ar_torchrl.rewards.math",),
+    decorator="register_reward",
+    build="build(self) -> Reward",
+)
 
-
-def register_reward(name: str, *, help: str) -> Callable[[type], type]:
-    """Class decorator: register a reward schema (``build()`` returns the reward) as ``name``."""
-
-    def decorator(schema: type) -> type:
-        REWARDS.register(name, config=schema, help=help)(lambda options: options.build())
-        return schema
-
-    return decorator
+#: ``@register_reward(name, help=...)`` on the reward's options dataclass
+#: (:meth:`ar_torchrl.registry.Registry.register` of :data:`REWARDS`).
+register_reward = REWARDS.register
 
 
 @runtime_checkable

@@ -24,7 +24,7 @@ from ar_torchrl.tools.base import (
 from ar_torchrl.tools.calculator import Calculator, CalculatorConfig, CalculatorError, format_number
 from ar_torchrl.tools.config import ToolConfig
 from ar_torchrl.tools.parsers import HermesParser, TagParser
-from ar_torchrl.tools.registry import PARSERS, TOOLS, register_tool
+from ar_torchrl.tools.registry import PARSERS, TOOLS, register_parser, register_tool
 from ar_torchrl.tools.template import (
     PrefixCheck,
     PrefixMismatchError,
@@ -60,6 +60,7 @@ __all__ = [
     "Toolbox",
     "check_prefix_stable",
     "format_number",
+    "register_parser",
     "register_tool",
     "render_ids",
     "run_tool",

@@ -20,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ar_torchrl.registry import closest
 from ar_torchrl.tools.registry import PARSERS, TOOLS
 from ar_torchrl.tools.toolbox import Toolbox, check_toolbox_args
 
@@ -63,15 +62,10 @@ class ToolConfig:
                 f"registered: {list(TOOLS.names())}"
             )
         for name in tools:
-            if name not in TOOLS:
-                raise ValueError(f"{prefix}tools: {_unknown('tool', name, TOOLS.names())}")
+            TOOLS.lookup(name, key=f"{prefix}tools")
         if len(set(tools)) != len(tools):
             raise ValueError(f"{prefix}tools lists a tool twice: {tools}")
-        if self.tool_parser not in PARSERS:
-            raise ValueError(
-                f"{prefix}tool_parser: "
-                f"{_unknown('tool call parser', self.tool_parser, PARSERS.names())}"
-            )
+        PARSERS.lookup(self.tool_parser, key=f"{prefix}tool_parser")
         for name, values in dict(self.tool_options or {}).items():
             if name not in tools:
                 raise ValueError(
@@ -90,7 +84,3 @@ class ToolConfig:
             max_output_chars=self.max_output_chars,
             max_calls_per_turn=self.max_calls_per_turn,
         )
-
-
-def _unknown(kind: str, name: Any, known: tuple[str, ...]) -> str:
-    return f"unknown {kind} {name!r}{closest(str(name), known)}; registered: {list(known)}"

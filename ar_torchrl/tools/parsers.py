@@ -33,9 +33,10 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 
 from ar_torchrl.tools.base import ToolCall, ToolCallError
-from ar_torchrl.tools.registry import PARSERS
+from ar_torchrl.tools.registry import register_parser
 
 __all__ = ["HermesParser", "TagParser"]
 
@@ -181,11 +182,19 @@ class HermesParser:
         return f"<tool_call>\n{body}\n</tool_call>"
 
 
-@PARSERS.register("tag", help='<tool name="NAME">ARGUMENTS</tool> (small models)')
-def _tag() -> TagParser:
-    return TagParser()
+@register_parser("tag", help='<tool name="NAME">ARGUMENTS</tool> (small models)')
+@dataclass
+class TagParserConfig:
+    """``tool_parser: tag`` (no options)."""
+
+    def build(self) -> TagParser:
+        return TagParser()
 
 
-@PARSERS.register("hermes", help="Qwen / Hermes JSON calls in <tool_call> tags")
-def _hermes() -> HermesParser:
-    return HermesParser()
+@register_parser("hermes", help="Qwen / Hermes JSON calls in <tool_call> tags")
+@dataclass
+class HermesParserConfig:
+    """``tool_parser: hermes`` (no options)."""
+
+    def build(self) -> HermesParser:
+        return HermesParser()

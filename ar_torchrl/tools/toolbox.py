@@ -25,7 +25,7 @@ from ar_torchrl.tools.base import (
     run_tool,
     truncate,
 )
-from ar_torchrl.utils.checks import check_number
+from ar_torchrl.utils.checks import check_number, check_timeout
 
 __all__ = ["COUNTERS", "ToolTurn", "Toolbox", "check_toolbox_args"]
 
@@ -50,11 +50,8 @@ def check_toolbox_args(
         ...
         ValueError: Toolbox: timeout_s must be > 0, got 0 (None: no deadline)
     """
-    timeout = check_number(
-        owner, "timeout_s", timeout_s, gt=0, allow_none=True, hint="None: no deadline"
-    )
     return {
-        "timeout_s": None if timeout is None else float(timeout),
+        "timeout_s": check_timeout(owner, "timeout_s", timeout_s, allow_none=True),
         "max_output_chars": check_number(
             owner, "max_output_chars", max_output_chars, ge=1, integer=True
         ),

@@ -23,6 +23,7 @@ from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 
 from ar_torchrl.modules.packing import PACKED_KEY
+from ar_torchrl.utils.checks import check_token_budget
 
 __all__ = ["MicroBatch", "MicroBatchPlan", "plan_micro_batches"]
 
@@ -225,8 +226,9 @@ def plan_micro_batches(
         ValueError: a row longer than ``token_budget`` on its own, a row without any real token,
             or bad arguments.
     """
-    if token_budget < 1:
-        raise ValueError(f"token_budget must be >= 1, got {token_budget}")
+    check_token_budget(
+        "plan_micro_batches", token_budget
+    )  # the recipe's rollout.token_budget check
     if max_rows is not None and max_rows < 1:
         raise ValueError(f"max_rows must be >= 1 or None, got {max_rows}")
     if packing not in (True, False, "auto"):

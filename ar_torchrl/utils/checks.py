@@ -20,6 +20,7 @@ from urllib.parse import urlparse
 __all__ = [
     "AGGREGATION_MODES",
     "GAE_TIMESTEPS",
+    "MAX_TIMEOUT_S",
     "AggregationMode",
     "GAETimestep",
     "check_actor_args",
@@ -29,10 +30,14 @@ __all__ = [
     "check_gae_args",
     "check_grad_clip",
     "check_grpo_args",
+    "check_max_batch_size",
     "check_number",
     "check_optimizer_args",
     "check_ppo_loss_args",
     "check_ppo_update_args",
+    "check_sampling_args",
+    "check_timeout",
+    "check_token_budget",
     "check_warm_start_args",
     "is_server_url",
 ]
@@ -209,6 +214,79 @@ def check_clip_epsilon(
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
         raise ValueError(msg)
     return float(value)
+
+
+#: The longest deadline a timeout option accepts: one week (in seconds). Python's and the OS's
+#: timers overflow a little above 9.2e9 s (``threading.TIMEOUT_MAX``), so ``1e10`` would pass a
+#: plain ``> 0`` check and raise ``OverflowError`` at the first wait.
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+def check_timeout(owner: str, name: str, value: Any, *, allow_none: bool = False) -> float | None:
+    """A deadline in seconds: ``> 0`` and at most :data:`MAX_TIMEOUT_S` (a week); ``None`` (no
+    deadline) where ``allow_none``. Every timeout option of the library and of the recipe's
+    configuration is checked here.
+
+    Example:
+        >>> check_timeout("config: tools.", "timeout_s", 1e10, allow_none=True)
+        Traceback (most recent call last):
+        ...
+        ValueError: config: tools.timeout_s must be <= 604800 (seconds: a week), got 10000000000.0 (None: no deadline)
+        >>> check_timeout("Toolbox", "timeout_s", 5)
+        5.0
+    """
+    hint = "None: no deadline" if allow_none else None
+    value = check_number(owner, name, value, gt=0, allow_none=allow_none, hint=hint)
+    if value is None:
+        return None
+    if value > MAX_TIMEOUT_S:
+        extra = f" ({hint})" if hint else ""
+        raise ValueError(
+            f"{_key(owner, name)} must be <= {MAX_TIMEOUT_S:.0f} (seconds: a week), got "
+            f"{value!r}{extra}"
+        )
+    return float(value)
+
+
+def check_token_budget(owner: str, value: Any, *, name: str = "token_budget") -> int:
+    """Tokens (rows x padded width) of one micro-batch: an integer ``>= 1``.
+
+    Example:
+        >>> check_token_budget("plan_micro_batches", 0)
+        Traceback (most recent call last):
+        ...
+        ValueError: plan_micro_batches: token_budget must be >= 1, got 0 (the tokens of one micro-batch: rows x padded width)
+    """
+    hint = "the tokens of one micro-batch: rows x padded width"
+    return check_number(owner, name, value, ge=1, integer=True, hint=hint)
+
+
+def check_sampling_args(
+    owner: str = "SamplingParams",
+    *,
+    max_new_tokens: Any = 64,
+    temperature: Any = 1.0,
+    top_p: Any = 1.0,
+    top_k: Any = -1,
+) -> dict[str, Any]:
+    """How to sample (:class:`~ar_torchrl.backends.SamplingParams`): ``max_new_tokens >= 1``,
+    ``temperature >= 0`` (0: greedy), ``top_p`` in ``(0, 1]``, ``top_k`` -1 (off) or ``>= 1``.
+
+    Example:
+        >>> check_sampling_args(top_k=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: SamplingParams: top_k must be -1 (off) or >= 1, got 0
+    """
+    args = {
+        "max_new_tokens": check_number(owner, "max_new_tokens", max_new_tokens, ge=1, integer=True),
+        "temperature": check_number(owner, "temperature", temperature, ge=0),
+        "top_p": check_number(owner, "top_p", top_p, gt=0, le=1),
+        "top_k": check_number(owner, "top_k", top_k, integer=True),
+    }
+    if not (top_k == -1 or top_k >= 1):
+        raise ValueError(f"{_key(owner, 'top_k')} must be -1 (off) or >= 1, got {top_k}")
+    return args
 
 
 def check_grad_clip(owner: str, value: Any, *, name: str = "grad_clip") -> float | None:
@@ -474,3 +552,16 @@ def check_warm_start_args(
 
 def _opt_float(value: Any) -> float | None:
     return None if value is None else float(value)
+
+
+def check_max_batch_size(owner: str, value: Any) -> int | None:
+    """Most sequences per generation forward: ``None`` (all at once) or an integer ``>= 1``; the
+    check of both ``backend.max_batch_size`` and ``TransformersBackend(max_batch_size=...)``.
+
+    Example:
+        >>> check_max_batch_size("TransformersBackend", 0)
+        Traceback (most recent call last):
+        ...
+        ValueError: TransformersBackend: max_batch_size must be >= 1, got 0
+    """
+    return check_number(owner, "max_batch_size", value, ge=1, integer=True, allow_none=True)

@@ -1,58 +1,69 @@
-"""The one registry of weight-sync methods (:data:`SYNC_METHODS`): name -> sender factory + options.
+"""The one registry of weight-sync methods (:data:`SYNC_METHODS`): name -> sender schema.
 
-An entry serves one engine (``meta["engine"]``: ``"trainside"`` or ``"sglang"``), says in one line
-what it does (``meta["help"]``) and carries the torch-free schema of its options (the keyword
-arguments of the sender, with their range checks). The factory is called as
-``factory(options, target=...)``: the trainside senders' target is the in-process rollout model, the
-SGLang senders' target is the client (an ``SGLangBackend``). Backends build their sender from here by
-name; a recipe validates ``backend.weight_sync_options`` against the same schema before it imports
-torch. The built-in methods are registered by their engines' torch-free config modules,
-:mod:`ar_torchrl.backends.transformers.config` and :mod:`ar_torchrl.backends.sglang.config`.
+A method is registered by decorating its options' dataclass (the one shape of
+:mod:`ar_torchrl.registry`)::
 
-Adding a method is one registration (``@register_sync_method``) beside its sender.
+    @register_sync_method("disk", engine="sglang", help="safetensors shards + /update_weights_from_disk")
+    @dataclass
+    class DiskSyncOptions:
+        bucket_bytes: Optional[int] = None  # a field left None: the sender's own default
+        def build(self, *, target) -> WeightSender: ...
+
+An entry serves one rollout engine (``engine``: a name of
+:data:`~ar_torchrl.backends.registry.BACKENDS`, the engines' registry; this protocol package imports
+no engine, a test checks the names), says in one line what it does (``help``) and its
+fields are the keyword arguments of the sender, with their range checks. ``build(target=...)``
+returns the :class:`~ar_torchrl.weight_sync.WeightSender`: the trainside senders' target is the
+in-process rollout model, the SGLang senders' target is the client (an ``SGLangBackend``). Backends
+build their sender from here by name; a recipe validates ``backend.weight_sync_options`` against the
+same schema before it imports torch. The built-in methods are registered beside their engines'
+schemas, in :mod:`ar_torchrl.backends.transformers.config` and :mod:`ar_torchrl.backends.sglang.config`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any, Literal, TypeVar
+from typing import Any
 
-from ar_torchrl.registry import Registry
+from ar_torchrl.registry import Registry, closest
 
 __all__ = ["SYNC_METHODS", "make_sender", "register_sync_method", "sender_options", "sync_methods"]
-
-Engine = Literal["trainside", "sglang"]
-F = TypeVar("F", bound=Callable[..., Any])
 
 SYNC_METHODS = Registry(
     "weight sync method",
     builtins=("ar_torchrl.backends.transformers.config", "ar_torchrl.backends.sglang.config"),
+    decorator="register_sync_method",
+    build="build(self, *, target) -> WeightSender",
+    required=("engine",),
 )
 
-
-def register_sync_method(
-    name: str, *, engine: Engine, help: str, config: type | None = None
-) -> Callable[[F], F]:
-    """Decorator: register ``factory(options, *, target) -> WeightSender`` as method ``name``.
-
-    ``config`` is the dataclass of its options (``None``: it takes none); a field left ``None``
-    means "the sender's own default".
-    """
-    return SYNC_METHODS.register(name, config=config, engine=engine, help=help)
+#: ``@register_sync_method(name, engine=..., help=...)`` on the sender's options dataclass
+#: (:meth:`ar_torchrl.registry.Registry.register` of :data:`SYNC_METHODS`).
+register_sync_method = SYNC_METHODS.register
 
 
-def sync_methods(engine: Engine) -> list[str]:
-    """Names of the methods that serve ``engine``.
+def sync_methods(engine: str) -> list[str]:
+    """Names of the methods that serve ``engine`` (a name of the backend registry).
 
     Example:
         >>> sync_methods("sglang")
         ['disk', 'tensor', 'distributed']
+        >>> sync_methods("sglangg")
+        Traceback (most recent call last):
+        ...
+        ValueError: no weight sync method serves the rollout engine 'sglangg' (did you mean 'sglang'?); engines with sync methods: ['sglang', 'trainside']
     """
-    return [e.name for e in SYNC_METHODS.entries() if e.engine == engine]
+    found = [e.name for e in SYNC_METHODS.entries() if e.engine == engine]
+    if not found:
+        engines = sorted({e.engine for e in SYNC_METHODS.entries()})
+        raise ValueError(
+            f"no weight sync method serves the rollout engine {engine!r}"
+            f"{closest(str(engine), engines)}; engines with sync methods: {engines}"
+        )
+    return found
 
 
-def _entry(method: str, engine: Engine):
+def _entry(method: str, engine: str):
     if method not in SYNC_METHODS or SYNC_METHODS[method].engine != engine:
         what = "is unknown" if method not in SYNC_METHODS else f"does not serve {engine}"
         raise ValueError(
@@ -61,7 +72,7 @@ def _entry(method: str, engine: Engine):
     return SYNC_METHODS[method]
 
 
-def sender_options(method: str, options: Any = None, *, engine: Engine, prefix: str = "") -> Any:
+def sender_options(method: str, options: Any = None, *, engine: str, prefix: str = "") -> Any:
     """The checked options of ``method`` (its schema filled from a mapping), without torch.
 
     Example:
@@ -81,7 +92,7 @@ def set_options(options: Any) -> dict[str, Any]:
     return {k: v for k, v in dataclasses.asdict(options).items() if v is not None}
 
 
-def make_sender(method: str, target: Any, *, engine: Engine, **options: Any) -> Any:
+def make_sender(method: str, target: Any, *, engine: str, **options: Any) -> Any:
     """Build the sender registered as ``method`` for ``engine``.
 
     Raises:

@@ -171,3 +171,64 @@ def test_importing_the_library_does_not_import_requests():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+# ----------------------------------------------------------------------------- capabilities
+def test_engines_declare_their_capabilities():
+    from ar_torchrl.backends import BackendCapabilities, SGLangBackend
+
+    assert Echo.capabilities == BackendCapabilities()  # the defaults: nothing optional
+    assert TransformersBackend.capabilities == BackendCapabilities(
+        partial_rollouts=True, sampler_state=True
+    )
+    assert SGLangBackend.capabilities == BackendCapabilities(
+        partial_rollouts=True, memory_release=True
+    )
+    echo = Echo(Sender())
+    assert (echo.weight_dtype, echo.context_length, echo.shares_trainer_weights) == (
+        None,
+        None,
+        False,
+    )
+    assert echo.state_dict() == {} and echo.load_state_dict({}) is None
+    with pytest.raises(
+        ValueError, match=r"Echo cannot interrupt its generation: .*partial_rollouts"
+    ):
+        echo.partial_rollouts = True
+    with pytest.raises(ValueError, match=r"Echo does not release its memory \(capabilities"):
+        echo.release_memory()
+    with pytest.raises(ValueError, match=r"Echo keeps no sampling state .* got one with \['rng'\]"):
+        echo.load_state_dict({"rng": 1})
+    share = TransformersBackend(build_tiny_qwen3(99), mode="share")
+    assert (
+        share.shares_trainer_weights and not TransformersBackend(share.model).shares_trainer_weights
+    )
+
+
+def test_the_old_partial_rollouts_declaration_still_works():
+    with pytest.warns(
+        DeprecationWarning, match=r"capabilities = BackendCapabilities\(partial_rollouts=True\)"
+    ):
+
+        class Old(Echo):
+            supports_partial_rollouts = True
+
+    assert Old.capabilities.partial_rollouts and Old().supports_partial_rollouts
+    Old().partial_rollouts = True  # allowed: declared
+
+
+def test_the_recipe_collector_and_envs_read_declared_capabilities_not_probes():
+    """No ``getattr(<backend>, ...)`` / ``hasattr(<backend>, ...)`` probe is left."""
+    from pathlib import Path
+
+    import ar_torchrl
+
+    root = Path(ar_torchrl.__file__).parent
+    probes = [
+        f"{path.relative_to(root)}:{n}"
+        for folder in ("recipes", "collectors", "envs")
+        for path in (root / folder).rglob("*.py")
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if ("getattr(" in line or "hasattr(" in line) and "backend" in line
+    ]
+    assert probes == [], probes

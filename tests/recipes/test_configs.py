@@ -397,3 +397,19 @@ def test_weight_sync_options_are_the_senders_options():
         assert backend.sender.master_address == "10.0.0.7"
     finally:
         backend.close()
+
+
+def test_a_run_saved_before_the_added_keys_still_matches_for_auto_resume(tmp_path):
+    """``imports``, ``rollout.env`` and ``rollout.env_options`` are new: a run directory whose
+    saved config predates them is the same configuration when it has their defaults."""
+    from ar_torchrl.recipes.dapo_ppo import main
+
+    raw = load()
+    saved = OmegaConf.to_container(raw, resolve=False)
+    del saved["imports"], saved["rollout"]["env"], saved["rollout"]["env_options"]
+    path = tmp_path / "config.yaml"
+    path.write_text(OmegaConf.to_yaml(OmegaConf.create(saved)))
+    assert main._matches(raw)(path)
+    saved["rollout"]["env"] = "tool"
+    path.write_text(OmegaConf.to_yaml(OmegaConf.create(saved)))
+    assert not main._matches(raw)(path)

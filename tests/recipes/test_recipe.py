@@ -317,7 +317,11 @@ def imported_modules(stderr: str) -> set[str]:
         ),
         (["+algo.lrr=1e-4"], 1, "no schema has the key(s) algo.lrr (did you mean 'algo.lr'?)"),
         (["backend=sglang", "backend.url=notaurl"], 1, "backend.url='notaurl' is not a server URL"),
-        (["algo.lr_typo=1"], 1, "Could not override 'algo.lr_typo'"),
+        (
+            ["algo.lr_typo=1"],
+            1,
+            "dapo_ppo: config: no key 'algo.lr_typo' (did you mean 'algo.lr'?)",
+        ),
         (["train.iterations=true"], 1, "full_key: train.iterations"),
     ],
 )

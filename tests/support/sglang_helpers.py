@@ -299,3 +299,17 @@ class ParentServer:
                 self.parent.wait(60)
             except subprocess.TimeoutExpired:
                 self.kill_parent(signal.SIGKILL)
+
+
+#: ``SGLangBackend``'s own arguments; every other keyword of :func:`sglang_backend` is a client option
+_CONNECTION = ("router_url", "weight_sync", "weight_sync_options")
+
+
+def sglang_backend(urls, **kw):
+    """``SGLangBackend(urls, <router_url, weight_sync...>, options=SGLangClientOptions(<the rest>))``
+    with the tests' defaults: quick retries, no progress bar."""
+    from ar_torchrl.backends.sglang import SGLangBackend, SGLangClientOptions
+
+    own = {k: kw.pop(k) for k in _CONNECTION if k in kw}
+    options = {"backoff_s": 0.01, "show_progress": False, **kw}
+    return SGLangBackend(urls, options=SGLangClientOptions(**options), **own)

@@ -124,3 +124,107 @@ def test_an_owner_ending_with_a_dot_names_a_config_key():
         check_ppo_loss_args("config: algo.", clip_epsilon=(0.2, 0.0))
     with pytest.raises(ValueError, match=r"^TokenPPOLoss: clip_epsilon must be a float"):
         check_ppo_loss_args(clip_epsilon=(0.2, 0.0))
+
+
+# ----------------------------------------------------------------------------- one check per option
+def core(message: str, key: str) -> str:
+    """What a check says about ``key`` after naming it (``"config: algo.lmbda"`` and
+    ``"TokenGAE: lmbda"`` both say ``" must be >= 0 and <= 1, got "``): the text from the key to
+    the value received."""
+    after = message.split(key, 1)[1]
+    return after.split(" got ")[0]
+
+
+def raised(fn) -> str:
+    with pytest.raises((ValueError, TypeError)) as info:
+        fn()
+    return str(info.value)
+
+
+def test_the_config_and_the_constructor_raise_the_same_check():
+    """Each option is checked by one function, which the config schema's check and the class both
+    call: the two errors differ only in how they name the key (and the value's spelling)."""
+    from support.recipe_helpers import typed
+    from support.trajectories import make_trajectory, tiny_actor_critic
+
+    from ar_torchrl.backends import SamplingParams
+    from ar_torchrl.backends.sglang import SGLangBackend, SGLangClientOptions
+    from ar_torchrl.objectives import TokenGAE, TokenPPOLoss
+    from ar_torchrl.tools import TagParser, Toolbox
+    from ar_torchrl.training import plan_micro_batches
+
+    td = make_trajectory([2, 3], [3, 2])
+    cases = {
+        "clip_epsilon": (
+            lambda: typed(["algo.clip_epsilon=[1.5,0.2]"]),
+            lambda: TokenPPOLoss(tiny_actor_critic(), clip_epsilon=(1.5, 0.2)),
+        ),
+        "lmbda": (lambda: typed(["algo.gae.lmbda=1.5"]), lambda: TokenGAE(lmbda=1.5)),
+        "token_budget": (
+            lambda: typed(["rollout.token_budget=0"]),
+            lambda: plan_micro_batches(td, token_budget=0),
+        ),
+        "top_p": (lambda: typed(["rollout.top_p=0"]), lambda: SamplingParams(top_p=0.0)),
+        "timeout_s": (
+            lambda: typed(["tools.timeout_s=0"], name="tool_arithmetic"),
+            lambda: Toolbox([], TagParser(), timeout_s=0),
+        ),
+        "sync_timeout_s": (
+            lambda: typed(["backend=sglang", "backend.sync_timeout_s=1e10"]),
+            lambda: SGLangBackend(
+                "http://127.0.0.1:9", options=SGLangClientOptions(sync_timeout_s=1e10)
+            ),
+        ),
+    }
+    for key, (config, constructor) in cases.items():
+        a, b = raised(config), raised(constructor)
+        assert a.startswith("config: ") and f".{key}" in a, a
+        assert core(a, key) == core(b, key), (a, b)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "name", "key"),
+    [
+        (["tools.timeout_s=1e10"], "tool_arithmetic", "tools.timeout_s"),
+        (["backend=sglang", "backend.timeout_s=1e10"], "dapo_ppo", "backend.timeout_s"),
+        (["backend=sglang", "backend.sync_timeout_s=1e10"], "dapo_ppo", "backend.sync_timeout_s"),
+        (["backend=sglang", "backend.stall_grace_s=1e10"], "dapo_ppo", "backend.stall_grace_s"),
+        (["dist.timeout_s=1e10"], "dapo_ppo", "dist.timeout_s"),
+        (
+            [
+                "backend=sglang",
+                "backend.weight_sync=distributed",
+                "+backend.weight_sync_options.timeout_s=1e10",
+            ],
+            "dapo_ppo",
+            "backend.weight_sync_options.timeout_s",
+        ),
+    ],
+)
+def test_huge_timeouts_are_refused_naming_the_key(overrides, name, key):
+    """N6: 1e10 passed the `> 0` checks, then raised OverflowError at the first wait."""
+    from support.recipe_helpers import typed
+
+    with pytest.raises(
+        ValueError, match=rf"^config: {key} must be <= 604800 \(seconds: a week\), got 1"
+    ):
+        typed(overrides, name=name)
+
+
+def test_huge_timeouts_are_refused_by_the_library_too():
+    import threading
+
+    from ar_torchrl.backends.sglang import SGLangBackend
+    from ar_torchrl.tools import TagParser, Toolbox
+    from ar_torchrl.utils.checks import MAX_TIMEOUT_S, check_timeout
+
+    assert MAX_TIMEOUT_S < threading.TIMEOUT_MAX  # what a week must stay under
+    assert check_timeout("o", "t", MAX_TIMEOUT_S) == MAX_TIMEOUT_S
+    assert check_timeout("o", "t", None, allow_none=True) is None
+    with pytest.raises(
+        ValueError, match=r"^Toolbox: timeout_s must be <= 604800 .*\(None: no deadline\)$"
+    ):
+        Toolbox([], TagParser(), timeout_s=1e10)
+    for key in ("timeout_s", "sync_timeout_s", "connect_timeout_s", "stall_grace_s"):
+        with pytest.raises(ValueError, match=rf"^SGLangBackend: {key} must be <= 604800"):
+            SGLangBackend("http://127.0.0.1:9", **{key: 1e10})  # the 0.1 keywords: same checks

@@ -17,6 +17,7 @@ from ar_torchrl._lazy import lazy_exports
 
 _EXPORTS = {
     "SGLangBackend": "client",
+    "SGLangClientOptions": "config",
     **dict.fromkeys(
         [
             "SGLangAbortError",

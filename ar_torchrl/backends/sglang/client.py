@@ -42,6 +42,7 @@ and until a sync after the resume.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -49,6 +50,7 @@ import os
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -58,7 +60,12 @@ import requests
 import torch
 from tqdm.auto import tqdm
 
-from ar_torchrl.backends.base import Completion, GenerationBackend, SamplingParams
+from ar_torchrl.backends.base import (
+    BackendCapabilities,
+    Completion,
+    GenerationBackend,
+    SamplingParams,
+)
 from ar_torchrl.backends.sglang.errors import (
     SGLangAbortError,
     SGLangError,
@@ -73,6 +80,7 @@ from ar_torchrl.backends.sglang.http import (
 )
 from ar_torchrl.backends.sglang.launcher import API_KEY_ENV
 from ar_torchrl.backends.sglang.memory import MemoryLifecycle, Probe
+from ar_torchrl.backends.sglang.options import SGLangClientOptions
 from ar_torchrl.backends.sglang.protocol import (
     check_sampling_keys,
     generate_body,
@@ -84,7 +92,7 @@ from ar_torchrl.backends.sglang.router import (
     ROUTER_VERSION,
     router_workers,
 )
-from ar_torchrl.utils.checks import check_number
+from ar_torchrl.registry import closest
 from ar_torchrl.weight_sync.base import WeightSender
 from ar_torchrl.weight_sync.errors import WeightSyncError
 from ar_torchrl.weight_sync.registry import make_sender
@@ -93,7 +101,6 @@ __all__ = ["SGLangBackend"]
 
 logger = logging.getLogger(__name__)
 
-AbortPolicy = Literal["raise", "keep"]
 #: partial rollouts: aborts of requests still in flight are sent again this often (seconds)
 ABORT_REPEAT_S = 0.5
 _DTYPES = {
@@ -157,32 +164,17 @@ class SGLangBackend(GenerationBackend):
             (default) reads them from the router before every sync.
         router_url: an ``sglang-router`` in front of the servers: every ``/generate`` goes there
             (see the module docstring).
-        api_key: the servers' ``--api-key`` (default ``$AR_TORCHRL_SGLANG_API_KEY``, if set).
-        max_concurrency: in-flight ``/generate`` requests.
-        timeout_s: deadline of one whole ``/generate`` answer (seconds).
-        stall_grace_s: how long a server holding requests may stay silent (no answer, no passed
-            probe) before its requests move to the other servers (``None``: never; then only
-            ``timeout_s`` ends a wait). Keep it well above the probe's latency (SGLang answers
-            ``/health_generate`` after 1 s at the earliest).
-        probe_path: the liveness probe, ``GET`` while requests wait (``"/health_generate"``:
-            the scheduler made progress; ``"/health"``: only the HTTP process answers).
-        connect_timeout_s: TCP connect timeout.
-        max_retries, backoff_s, backoff_max_s: retry policy for connection errors and 5xx.
-        max_response_bytes: largest answer accepted.
-        on_abort: what to do with completions the server aborted.
-        extra_sampling_params: more SGLang ``sampling_params`` (e.g. ``{"ignore_eos": True}``);
-            keys are checked against SGLang's schema here, not at the server.
         weight_sync: a registered SGLang sync method (``"disk"``, ``"tensor"``, ``"distributed"``;
             see :mod:`ar_torchrl.weight_sync.registry`) or a factory ``client -> WeightSender``.
         weight_sync_options: keyword arguments of that sender.
-        sync_timeout_s: deadline of each weight-sync request.
-        vocab_size: token ids at or above it are a protocol error (``None``: not checked here).
-        show_progress: tqdm bar over prompts (``None``: only on a terminal).
-        abort_all_after_s: partial rollouts: a request still running this long after its first
-            abort (whose abort SGLang lost) is ended with ``{"abort_all": true}`` on its server.
+        options: how the client talks to the servers (timeouts, retries, concurrency, stall
+            detection, aborts, ...): :class:`~ar_torchrl.backends.sglang.options.SGLangClientOptions`.
+            Its fields as keywords (``SGLangBackend(url, timeout_s=30)``, the 0.1 signature) still
+            work for one release, with a ``DeprecationWarning``.
 
     Example:
-        >>> backend = SGLangBackend("http://127.0.0.1:9", max_retries=0, connect_timeout_s=0.5)
+        >>> quick = SGLangClientOptions(max_retries=0, connect_timeout_s=0.5)
+        >>> backend = SGLangBackend("http://127.0.0.1:9", options=quick)
         >>> backend.health()
         False
         >>> backend.generate([[1, 2, 3]], n=1, sampling=SamplingParams(max_new_tokens=2))
@@ -193,7 +185,7 @@ class SGLangBackend(GenerationBackend):
 
         Behind a router, the workers are read from it when first needed:
 
-        >>> routed = SGLangBackend(router_url="http://127.0.0.1:9", max_retries=0)
+        >>> routed = SGLangBackend(router_url="http://127.0.0.1:9", options=quick)
         >>> routed.route_urls, routed.health()
         (['http://127.0.0.1:9'], False)
         >>> routed.close()
@@ -207,32 +199,20 @@ class SGLangBackend(GenerationBackend):
         >>> backend.close()
     """
 
-    supports_partial_rollouts = True
+    capabilities = BackendCapabilities(partial_rollouts=True, memory_release=True)
 
     def __init__(
         self,
         urls: str | Sequence[str] | None = None,
         *,
         router_url: str | None = None,
-        api_key: str | None = None,
-        max_concurrency: int = 8,
-        timeout_s: float = 600.0,
-        stall_grace_s: float | None = 60.0,
-        probe_path: str = "/health_generate",
-        connect_timeout_s: float = 5.0,
-        max_retries: int = 3,
-        backoff_s: float = 0.5,
-        backoff_max_s: float = 8.0,
-        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
-        on_abort: AbortPolicy = "raise",
-        extra_sampling_params: Mapping[str, Any] | None = None,
         weight_sync: str | Callable[[SGLangBackend], WeightSender] = "disk",
         weight_sync_options: Mapping[str, Any] | None = None,
-        sync_timeout_s: float = 600.0,
-        vocab_size: int | None = None,
-        show_progress: bool | None = None,
-        abort_all_after_s: float = 5.0,
+        options: SGLangClientOptions | None = None,
+        **keywords: Any,
     ) -> None:
+        self.options = o = _client_options(options, keywords)
+        o.check("SGLangBackend")
         if router_url is None:
             if urls is None:
                 raise ValueError(
@@ -248,25 +228,8 @@ class SGLangBackend(GenerationBackend):
             self._workers = None if urls is None else _check_urls(urls)
         self.router_url = None if router_url is None else self.route_urls[0]
         self._discover = self.router_url is not None and urls is None
-        if max_concurrency < 1:
-            raise ValueError(f"SGLangBackend: max_concurrency must be >= 1, got {max_concurrency}")
-        if on_abort not in ("raise", "keep"):
-            raise ValueError(f"SGLangBackend: on_abort must be 'raise' or 'keep', got {on_abort!r}")
-        check_number("SGLangBackend", "timeout_s", timeout_s, gt=0)
-        check_number("SGLangBackend", "sync_timeout_s", sync_timeout_s, gt=0)
-        check_number("SGLangBackend", "abort_all_after_s", abort_all_after_s, ge=0)
-        self.abort_all_after_s = abort_all_after_s
-        check_number(
-            "SGLangBackend",
-            "stall_grace_s",
-            stall_grace_s,
-            gt=0,
-            allow_none=True,
-            hint="None disables the stall detection",
-        )
-        if not probe_path.startswith("/"):
-            raise ValueError(f"SGLangBackend: probe_path must start with '/', got {probe_path!r}")
-        self.extra_sampling_params = check_sampling_keys(extra_sampling_params or {})
+        self.abort_all_after_s = o.abort_all_after_s
+        self.extra_sampling_params = check_sampling_keys(o.extra_sampling_params or {})
         dropped = sorted(set(self.extra_sampling_params) & ROUTER_DROPPED_SAMPLING_KEYS)
         if self.router_url is not None and dropped:
             raise ValueError(
@@ -274,13 +237,17 @@ class SGLangBackend(GenerationBackend):
                 f"by the sglang-router ({ROUTER_VERSION}) at {self.router_url}: leave them out, or "
                 "send to the servers directly (urls=..., no router_url)"
             )
-        self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
-        self.timeout_s, self.sync_timeout_s, self.vocab_size = timeout_s, sync_timeout_s, vocab_size
-        self.on_abort, self.show_progress = on_abort, show_progress
-        self.stall_grace_s, self.probe_path = stall_grace_s, probe_path
+        self.api_key = o.api_key if o.api_key is not None else os.environ.get(API_KEY_ENV) or None
+        self.timeout_s, self.sync_timeout_s = o.timeout_s, o.sync_timeout_s
+        self.vocab_size, self.on_abort, self.show_progress = (
+            o.vocab_size,
+            o.on_abort,
+            o.show_progress,
+        )
+        self.stall_grace_s, self.probe_path = grace, _ = o.stall_grace_s, o.probe_path
         # probes every grace/5 (at most every 5 s) while a server is silent; looks 2x as often
-        self._probe_every = None if stall_grace_s is None else min(5.0, stall_grace_s / 5)
-        self._tick = None if stall_grace_s is None else min(0.25, self._probe_every / 2)
+        self._probe_every = None if grace is None else min(5.0, grace / 5)
+        self._tick = None if grace is None else min(0.25, self._probe_every / 2)
         self.stats = {
             "requests": 0,
             "aborted": 0,
@@ -294,12 +261,12 @@ class SGLangBackend(GenerationBackend):
         self._stats_lock = threading.Lock()
         self._http = HttpClient(
             api_key=self.api_key,
-            connect_timeout_s=connect_timeout_s,
-            retry=RetryPolicy(max_retries=max_retries, base_s=backoff_s, max_s=backoff_max_s),
-            max_response_bytes=max_response_bytes,
-            pool_size=max(10, max_concurrency),
+            connect_timeout_s=o.connect_timeout_s,
+            retry=RetryPolicy(max_retries=o.max_retries, base_s=o.backoff_s, max_s=o.backoff_max_s),
+            max_response_bytes=o.max_response_bytes or DEFAULT_MAX_RESPONSE_BYTES,
+            pool_size=max(10, o.max_concurrency),
         )
-        self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="sglang")
+        self._pool = ThreadPoolExecutor(max_workers=o.max_concurrency, thread_name_prefix="sglang")
         self._probes = ThreadPoolExecutor(
             max_workers=len(self.route_urls), thread_name_prefix="sglang-probe"
         )
@@ -316,7 +283,7 @@ class SGLangBackend(GenerationBackend):
                 weight_sync, self, engine="sglang", **dict(weight_sync_options or {})
             )
         super().__init__(sender)
-        self._memory = MemoryLifecycle(self, self._engine_lock, timeout_s=sync_timeout_s)
+        self._memory = MemoryLifecycle(self, self._engine_lock, timeout_s=o.sync_timeout_s)
 
     # -- plumbing (also what the senders use: urls, api_key, post, get) ------------------------
 
@@ -873,3 +840,24 @@ def _check_urls(urls: str | Sequence[str], what: str = "urls") -> list[str]:
     if len(set(urls)) != len(urls):
         raise ValueError(f"SGLangBackend: a server is listed twice in {urls}")
     return [u.rstrip("/") for u in urls]
+
+
+def _client_options(options: SGLangClientOptions | None, keywords: dict[str, Any]):
+    """``options`` with the 0.1 keyword arguments (deprecated) applied on top."""
+    options = options if options is not None else SGLangClientOptions()
+    if not keywords:
+        return options
+    known = {f.name for f in dataclasses.fields(SGLangClientOptions)}
+    unknown = sorted(set(keywords) - known)
+    if unknown:
+        raise TypeError(
+            f"SGLangBackend() got unexpected keyword argument(s) {unknown}{closest(unknown[0], known)}"
+        )
+    shown = ", ".join(f"{k}={v!r}" for k, v in keywords.items())
+    warnings.warn(
+        f"SGLangBackend({shown}) is deprecated (removed in ar_torchrl 0.2): pass "
+        f"options=SGLangClientOptions({shown}) (ar_torchrl.backends.sglang.SGLangClientOptions)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return dataclasses.replace(options, **keywords)

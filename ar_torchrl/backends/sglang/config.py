@@ -5,17 +5,27 @@
   sglang-router (launched, or running);
 - its weight-sync methods and their options: ``disk`` (:class:`DiskSyncOptions`), ``tensor``
   (:class:`TensorSyncOptions``), ``distributed`` (:class:`DistributedSyncOptions`). A ``None`` option
-  keeps the sender's own default.
+  keeps the sender's own default;
+- how the client talks to the servers: :class:`SGLangClientOptions` (``SGLangBackend(options=...)``).
+
+Every option is checked by one function, which the client and the senders call too.
 """
 
 from __future__ import annotations
 
+import importlib
 import shutil
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ar_torchrl.backends.registry import BackendContext, register_backend
-from ar_torchrl.utils.checks import check_choice, check_number, is_server_url
+from ar_torchrl.backends.registry import BackendConfig, BackendContext, register_backend
+from ar_torchrl.backends.sglang.options import SGLangClientOptions, check_stall_grace
+from ar_torchrl.utils.checks import (
+    check_choice,
+    check_number,
+    check_timeout,
+    is_server_url,
+)
 from ar_torchrl.weight_sync.registry import register_sync_method, sender_options, set_options
 
 # OmegaConf reads the annotations at run time: they must stay `Optional[...]`, not `X | None`.
@@ -25,6 +35,7 @@ __all__ = [
     "DiskSyncOptions",
     "DistributedSyncOptions",
     "SGLangBackendConfig",
+    "SGLangClientOptions",
     "TensorSyncOptions",
     "check_server_url",
 ]
@@ -52,6 +63,17 @@ def check_server_url(prefix: str, name: str, url: Any) -> str:
 
 
 # --------------------------------------------------------------------------- weight sync methods
+def _sender(module: str, cls: str, options: Any, target: Any) -> Any:
+    """``senders.<module>.<cls>(target, **options that are set)``, imported when built."""
+    found = importlib.import_module(f"ar_torchrl.backends.sglang.senders.{module}")
+    return getattr(found, cls)(target, **set_options(options))
+
+
+@register_sync_method(
+    "disk",
+    engine="sglang",
+    help="safetensors shards in a temp dir + /update_weights_from_disk (shared filesystem)",
+)
 @dataclass
 class DiskSyncOptions:
     """Options of :class:`~.senders.disk.DiskWeightSender`."""
@@ -63,7 +85,15 @@ class DiskSyncOptions:
     def check(self, prefix: str) -> None:
         check_number(prefix, "bucket_bytes", self.bucket_bytes, ge=1, integer=True, allow_none=True)
 
+    def build(self, *, target: Any) -> Any:
+        return _sender("disk", "DiskWeightSender", self, target)
 
+
+@register_sync_method(
+    "tensor",
+    engine="sglang",
+    help="buckets through shared memory + /update_weights_from_tensor (same machine)",
+)
 @dataclass
 class TensorSyncOptions:
     """Options of :class:`~.senders.tensor.TensorWeightSender`."""
@@ -73,7 +103,15 @@ class TensorSyncOptions:
     def check(self, prefix: str) -> None:
         check_number(prefix, "bucket_bytes", self.bucket_bytes, ge=1, integer=True, allow_none=True)
 
+    def build(self, *, target: Any) -> Any:
+        return _sender("tensor", "TensorWeightSender", self, target)
 
+
+@register_sync_method(
+    "distributed",
+    engine="sglang",
+    help="broadcast over a gloo/nccl group + /update_weights_from_distributed",
+)
 @dataclass
 class DistributedSyncOptions:
     """Options of :class:`~.senders.distributed.DistributedWeightSender`."""
@@ -92,39 +130,10 @@ class DistributedSyncOptions:
             prefix, "master_port", self.master_port, ge=1, le=65535, integer=True, allow_none=True
         )
         check_number(prefix, "bucket_bytes", self.bucket_bytes, ge=1, integer=True, allow_none=True)
-        check_number(prefix, "timeout_s", self.timeout_s, gt=0, allow_none=True)
+        check_timeout(prefix, "timeout_s", self.timeout_s, allow_none=True)
 
-
-def _sender(module: str, cls: str):
-    def factory(options: Any, *, target: Any) -> Any:
-        import importlib
-
-        sender = getattr(
-            importlib.import_module(f"ar_torchrl.backends.sglang.senders.{module}"), cls
-        )
-        return sender(target, **set_options(options))
-
-    return factory
-
-
-register_sync_method(
-    "disk",
-    engine="sglang",
-    config=DiskSyncOptions,
-    help="safetensors shards in a temp dir + /update_weights_from_disk (shared filesystem)",
-)(_sender("disk", "DiskWeightSender"))
-register_sync_method(
-    "tensor",
-    engine="sglang",
-    config=TensorSyncOptions,
-    help="buckets through shared memory + /update_weights_from_tensor (same machine)",
-)(_sender("tensor", "TensorWeightSender"))
-register_sync_method(
-    "distributed",
-    engine="sglang",
-    config=DistributedSyncOptions,
-    help="broadcast over a gloo/nccl group + /update_weights_from_distributed",
-)(_sender("distributed", "DistributedWeightSender"))
+    def build(self, *, target: Any) -> Any:
+        return _sender("distributed", "DistributedWeightSender", self, target)
 
 
 # --------------------------------------------------------------------------- the backend
@@ -132,7 +141,7 @@ register_sync_method(
     "sglang", help="an SGLang server: launched locally on the policy, or running ones"
 )
 @dataclass
-class SGLangBackendConfig:
+class SGLangBackendConfig(BackendConfig):
     """``backend=sglang``: :class:`~ar_torchrl.backends.SGLangBackend` over one or more servers."""
 
     url: Any = None  # None (launch num_servers) | a URL | a list of URLs
@@ -181,14 +190,12 @@ class SGLangBackendConfig:
                 check_server_url(prefix, "url", url)
         self._check_router(prefix)
         check_choice(prefix, "device", self.device, ("cpu", "cuda"))
-        check_number(prefix, "timeout_s", self.timeout_s, gt=0)
-        check_number(prefix, "sync_timeout_s", self.sync_timeout_s, gt=0)
-        check_number(
+        check_timeout(prefix, "timeout_s", self.timeout_s)
+        check_timeout(prefix, "sync_timeout_s", self.sync_timeout_s)
+        check_stall_grace(  # real servers: the probe answers after 1 s at the earliest
             prefix,
-            "stall_grace_s",
             self.stall_grace_s,
-            ge=2,
-            allow_none=True,
+            at_least=2,
             hint="SGLang answers the /health_generate probe after 1 s at the earliest; null disables "
             "the stall detection",
         )
@@ -216,6 +223,9 @@ class SGLangBackendConfig:
                 f"NVIDIA driver on your system): set {key}device=cuda, or leave "
                 "release_memory_during_update=false"
             )
+
+    def releases_memory_during_update(self) -> bool:
+        return self.release_memory_during_update
 
     def server_args(self) -> list[str]:
         """The flags a launched server gets beyond the launcher's: ``extra_args``, and
@@ -297,11 +307,13 @@ class SGLangBackendConfig:
             router_url=router_url,
             weight_sync=self.weight_sync,
             weight_sync_options=dict(self.weight_sync_options),
-            timeout_s=self.timeout_s,
-            stall_grace_s=self.stall_grace_s,
-            sync_timeout_s=self.sync_timeout_s,
-            vocab_size=context.model.config.vocab_size,
-            show_progress=False,
+            options=SGLangClientOptions(
+                timeout_s=self.timeout_s,
+                stall_grace_s=self.stall_grace_s,
+                sync_timeout_s=self.sync_timeout_s,
+                vocab_size=context.model.config.vocab_size,
+                show_progress=False,
+            ),
         )
         context.stack.callback(backend.close)
         if not backend.health():  # said once, before anything reads as a weight-sync failure

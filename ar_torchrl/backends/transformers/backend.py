@@ -31,13 +31,19 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ar_torchrl.backends.base import Completion, GenerationBackend, SamplingParams
+from ar_torchrl.backends.base import (
+    BackendCapabilities,
+    Completion,
+    GenerationBackend,
+    SamplingParams,
+)
 from ar_torchrl.backends.transformers.kv_cache import decode_cache
 from ar_torchrl.backends.transformers.token_sampling import (
     LogProbMode,
     next_token_log_probs,
     sample_next_token,
 )
+from ar_torchrl.utils.checks import check_max_batch_size
 from ar_torchrl.weight_sync.registry import make_sender
 
 __all__ = ["LogProbMode", "TransformersBackend", "next_token_log_probs"]
@@ -71,7 +77,7 @@ class TransformersBackend(GenerationBackend):
         (4, [0, 0, 1, 1], True)
     """
 
-    supports_partial_rollouts = True
+    capabilities = BackendCapabilities(partial_rollouts=True, sampler_state=True)
 
     def __init__(
         self,
@@ -91,10 +97,7 @@ class TransformersBackend(GenerationBackend):
                 f"TransformersBackend: logprob_mode must be 'temperature' or 'processed', "
                 f"got {logprob_mode!r}"
             )
-        if max_batch_size is not None and max_batch_size < 1:
-            raise ValueError(
-                f"TransformersBackend: max_batch_size must be >= 1, got {max_batch_size}"
-            )
+        check_max_batch_size("TransformersBackend", max_batch_size)
         self.mode = mode
         self.model = model if mode == "share" else _rollout_copy(model)
         super().__init__(make_sender(mode, self.model, engine="trainside"))
@@ -113,6 +116,11 @@ class TransformersBackend(GenerationBackend):
         self._last_logits_only = {"logits_to_keep": 1} if "logits_to_keep" in forward_args else {}
 
     # ------------------------------------------------------------------ interface
+    @property
+    def shares_trainer_weights(self) -> bool:
+        """``mode="share"``: the rollout model is the trainer's module."""
+        return self.mode == "share"
+
     @property
     def context_length(self) -> int | None:
         """``config.max_position_embeddings`` of the model (``None`` when it has none)."""

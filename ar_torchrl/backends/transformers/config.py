@@ -1,7 +1,8 @@
 """Torch-free config schemas of the trainside engine, registered beside it.
 
 - the backend (``backend=trainside`` in the recipe): :class:`TrainsideBackendConfig`;
-- its weight-sync methods ``copy`` and ``share`` (:class:`~.sender.TrainsideSender`; no options).
+- its weight-sync methods ``copy`` and ``share`` (:class:`~.sender.TrainsideSender`; no options):
+  :class:`CopySyncOptions`, :class:`ShareSyncOptions`.
 """
 
 from __future__ import annotations
@@ -9,27 +10,30 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ar_torchrl.backends.registry import BackendContext, register_backend
-from ar_torchrl.utils.checks import check_number
+from ar_torchrl.backends.registry import BackendConfig, BackendContext, register_backend
+from ar_torchrl.utils.checks import check_max_batch_size
 from ar_torchrl.weight_sync.registry import register_sync_method
 
 # OmegaConf reads the annotations at run time: they must stay `Optional[...]`, not `X | None`.
 # ruff: noqa: UP045
 
-__all__ = ["TrainsideBackendConfig"]
+__all__ = [
+    "CopySyncOptions",
+    "ShareSyncOptions",
+    "TrainsideBackendConfig",
+    "check_max_batch_size",
+]
 
 
 @register_backend("trainside", help="a copy of the policy samples in the trainer's process")
 @dataclass
-class TrainsideBackendConfig:
+class TrainsideBackendConfig(BackendConfig):
     """``backend=trainside``: :class:`~ar_torchrl.backends.TransformersBackend` in ``copy`` mode."""
 
     max_batch_size: Optional[int] = None  # most sequences per generation forward (None: all)
 
     def check(self, prefix: str) -> None:
-        check_number(
-            prefix, "max_batch_size", self.max_batch_size, ge=1, integer=True, allow_none=True
-        )
+        check_max_batch_size(prefix, self.max_batch_size)
 
     def starts_with_trainer_weights(self) -> bool:
         """The engine copies the trainer's policy when it is built."""
@@ -55,20 +59,29 @@ class TrainsideBackendConfig:
         return backend
 
 
-def _trainside_sender(mode: str) -> Any:
-    def factory(*, target: Any) -> Any:
+@register_sync_method(
+    "copy", engine="trainside", help="copy into a private in-process rollout model"
+)
+@dataclass
+class CopySyncOptions:
+    """``copy``: :class:`~ar_torchrl.backends.transformers.sender.TrainsideSender` (no options)."""
+
+    def build(self, *, target: Any) -> Any:
         from ar_torchrl.backends.transformers.sender import TrainsideSender
 
-        return TrainsideSender(target, mode=mode)
-
-    return factory
+        return TrainsideSender(target, mode="copy")
 
 
-register_sync_method(
-    "copy", engine="trainside", help="copy into a private in-process rollout model"
-)(_trainside_sender("copy"))
-register_sync_method(
+@register_sync_method(
     "share",
     engine="trainside",
     help="the rollout model is the trainer's module (names checked only)",
-)(_trainside_sender("share"))
+)
+@dataclass
+class ShareSyncOptions:
+    """``share``: :class:`~ar_torchrl.backends.transformers.sender.TrainsideSender` (no options)."""
+
+    def build(self, *, target: Any) -> Any:
+        from ar_torchrl.backends.transformers.sender import TrainsideSender
+
+        return TrainsideSender(target, mode="share")

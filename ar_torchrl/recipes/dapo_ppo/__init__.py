@@ -16,6 +16,7 @@ from ar_torchrl.recipes.dapo_ppo.main import (
     checkpoint_to_resume,
     help_text,
     hydra_argv,
+    launch_argv,
     run,
 )
 from ar_torchrl.recipes.dapo_ppo.main import (
@@ -30,6 +31,7 @@ __all__ = [
     "checkpoint_to_resume",
     "help_text",
     "hydra_argv",
+    "launch_argv",
     "run",
     "schemas",
     "validate_config",

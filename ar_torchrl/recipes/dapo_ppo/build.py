@@ -8,6 +8,7 @@ the execution strategy (:mod:`ar_torchrl.recipes.strategy`) from the ``model`` o
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import random
 from pathlib import Path
@@ -17,14 +18,14 @@ import numpy as np
 import torch
 
 from ar_torchrl.backends import SamplingParams, TransformersBackend
-from ar_torchrl.backends.registry import BACKENDS, BackendContext
+from ar_torchrl.backends.registry import BackendContext
 from ar_torchrl.data.datasets import MathDataset
 from ar_torchrl.data.prompts import check_prompts
-from ar_torchrl.data.registry import TASKS
-from ar_torchrl.envs import LLMEnv, ToolEnv
+from ar_torchrl.envs import LLMEnv
+from ar_torchrl.envs.registry import ENV_KINDS, EnvContext
 from ar_torchrl.objectives import TokenPPOLoss, make_advantage
 from ar_torchrl.recipes.dapo_ppo.config import Config
-from ar_torchrl.rewards.registry import REWARDS, OverlongPenalty
+from ar_torchrl.rewards.registry import OverlongPenalty
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ def seed_everything(seed: int) -> None:
 
 def build_datasets(cfg: Config) -> tuple[MathDataset, MathDataset]:
     """Training rows and the held-out evaluation rows (the first ``train.eval_prompts``)."""
-    train_rows, eval_rows = TASKS.entry_for(cfg.data).factory(cfg.data)
+    train_rows, eval_rows = cfg.data.build()
     return train_rows, eval_rows.subset(range(min(len(eval_rows), cfg.train.eval_prompts)))
 
 
@@ -87,7 +88,7 @@ def context_length(model: torch.nn.Module, backend: Any) -> int:
 
 def build_reward(cfg: Config) -> Any:
     """The ``reward`` option's reward (it also says what counts as correct)."""
-    return REWARDS.entry_for(cfg.reward).factory(cfg.reward)
+    return cfg.reward.build()
 
 
 def build_backend(
@@ -110,14 +111,15 @@ def build_backend(
         seed=cfg.seed,
         start_dir=start_dir,
     )
-    return BACKENDS.entry_for(cfg.backend).factory(cfg.backend, context)
+    return cfg.backend.build(context)
 
 
 def build_envs(
     cfg: Config, rows, eval_rows, tokenizer, backend, model, *, trainer_can_generate: bool
 ) -> tuple[LLMEnv, LLMEnv]:
-    """Prompts in, scored token trajectories out: sampled for training, greedy for evaluation;
-    multi-turn tool-use episodes (:class:`~ar_torchrl.envs.ToolEnv`) when ``tools`` is set.
+    """Prompts in, scored token trajectories out: sampled for training, greedy for evaluation, by
+    the environment kind ``rollout.env`` (:data:`~ar_torchrl.envs.registry.ENV_KINDS`; default:
+    multi-turn tool-use episodes when ``tools`` is set, else single-turn).
 
     Evaluation decodes greedily from the trainer's own weights when the trainer can generate and
     the rollouts are trainside (a shared-weights engine, no copy); otherwise on the rollout engine
@@ -130,41 +132,39 @@ def build_envs(
         max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k
     )
     greedy = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=0.0)
-    kind, extra = LLMEnv, {}
-    if cfg.tools is not None:
-        kind = ToolEnv
-        extra = dict(
-            toolbox=cfg.tools.build(),
-            max_turns=r.max_turns,
-            max_total_tokens=r.max_total_tokens or context_length(model, backend),
-            tool_error_penalty=r.tool_error_penalty,
-            template_check=r.template_check,
-        )
-    env = kind(
+    kind = cfg.env_kind
+    options = ENV_KINDS.options(kind, r.env_options)
+    multi_turn = ENV_KINDS[kind].multi_turn
+    context = EnvContext(
         rows,
         tokenizer,
         backend,
         reward_fn=reward,
+        sampling=sampling,
         num_samples=r.samples_per_prompt,
         prompts_per_batch=r.prompts_per_iter,
-        sampling=sampling,
         seed=cfg.seed,
-        **extra,
+        toolbox=None if cfg.tools is None else cfg.tools.build(),
+        max_turns=r.max_turns,
+        max_total_tokens=(r.max_total_tokens or context_length(model, backend))
+        if multi_turn
+        else r.max_total_tokens,
+        tool_error_penalty=r.tool_error_penalty,
+        template_check=r.template_check,
     )
+    env = ENV_KINDS[kind].build(options, context=context)
     trainside = isinstance(backend, TransformersBackend) and trainer_can_generate
-    eval_backend = TransformersBackend(model, mode="share") if trainside else backend
-    eval_env = kind(
-        eval_rows,
-        tokenizer,
-        eval_backend,
-        reward_fn=reward,
+    eval_context = dataclasses.replace(
+        context,
+        rows=eval_rows,
+        backend=TransformersBackend(model, mode="share") if trainside else backend,
+        sampling=greedy,
         num_samples=1,
         prompts_per_batch=len(eval_rows),
-        sampling=greedy,
+        seed=0,
         shuffle=False,
-        **extra,
     )
-    return env, eval_env
+    return env, ENV_KINDS[kind].build(options, context=eval_context)
 
 
 def build_advantage(cfg: Config) -> Any:
@@ -172,7 +172,7 @@ def build_advantage(cfg: Config) -> Any:
     (``critic_coeff > 0``) is its critic (GRPO/RLOO then train it on Monte-Carlo returns)."""
     a = cfg.algo
     options = a.advantage_options()
-    kwargs = {} if options is None else dict(vars(options))
+    kwargs = {} if options is None else dataclasses.asdict(options)
     return make_advantage(a.advantage_mode, critic=a.critic_coeff > 0, gamma=a.gamma, **kwargs)
 
 

@@ -16,13 +16,14 @@ second, before it loads the training stack.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, make_dataclass
+from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig
 
 from ar_torchrl.backends.registry import BACKENDS
 from ar_torchrl.data.registry import TASKS
+from ar_torchrl.envs.registry import ENV_KINDS
 from ar_torchrl.models.config import MODELS
 from ar_torchrl.objectives.policy_loss import POLICY_LOSSES, RolloutCorrection
 from ar_torchrl.objectives.registry import ADVANTAGES, needs_critic
@@ -36,6 +37,9 @@ from ar_torchrl.utils.checks import (
     check_optimizer_args,
     check_ppo_loss_args,
     check_ppo_update_args,
+    check_sampling_args,
+    check_timeout,
+    check_token_budget,
 )
 from ar_torchrl.utils.loggers import LOGGER_KINDS
 
@@ -52,6 +56,7 @@ __all__ = [
     "LoggerConfig",
     "RolloutConfig",
     "TrainConfig",
+    "config_schema",
     "schemas",
     "validate_config",
 ]
@@ -117,8 +122,10 @@ class _AlgoKeys:
         """Ranges of the library's own checks; ``norm_length`` is the recipe's max_new_tokens."""
         p = "config: algo."
         check_choice(p, "policy_loss", self.policy_loss, POLICY_LOSSES.names())
-        for entry in POLICY_LOSSES.entries():
-            POLICY_LOSSES.options(entry.name, getattr(self, entry.name), prefix=f"{p}{entry.name}.")
+        for entry in POLICY_LOSSES.entries():  # a section per loss with options (None: defaults)
+            POLICY_LOSSES.options(
+                entry.name, getattr(self, entry.name, None), prefix=f"{p}{entry.name}."
+            )
         self.rollout_correction.check(f"{p}rollout_correction.")
         if self.tis_cap is not None and self.rollout_correction.resolved().is_level is not None:
             raise ValueError(
@@ -136,7 +143,7 @@ class _AlgoKeys:
         for entry in ADVANTAGES.entries():
             if entry.config is not None:
                 ADVANTAGES.options(
-                    entry.name, getattr(self, entry.name), prefix=f"{p}{entry.name}."
+                    entry.name, getattr(self, entry.name, None), prefix=f"{p}{entry.name}."
                 )
         check_ppo_loss_args(
             p,
@@ -185,19 +192,39 @@ class _AlgoKeys:
             )
 
 
-#: ``algo``: :class:`_AlgoKeys` plus one section per registered estimator with options
-#: (``algo.gae``, ``algo.grpo``, ``algo.rloo``) and per registered policy loss (``algo.clip``,
-#: ``algo.gspo``, ``algo.gspo_token``, ``algo.cispo``): registering one adds its section.
-AlgoConfig = make_dataclass(
-    "AlgoConfig",
-    [
-        (e.name, e.config, field(default_factory=e.config))
+def algo_sections() -> tuple[tuple[str, type], ...]:
+    """``(name, schema)`` of every estimator and policy loss registered now: the ``algo.<name>``
+    sections (registering one adds its section)."""
+    sections = tuple(
+        (e.name, e.config)
         for registry in (ADVANTAGES, POLICY_LOSSES)
         for e in registry.entries()
         if e.config is not None
-    ],
-    bases=(_AlgoKeys,),
-)
+    )
+    keys = {f.name for f in fields(_AlgoKeys)}
+    clash = [name for name, _ in sections if name in keys]
+    if clash:
+        raise ValueError(
+            f"config: the estimator / policy loss name(s) {clash} are algo keys; register them "
+            "under other names (their options are the algo.<name> section)"
+        )
+    return sections
+
+
+def _algo_schema(sections: tuple[tuple[str, type], ...]) -> type:
+    return make_dataclass(
+        "AlgoConfig",
+        [(name, schema, field(default_factory=schema)) for name, schema in sections],
+        bases=(_AlgoKeys,),
+    )
+
+
+#: ``algo``: :class:`_AlgoKeys` plus one section per registered estimator with options
+#: (``algo.gae``, ``algo.grpo``, ``algo.rloo``) and per registered policy loss (``algo.clip``,
+#: ``algo.gspo``, ``algo.gspo_token``, ``algo.cispo``): the built-ins'; :func:`config_schema` adds
+#: those registered later (a user's ``imports:``).
+_BUILTIN_SECTIONS = algo_sections()
+AlgoConfig = _algo_schema(_BUILTIN_SECTIONS)
 
 
 #: ``algo.value_lr_schedule``: the critic's learning rate over the iterations (after the warm-up).
@@ -263,7 +290,11 @@ class RolloutConfig:
     dynamic_sampling: bool = False  # DAPO: keep groups whose rewards differ, refill (the collector)
     max_sampling_rounds: int = 4
     critic_flat_groups: bool = False  # dynamic sampling: zero-spread groups train the critic only
-    max_turns: int = 1  # model turns per episode (> 1 needs `tools`: the multi-turn ToolEnv)
+    env: Optional[str] = (
+        None  # environment kind (ENV_KINDS); None: tool with `tools`, else single_turn
+    )
+    env_options: dict[str, Any] = field(default_factory=dict)  # that kind's options
+    max_turns: int = 1  # model turns per episode (> 1 needs a multi-turn env kind: tool)
     max_total_tokens: Optional[int] = None  # multi-turn: tokens per episode (None: the context)
     tool_error_penalty: float = 0.0  # multi-turn: reward added per failed tool call of a turn
     template_check: str = (
@@ -271,8 +302,16 @@ class RolloutConfig:
     )
 
     def check(self, prefix: str) -> None:
-        for key in ("prompts_per_iter", "samples_per_prompt", "max_new_tokens", "token_budget"):
+        for key in ("prompts_per_iter", "samples_per_prompt"):
             _count(prefix, key, getattr(self, key))
+        check_sampling_args(  # SamplingParams' own checks
+            prefix,
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+        )
+        check_token_budget(prefix, self.token_budget)  # plan_micro_batches' own check
         check_number(prefix, "max_new_tokens", self.max_new_tokens, le=MAX_TOKENS, hint=_TOO_LONG)
         rows = self.prompts_per_iter * self.samples_per_prompt
         if rows > MAX_BATCH_ROWS:
@@ -282,10 +321,6 @@ class RolloutConfig:
                 f"than {MAX_BATCH_ROWS}: lower them (every row is generated and trained each step)"
             )
         _count(prefix, "max_sampling_rounds", self.max_sampling_rounds)
-        check_number(prefix, "temperature", self.temperature, ge=0)
-        check_number(prefix, "top_p", self.top_p, gt=0, le=1)
-        if not (self.top_k == -1 or self.top_k >= 1):
-            raise ValueError(f"{prefix}top_k must be -1 (off) or >= 1, got {self.top_k}")
         _count(prefix, "max_rows", self.max_rows, allow_none=True)
         if not (isinstance(self.packing, bool) or self.packing == "auto"):
             raise ValueError(f"{prefix}packing={self.packing!r} must be false, true or auto")
@@ -308,6 +343,8 @@ class RolloutConfig:
             )
         check_number(prefix, "tool_error_penalty", self.tool_error_penalty)
         check_choice(prefix, "template_check", self.template_check, ("raise", "warn", "off"))
+        if self.env is not None:
+            ENV_KINDS.lookup(self.env, key=f"{prefix}env")
 
 
 @dataclass
@@ -364,7 +401,7 @@ class DistConfig:
         check_choice(prefix, "backend", self.backend, ("auto", "gloo", "nccl"))
         if not (isinstance(self.fsdp, bool) or self.fsdp == "auto"):
             raise ValueError(f"{prefix}fsdp={self.fsdp!r} must be auto, true or false")
-        check_number(prefix, "timeout_s", self.timeout_s, gt=0)
+        check_timeout(prefix, "timeout_s", self.timeout_s)
 
 
 # --------------------------------------------------------------------------- checkpoint
@@ -395,6 +432,7 @@ class Config:
     logger: LoggerConfig = MISSING
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     tools: Optional[ToolConfig] = None  # tools for multi-turn episodes (None: single-turn LLMEnv)
+    imports: list[str] = field(default_factory=list)  # modules that register your own components
     train: TrainConfig = field(default_factory=TrainConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -420,16 +458,9 @@ class Config:
             getattr(self, name).check(f"config: {name}.")
         if self.tools is not None:
             self.tools.check("config: tools.")
-        elif self.rollout.max_turns > 1:
-            raise ValueError(
-                f"config: rollout.max_turns={self.rollout.max_turns} needs tools (a multi-turn episode "
-                "continues after a tool answer): set tools (e.g. --config-name tool_arithmetic)"
-            )
+        self.check_env()
         self.algo.check(norm_length=self.rollout.max_new_tokens)
-        if (
-            getattr(self.backend, "release_memory_during_update", False)
-            and self.train.mode != "sync"
-        ):
+        if self.backend.releases_memory_during_update() and self.train.mode != "sync":
             raise ValueError(
                 f"config: backend.release_memory_during_update=true needs train.mode=sync (got "
                 f"{self.train.mode}): async generation runs during the update, on the memory it "
@@ -471,6 +502,36 @@ class Config:
         self.check_dist()
 
     @property
+    def env_kind(self) -> str:
+        """``rollout.env``, else the kind the config implies: ``tool`` when ``tools`` is set,
+        ``single_turn`` otherwise."""
+        if self.rollout.env is not None:
+            return self.rollout.env
+        return "tool" if self.tools is not None else "single_turn"
+
+    def check_env(self) -> None:
+        """The environment kind against the tools and the turns, and its options."""
+        kind, r = self.env_kind, self.rollout
+        entry = ENV_KINDS.lookup(kind, key="config: rollout.env")
+        if entry.needs_tools and self.tools is None:
+            raise ValueError(
+                f"config: rollout.env={kind} runs tool calls: set tools (e.g. --config-name "
+                "tool_arithmetic)"
+            )
+        if self.tools is not None and not entry.needs_tools:
+            raise ValueError(
+                f"config: tools are set but rollout.env={kind} calls none: set rollout.env=tool "
+                "(or null), or tools=null"
+            )
+        if r.max_turns > 1 and not entry.multi_turn:
+            raise ValueError(
+                f"config: rollout.max_turns={r.max_turns} needs tools (a multi-turn episode "
+                f"continues after a tool answer; rollout.env={kind} has one turn): set tools (e.g. "
+                "--config-name tool_arithmetic)"
+            )
+        ENV_KINDS.options(kind, dict(r.env_options), prefix="config: rollout.env_options.")
+
+    @property
     def sharded(self) -> bool:
         """Train with FSDP2: ``dist.fsdp=true``, or ``auto`` under torchrun (more than one process)
         or with a compute dtype other than float32 (fp32 masters, bf16 compute)."""
@@ -504,10 +565,28 @@ class Config:
             )
 
 
+_SCHEMAS: dict[tuple, type] = {}
+
+
+def config_schema() -> type:
+    """:class:`Config`, with an ``algo.<name>`` section for every estimator and policy loss
+    registered now (a user's ``imports:`` may have added some since this module was imported)."""
+    sections = algo_sections()
+    if sections == _BUILTIN_SECTIONS:
+        return Config
+    if sections not in _SCHEMAS:
+        algo = _algo_schema(sections)
+        _SCHEMAS[sections] = make_dataclass(
+            "Config", [("algo", algo, field(default=MISSING))], bases=(Config,)
+        )
+    return _SCHEMAS[sections]
+
+
 def schemas() -> list[tuple[str | None, str, type]]:
-    """``(group, name, schema)`` for Hydra's ConfigStore: the whole config (``schema``) and every
-    registered group option (``schema_<option>``); YAML files name theirs in ``defaults``."""
-    return [(None, "schema", Config), *recipe_config.group_schemas(GROUPS)]
+    """``(group, name, schema)`` for Hydra's ConfigStore: the whole config (``schema``, with the
+    sections of every estimator and policy loss registered now) and every registered group option
+    (``schema_<option>``); YAML files name theirs in ``defaults``."""
+    return [(None, "schema", config_schema()), *recipe_config.group_schemas(GROUPS)]
 
 
 def validate_config(raw: DictConfig) -> Config:
@@ -517,4 +596,4 @@ def validate_config(raw: DictConfig) -> Config:
         ValueError, TypeError: a value out of range, of the wrong type, missing, or a key that no
             schema reads, naming the key.
     """
-    return recipe_config.validate(raw, Config)
+    return recipe_config.validate(raw, Config, groups=GROUPS)

@@ -172,7 +172,7 @@ def setup(
         build.build_loss(cfg, actor_critic, critic),
         build.build_optimizer(cfg, model, critic),
         torch.Generator().manual_seed(cfg.seed),
-        ctx.broadcast_object(getattr(backend, "weight_dtype", None)),
+        ctx.broadcast_object(backend.weight_dtype if backend is not None else None),
         critic=critic,
         store=store,
     )
@@ -309,7 +309,7 @@ def engine_memory(run: Run, *, release: bool) -> None:
     """``backend.release_memory_during_update``: a colocated SGLang engine releases its GPU memory
     before the trainer allocates (every rank waits for it) and resumes it after the update (every
     rank done first); nothing otherwise. The weight push after the update resumes generation."""
-    if not getattr(run.cfg.backend, "release_memory_during_update", False):
+    if not run.cfg.backend.releases_memory_during_update():
         return
     backend = run.collector.env.backend if run.collector is not None else None
     if not release:

@@ -21,8 +21,13 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from ar_torchrl.recipes import run as runs
-from ar_torchrl.recipes.config import render_help
-from ar_torchrl.recipes.dapo_ppo.config import Config, validate_config
+from ar_torchrl.recipes.config import (
+    check_overrides,
+    component_imports,
+    import_components,
+    render_help,
+)
+from ar_torchrl.recipes.dapo_ppo.config import GROUPS, Config, config_schema, validate_config
 
 __all__ = [
     "PROG",
@@ -31,6 +36,7 @@ __all__ = [
     "checkpoint_to_resume",
     "help_text",
     "hydra_argv",
+    "launch_argv",
     "run",
 ]
 
@@ -47,6 +53,15 @@ RESUMABLE_CHANGES = (
     "train.plot",
     "dist.timeout_s",
 )
+
+#: Keys added since a run's saved config may have been written, with their defaults: a saved config
+#: without them matches (``train.resume_from=auto``) as if it had the defaults.
+ADDED_KEYS = {
+    "imports": [],
+    "rollout.env": None,
+    "rollout.env_options": {},
+    "checkpoint.hmac_key_env": None,
+}
 
 #: What ``--help`` says above the groups and keys.
 HELP_HEADER = """DAPO-math PPO (token-level GAE + value head, or GRPO / RLOO) with TorchRL.
@@ -70,6 +85,47 @@ def hydra_argv(argv: list[str]) -> list[str]:
     return argv
 
 
+def _flag(argv: list[str], names: tuple[str, ...]) -> list[str]:
+    """The values of a command-line flag (``--config-dir DIR`` or ``--config-dir=DIR``)."""
+    found = []
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if name in names:
+            found.append(value if eq else (argv[i + 1] if i + 1 < len(argv) else ""))
+    return [v for v in found if v]
+
+
+def launch_argv(config_dir: Path, argv: list[str]) -> list[str]:
+    """What the entry point does before Hydra composes: import the modules of the config's
+    ``imports:`` list (a user's components register themselves, so their names can be chosen),
+    check every ``key=value`` override against the schemas (a typo'd key gets the closest known
+    one here: Hydra's own answer is to add it with ``+``), and return Hydra's arguments
+    (:func:`hydra_argv`).
+
+    Raises:
+        ValueError: a module that does not import, or a key that no schema has.
+
+    Example:
+        >>> from pathlib import Path
+        >>> configs = Path(__file__).resolve().parents[3] / "configs"
+        >>> launch_argv(configs, ["dapo_ppo.py", "algo.lr=1e-4"])
+        ['dapo_ppo.py', 'algo.lr=1e-4']
+        >>> launch_argv(configs, ["dapo_ppo.py", "algo.lrr=1e-4"])
+        Traceback (most recent call last):
+        ...
+        ValueError: config: no key 'algo.lrr' (did you mean 'algo.lr'?); `--help` lists every key
+    """
+    args = argv[1:]
+    dirs = [
+        Path(config_dir),
+        *map(Path, _flag(args, ("--config-dir", "-cd", "--config-path", "-cp"))),
+    ]
+    name = (_flag(args, ("--config-name", "-cn")) or ["dapo_ppo"])[-1]
+    import_components(component_imports(dirs, name, args))
+    check_overrides(config_schema(), GROUPS, dirs, name, args)
+    return hydra_argv(argv)
+
+
 def help_text(config_dir: Path, argv: list[str]) -> str:
     """``--help``: config groups, and every key of the chosen configuration with its comment."""
     name = "dapo_ppo"
@@ -79,11 +135,23 @@ def help_text(config_dir: Path, argv: list[str]) -> str:
     return render_help(config_dir, name, app=PROG, header=HELP_HEADER, overrides=overrides)
 
 
+def _with_added_keys(container: dict) -> dict:
+    """``container`` with every key of :data:`ADDED_KEYS` it lacks set to its default."""
+    for key, default in ADDED_KEYS.items():
+        *parents, leaf = key.split(".")
+        node = container
+        for part in parents:
+            node = node.setdefault(part, {}) if isinstance(node, dict) else {}
+        if isinstance(node, dict):
+            node.setdefault(leaf, default)
+    return container
+
+
 def _matches(raw: DictConfig):
     want = runs.without_keys(OmegaConf.to_container(raw, resolve=False), RESUMABLE_CHANGES)
 
     def matches(saved: Path) -> bool:
-        other = OmegaConf.to_container(OmegaConf.load(saved), resolve=False)
+        other = _with_added_keys(OmegaConf.to_container(OmegaConf.load(saved), resolve=False))
         return runs.without_keys(other, RESUMABLE_CHANGES) == want
 
     return matches

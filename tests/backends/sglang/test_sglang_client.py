@@ -18,6 +18,7 @@ from support.sglang_helpers import (
     SentNames,
     assert_server_matches,
     require_schema,
+    sglang_backend,
     trainer_log_probs,
     trainer_with_value_head,
 )
@@ -38,9 +39,7 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def _backend(urls, **kw) -> SGLangBackend:
-    kw.setdefault("backoff_s", 0.01)
-    kw.setdefault("show_progress", False)
-    return SGLangBackend(urls, **kw)
+    return sglang_backend(urls, **kw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,6 +174,42 @@ def test_bad_inputs():
         SGLangBackend(["http://a:1", "http://a:1"])
     with pytest.raises(ValueError, match=r"weight sync method 'copy' does not serve sglang"):
         SGLangBackend("http://127.0.0.1:1", weight_sync="copy")
+
+
+def test_the_client_takes_its_options_grouped_and_the_old_keywords_for_one_release():
+    """SGLangBackend took 20 keywords: now where (urls, router_url), how weights travel
+    (weight_sync, weight_sync_options) and how it talks (options: SGLangClientOptions)."""
+    import inspect
+    import warnings
+
+    from ar_torchrl.backends.sglang import SGLangClientOptions
+
+    params = inspect.signature(SGLangBackend).parameters
+    assert [p for p in params if params[p].kind is not inspect.Parameter.VAR_KEYWORD] == [
+        "urls",
+        "router_url",
+        "weight_sync",
+        "weight_sync_options",
+        "options",
+    ]
+    options = SGLangClientOptions(timeout_s=30.0, max_concurrency=2, show_progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)  # the new form warns nothing
+        backend = SGLangBackend("http://127.0.0.1:9", options=options)
+    assert (backend.options, backend.timeout_s, backend._pool._max_workers) == (options, 30.0, 2)
+    backend.close()
+    with pytest.warns(
+        DeprecationWarning, match=r"options=SGLangClientOptions\(timeout_s=30, max_c"
+    ):
+        old = SGLangBackend("http://127.0.0.1:9", timeout_s=30, max_concurrency=2)
+    assert old.options == SGLangClientOptions(timeout_s=30, max_concurrency=2)
+    old.close()
+    with pytest.raises(
+        TypeError, match=r"unexpected keyword argument\(s\) \['timeout'\] \(did you"
+    ):
+        SGLangBackend("http://127.0.0.1:9", timeout=30)
+    with pytest.raises(ValueError, match=r"SGLangBackend: on_abort='drop' is not one of"):
+        SGLangBackend("http://127.0.0.1:9", options=SGLangClientOptions(on_abort="drop"))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 from support.recipe_helpers import typed
 from support.sglang_double import serve_double, toy_model
-from support.sglang_helpers import require_schema
+from support.sglang_helpers import require_schema, sglang_backend
 
 import ar_torchrl.backends.sglang.http as http
 from ar_torchrl.backends import SamplingParams
@@ -31,9 +31,7 @@ LOGGER = "ar_torchrl.backends.sglang.client"
 
 
 def _backend(urls, **kw) -> SGLangBackend:
-    kw.setdefault("backoff_s", 0.01)
-    kw.setdefault("show_progress", False)
-    return SGLangBackend(urls, **kw)
+    return sglang_backend(urls, **kw)
 
 
 @pytest.fixture

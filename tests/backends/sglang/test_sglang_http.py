@@ -6,6 +6,7 @@ import time
 
 import pytest
 from support.sglang_double import toy_model
+from support.sglang_helpers import sglang_backend
 
 import ar_torchrl.backends.sglang.http as http
 from ar_torchrl.backends import SamplingParams
@@ -23,9 +24,7 @@ GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
 
 
 def _backend(urls, **kw) -> SGLangBackend:
-    kw.setdefault("backoff_s", 0.01)
-    kw.setdefault("show_progress", False)
-    return SGLangBackend(urls, **kw)
+    return sglang_backend(urls, **kw)
 
 
 def test_retries_5xx_and_dropped_connection_with_exponential_backoff(sglang_double, monkeypatch):

@@ -22,7 +22,7 @@ import pytest
 import requests
 from support.recipe_helpers import typed
 from support.sglang_double import IO_STRUCT_FIELDS, MEMORY_TAGS, serve_double, toy_model
-from support.sglang_helpers import require_schema
+from support.sglang_helpers import require_schema, sglang_backend
 
 import ar_torchrl.backends.sglang.http as http
 from ar_torchrl.backends import SamplingParams
@@ -42,10 +42,8 @@ CAPACITY = 80 << 30  # the fake device the doubles share
 
 
 def _backend(urls, **kw) -> SGLangBackend:
-    kw.setdefault("backoff_s", 0.01)
-    kw.setdefault("show_progress", False)
     kw.setdefault("weight_sync", "tensor")
-    return SGLangBackend(urls, **kw)
+    return sglang_backend(urls, **kw)
 
 
 def _probe(*doubles):

@@ -22,6 +22,7 @@ from support.sglang_double import serve_double, toy_model
 from support.sglang_helpers import (
     require_schema,
     require_sglang_venv,
+    sglang_backend,
     trainer_with_value_head,
     wait_until,
 )
@@ -40,11 +41,9 @@ PARAMS = {"max_new_tokens": 60, "temperature": 1.0, "ignore_eos": True}
 
 
 def _backend(urls, **kw) -> SGLangBackend:
-    kw.setdefault("backoff_s", 0.01)
-    kw.setdefault("show_progress", False)
     kw.setdefault("weight_sync", "tensor")
     kw.setdefault("extra_sampling_params", {"ignore_eos": True})
-    backend = SGLangBackend(urls, **kw)
+    backend = sglang_backend(urls, **kw)
     backend.partial_rollouts = True
     return backend
 

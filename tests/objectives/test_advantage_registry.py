@@ -89,15 +89,24 @@ def test_errors_name_the_estimator():
         make_advantage("gae", critic=True, lambda_=0.9)
 
 
-def test_register_a_new_estimator(scratch_registry):
-    @register_advantage("sequence_reward")
-    def make(*, critic: bool, scale: float = 1.0):
-        return lambda td: td.set("advantage", scale * td["next", "reward"])
+@dataclasses.dataclass
+class SequenceReward:
+    """An estimator in the one registration shape: the options' dataclass, with ``build``."""
 
+    scale: float = 1.0
+
+    def build(self, *, critic: bool, gamma: float):
+        return lambda td: td.set("advantage", self.scale * td["next", "reward"])
+
+
+def test_register_a_new_estimator(scratch_registry):
+    register_advantage("sequence_reward", help="the reward as the advantage")(SequenceReward)
     assert advantage_names()[-1] == "sequence_reward" and not needs_critic("sequence_reward")
-    register_advantage("sequence_reward")(make)  # the same factory again: fine
+    register_advantage("sequence_reward")(SequenceReward)  # the same schema again: fine
     with pytest.raises(ValueError, match="'sequence_reward' is already registered"):
-        register_advantage("sequence_reward")(lambda **kw: None)
+        register_advantage("sequence_reward")(
+            dataclasses.dataclass(type("Other", (SequenceReward,), {}))
+        )
     td = trajectory()
     out = make_advantage("sequence_reward", scale=2.0)(td)
     torch.testing.assert_close(out["advantage"], 2.0 * td["next", "reward"])
@@ -111,10 +120,10 @@ def test_recipe_accepts_exactly_the_registered_names(scratch_registry):
 
     with pytest.raises(ValueError, match="algo.advantage_mode='sequence_reward' is not one of"):
         typed("sequence_reward")
-    register_advantage("sequence_reward")(lambda *, critic: None)
+    register_advantage("sequence_reward", help="the reward as the advantage")(SequenceReward)
     cfg = typed("sequence_reward")
-    assert cfg.algo.advantage_options() is None  # no schema: no algo.sequence_reward section
-    assert typed("rloo").algo.advantage_options() == RLOOConfig()  # a schema: its section
+    assert cfg.algo.advantage_options() == SequenceReward()  # its schema: its algo section
+    assert typed("rloo").algo.advantage_options() == RLOOConfig()
 
 
 def test_registry_imports_no_torch():
