@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import pytest
 import torch
@@ -479,22 +480,23 @@ def test_bounded_staleness_refuses_a_second_sync_for_one_batch(tok):
 
 
 def test_bounded_staleness_checkpoint_keeps_the_waiting_batches(tok):
-    """state_dict(include_pending=True) stores the batches generated and not yet handed out; a
+    """state_dict(include_pending=True) first lets the generator generate every batch admission
+    allows, then stores them: after one sync at k=2 always 3 (batches 2-4), whatever the timing; a
     collector restored from it hands them out first, unchanged, then generates on."""
     collector, model, _ = make(tok, mode="async", total_batches=5, max_policy_lag=2, seed=3)
-    trainer = SlowTrainer(collector, model, 0.3)
+    trainer = SlowTrainer(collector, model, 0.05)
     it = iter(collector)
     next(it)
     trainer.step()
     state = collector.state_dict(include_pending=True)
-    waiting = [b["tokens"].clone() for b in (_restored_batch(x) for x in state["pending_batches"])]
-    assert 1 <= len(waiting) <= 2
+    waiting = [_restored_batch(x) for x in state["pending_batches"]]
+    assert [batch_policy_version(b) for b in waiting] == [0, 0, 1]
     collector.shutdown()
-    fresh, _, _ = make(tok, mode="async", total_batches=len(waiting) + 1, max_policy_lag=2, seed=3)
+    fresh, _, _ = make(tok, mode="async", total_batches=4, max_policy_lag=2, seed=3)
     fresh.load_state_dict(state)
     got = [b["tokens"].clone() for b in fresh]
     fresh.shutdown()
-    assert all(torch.equal(a, b) for a, b in zip(waiting, got)) and len(got) == len(waiting) + 1
+    assert len(got) == 4 and all(torch.equal(a["tokens"], b) for a, b in zip(waiting, got))
 
 
 def _restored_batch(saved):
@@ -503,35 +505,237 @@ def _restored_batch(saved):
     return TensorDict(saved["data"], saved["batch_size"])
 
 
-def test_partial_rollouts_through_the_collector_split_a_batch_across_versions(tok):
-    """With partial rollouts the trainer's sync does not wait for the batch being generated: it
-    interrupts it, and the batch's rows carry both versions, token by token."""
-    from support.scripted_backend import PausingBackend
+def test_bounded_staleness_versions_do_not_depend_on_the_trainer_speed(tok):
+    """A sync waits until the generator has generated every batch admission allows: the n-th
+    batch is always sampled by version max(0, n - 1 - k), whether the trainer is slower than the
+    generator or instant (main: an instant trainer's syncs overtook the batches admitted before
+    them, which were then sampled by newer weights)."""
+    runs = []
+    for seconds in (0.0, 0.05):
+        collector, model, _ = make(tok, mode="async", total_batches=6, max_policy_lag=2, seed=7)
+        trainer, batches = SlowTrainer(collector, model, seconds), []
+        for batch in collector:
+            batches.append((batch.clone(), collector.last_policy_lag))
+            trainer.step()
+        collector.shutdown()
+        runs.append(batches)
+    for batches in runs:
+        assert [batch_policy_version(b) for b, _ in batches] == [0, 0, 0, 1, 2, 3]
+        assert [lag for _, lag in batches] == [0, 1, 2, 2, 2, 2]
+    assert all((a == b).all() for (a, _), (b, _) in zip(*runs))
 
-    # batch 1: a prefill and 7 decode forwards (8 tokens, no EOS); batch 2 pauses at its 4th
+
+class HoldingBackend(TransformersBackend):
+    """The real trainside backend; at its ``hold_at``-th forward it signals ``reached`` and waits
+    until a weight sync interrupts it or the test sets ``release`` (a test double of the timing:
+    the generation is deterministically in flight at that moment)."""
+
+    def __init__(self, *args, hold_at: int = 0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.hold_at, self.forwards = hold_at, 0
+        self.reached, self.release = threading.Event(), threading.Event()
+
+    def _forward(self, ids, mask, positions, cache):
+        self.forwards += 1
+        if self.forwards == self.hold_at:
+            self.reached.set()
+            deadline = time.monotonic() + 120
+            while not (self.interrupted or self.release.is_set()):
+                assert time.monotonic() < deadline, "the held generation was never let go"
+                threading.Event().wait(0.001)
+        return super()._forward(ids, mask, positions, cache)
+
+
+#: 8 tokens per response, never EOS: every generation is 8 forwards (a prefill and 7 decodes)
+TOKENS = 8
+
+
+def _partial(tok, k, total, backend_cls, seed, **kwargs):
     collector, model, backend = make(
         tok,
         mode="async",
-        backend_cls=PausingBackend,
-        pause_after=12,
+        total_batches=total,
+        max_policy_lag=k,
+        backend_cls=backend_cls,
         model_eos=len(tok) + 5,
-        max_new_tokens=8,
+        max_new_tokens=TOKENS,
+        seed=seed,
+        **kwargs,
     )
     backend.partial_rollouts = True
+    return collector, model, backend
+
+
+def _settle(collector):
+    """Wait until the generator has generated what it may (it keeps up with the trainer)."""
+    ahead = collector._ahead
+    with ahead.cv:
+        ahead.cv.wait_for(ahead._settled)
+
+
+def _finish(collector, model, it, held=None):
+    """The rest of a run: each batch (what the recipe logs of it), an update, a sync. ``held``: the
+    backend holding the first batch generated after a restore; the second sync must wait for it."""
+    out = []
+    for i, batch in enumerate(it):
+        backend = collector.env.backend
+        out.append((batch, collector.last_policy_lag, collector.last_batch_stats))
+        out[-1] += (collector.last_token_lags, backend.interruptions, backend.policy_version)
+        if held is not None and i == 1:
+            _sync_waits_for_the_held_batch(collector, model, held)
+        else:
+            _settle(collector)
+            _train_step(collector, model)
+    collector.shutdown()
+    return out
+
+
+def _sync_waits_for_the_held_batch(collector, model, backend):
+    assert backend.reached.wait(60)
+    cuts = backend.interruptions
+    syncing = threading.Thread(target=_train_step, args=(collector, model))
+    syncing.start()
+    syncing.join(0.3)
+    assert syncing.is_alive() and backend.interruptions == cuts  # it waits, it does not cut
+    backend.release.set()
+    syncing.join(60)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("moment", ["settled", "mid_generation", "interrupted"])
+def test_partial_rollouts_resume_exactly_at_any_lag(tmp_path, tok, k, moment):
+    """max_policy_lag=k with partial rollouts, checkpointed after the first sync (the generator
+    settled, or generating the first batch after the pipeline's fill) or right after a second
+    sync that interrupted that batch mid-response: a collector restored on another backend
+    (another seed) hands out exactly what the uninterrupted one does from there on: batches
+    (tokens, per-token versions and log-probs), stats, lags, interruption count (main: the count
+    restarted at 0, and a sync cut the restored run's first, slower, generation, see N10)."""
+    first_fresh = k + 2  # batches 1..k+1 fill the pipeline with version 0; this one starts at 1
+    hold_at = (first_fresh - 1) * TOKENS + 3 if moment != "settled" else 0
+    collector, model, backend = _partial(tok, k, k + 5, HoldingBackend, 5, hold_at=hold_at)
+    it = iter(collector)
+    handed = [next(it)]
+    _train_step(collector, model)  # version 1: the first fresh batch starts
+    if moment == "interrupted":
+        handed.append(next(it))
+        assert backend.reached.wait(60)
+        _train_step(collector, model)  # version 2 interrupts it after 3 of its 8 tokens
+    if moment == "mid_generation":
+        assert backend.reached.wait(60)
+        box: list = []
+        saving = threading.Thread(
+            target=lambda: box.append(collector.state_dict(include_pending=True))
+        )
+        saving.start()
+        saving.join(0.3)
+        assert saving.is_alive() and not box  # it waits for the batch being generated
+        backend.release.set()
+        saving.join(60)
+        state = box[0]
+    else:
+        state = collector.state_dict(include_pending=True)
+    torch.save({"collector": state, "model": model.state_dict()}, tmp_path / "ckpt.pt")
+    pending = [_restored_batch(p) for p in state["pending_batches"]]
+    assert len(pending) == k + 1  # every batch admitted, whatever the timing
+    if moment == "interrupted":
+        cut = pending[first_fresh - 3]
+        assert set(cut["policy_version"][cut["loss_mask"]].tolist()) == {1, 2}
+        assert state["interruptions"] == backend.interruptions == 1
+    straight = _finish(collector, model, it)
+
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    # the first batch the restored collector generates is held mid-response (a cold process is
+    # slow): the sync that follows waits for it, as the uninterrupted run's generator was done
+    fresh, fresh_model, held = _partial(tok, k, k + 5 - len(handed), HoldingBackend, 99, hold_at=3)
+    fresh_model.load_state_dict(saved["model"])
+    fresh.load_state_dict(saved["collector"])
+    fresh.resync_policy_weights_()
+    resumed = _finish(fresh, fresh_model, iter(fresh), held=held)
+    assert len(straight) == len(resumed) == k + 5 - len(handed)
+    for a, b in zip(straight, resumed):
+        assert (a[0] == b[0]).all(), "a resumed batch differs"
+        assert a[1:] == b[1:]  # lag, stats, token lags, interruptions, version
+    assert straight[-1][4] == (1 if moment == "interrupted" else 0)  # no cut but the test's
+
+
+def test_partial_rollouts_wait_until_the_pipeline_is_primed(tok):
+    """Until the generator has filled its window once, a sync waits for the batch in flight
+    instead of cutting it (start-up speed must not decide where a batch is cut); after that it
+    interrupts: the batch's rows carry both versions, token by token."""
+    # batches 1-2 fill the pipeline (k=1): the sync after batch 1 waits for batch 2, held at its
+    # 4th forward; batch 3 (started by that sync) is held at its 4th and cut by the next sync
+    collector, model, backend = _partial(tok, 1, 4, HoldingBackend, 0, hold_at=TOKENS + 4)
     assert collector.pipelined
     it = iter(collector)
     first = next(it)
     assert set(first["policy_version"][first["loss_mask"]].tolist()) == {0}
-    assert backend.reached.wait(60) and backend.forwards == 12
-    _train_step(collector, model)  # interrupts batch 2
+    assert backend.reached.wait(60)
+    syncing = threading.Thread(target=_train_step, args=(collector, model))
+    syncing.start()
+    syncing.join(0.3)
+    assert syncing.is_alive() and backend.policy_version == 0  # it waits for batch 2
+    backend.release.set()
+    syncing.join(60)
     second = next(it)
-    versions = second["policy_version"][second["loss_mask"]]
-    assert set(versions.tolist()) == {0, 1} and backend.interruptions == 1
-    assert collector.last_policy_lag == 1 and collector.last_token_lags[0] > 0
-    assert sum(collector.last_token_lags.values()) == int(second["loss_mask"].sum())
-    for row in range(second.shape[0]):  # within a row: the old version first, then the new
-        v = second["policy_version"][row][second["loss_mask"][row]].tolist()
-        assert v == sorted(v) and v[0] == 0 and v[-1] == 1
+    assert set(second["policy_version"][second["loss_mask"]].tolist()) == {0}
+    backend.hold_at, backend.release = 2 * TOKENS + 4, threading.Event()
+    backend.reached.clear()
+    assert backend.reached.wait(60)
+    _train_step(collector, model)  # interrupts batch 3
+    third = next(it)
+    versions = third["policy_version"][third["loss_mask"]]
+    assert set(versions.tolist()) == {1, 2} and backend.interruptions == 1
+    assert collector.last_policy_lag == 1 and collector.last_token_lags[1] > 0
+    assert sum(collector.last_token_lags.values()) == int(third["loss_mask"].sum())
+    for row in range(third.shape[0]):  # within a row: the old version first, then the new
+        v = third["policy_version"][row][third["loss_mask"][row]].tolist()
+        assert v == sorted(v) and v[0] == 1 and v[-1] == 2
     _train_step(collector, model)
     next(it)
     collector.shutdown()
+
+
+def test_shutdown_keeps_restored_batches_it_did_not_hand_out(tok):
+    """A restored collector shut down before handing out its restored batches still saves them
+    (main: shutdown rewound the env to before the first batch it generated and dropped them)."""
+    collector, model, _ = make(tok, mode="async", total_batches=6, max_policy_lag=2, seed=3)
+    it = iter(collector)
+    next(it)
+    _train_step(collector, model)
+    state = collector.state_dict(include_pending=True)
+    collector.shutdown()
+    fresh, fresh_model, _ = make(tok, mode="async", total_batches=5, max_policy_lag=2, seed=3)
+    fresh.load_state_dict(state)
+    it = iter(fresh)
+    next(it)  # one of the 3 restored batches handed out
+    _train_step(fresh, fresh_model)
+    _settle(fresh)  # a new batch was generated after the 2 restored ones waiting
+    assert len(fresh._ahead.queue) == 3
+    fresh.shutdown()
+    again = fresh.state_dict(include_pending=True)
+    kept = [_restored_batch(p)["tokens"] for p in again["pending_batches"]]
+    want = [_restored_batch(p)["tokens"] for p in state["pending_batches"][1:]]
+    assert len(kept) == 2 and all(torch.equal(a, b) for a, b in zip(kept, want))
+    assert again["env"]["sampler"] == state["env"]["sampler"]  # rewound to after the restored
+
+
+def test_a_checkpoint_resumes_under_another_staleness_bound(tok):
+    """A one-step-async state (its prefetched batch) restored into a bounded-staleness collector
+    hands that batch out first (main: the generator ignored it, the batch was lost); a state with
+    several batches ahead cannot be restored into a collector that holds at most one."""
+    collector, model, _ = make(tok, mode="async", total_batches=3, seed=2)
+    it = iter(collector)
+    next(it)
+    _train_step(collector, model)
+    state = collector.state_dict(include_pending=True)
+    saved = _restored_batch(state["pending_batch"])
+    collector.shutdown()
+    ahead, _, _ = make(tok, mode="async", total_batches=2, max_policy_lag=2, seed=2)
+    ahead.load_state_dict(state)
+    assert ahead.pipelined and torch.equal(next(iter(ahead))["tokens"], saved["tokens"])
+    ahead.shutdown()
+    three = ahead.state_dict(include_pending=True)  # 0 left: nothing more was generated
+    three["pending_batches"] = [state["pending_batch"]] * 3
+    one, _, _ = make(tok, mode="async", total_batches=2, seed=2)
+    with pytest.raises(ValueError, match=r"holds 3 batches generated ahead .* max_policy_lag=1"):
+        one.load_state_dict(three)
