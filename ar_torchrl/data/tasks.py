@@ -464,7 +464,8 @@ def column_problems(
     exclude: set[tuple[int, int]] | frozenset = frozenset(),
 ) -> list[tuple[int, int]]:
     """``num`` additions (seeded, with repetition): for each, a digit count drawn uniformly from
-    ``digits``, then two operands with that many digits, never a problem in ``exclude``.
+    ``digits``, then two operands with that many digits, never a problem in ``exclude`` (which must
+    leave some problems of every digit count).
 
     Example:
         >>> column_problems(3, digits=[1, 3], seed=0)
@@ -475,11 +476,12 @@ def column_problems(
         raise ValueError(f"column_problems: num must be >= 0, got {num}")
     rng = random.Random(seed)
     out: list[tuple[int, int]] = []
-    while len(out) < num:
+    for _ in range(num):
         low, high = _operand_range(rng.choice(list(digits)))
         pair = (rng.randint(low, high), rng.randint(low, high))
-        if pair not in exclude:
-            out.append(pair)
+        while pair in exclude:  # redrawn with the same digit count: the mix stays uniform
+            pair = (rng.randint(low, high), rng.randint(low, high))
+        out.append(pair)
     return out
 
 
