@@ -163,7 +163,8 @@ def main(argv=None) -> dict:
     rows = train_rows if args.split == "train" else held_rows
     policy = str(checkpoint) if checkpoint else f"the starting policy of {name}"
     print(
-        f"critic ceiling of {policy}: {report.prompts} prompts ({args.split}) x {args.samples} samples"
+        f"critic ceiling of {policy}: {len(report.per_prompt)} {args.split} rows "
+        f"({report.prompts} distinct prompts) x {args.samples} samples"
     )
     print(table(report))
     groups = group_by(report, rows, args.group_by)
