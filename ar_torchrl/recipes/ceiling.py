@@ -51,7 +51,8 @@ class CeilingReport:
         token: token-level ceiling (every trained token, grouped by prompt + response prefix).
         prompt: prompt-level ceiling (every sample's return, grouped by prompt).
         by_position: token-level ceiling of the early / middle / late third of the responses.
-        prompts: prompts sampled; samples_per_prompt: ``K``.
+        prompts: distinct prompts sampled (rows with the same prompt tokens count once);
+            samples_per_prompt: ``K``.
         return_mean: mean return of the samples; response_length: mean trained tokens per sample.
         per_prompt: ``{"prompt_id", "samples", "return_mean"}`` of every prompt row sampled.
     """
@@ -270,7 +271,8 @@ def ceiling_of_config(
         prompts: prompts to sample; samples_per_prompt: ``K`` (at least 2).
         split: ``"train"`` (the training rows, a seeded shuffle) or ``"holdout"``.
         prompts_per_batch: prompts per generation batch.
-        bootstrap: bootstrap replicates of the standard errors; seed: prompt order and sampling.
+        bootstrap: bootstrap replicates of the standard errors; seed: the prompt order, the
+            backend's sampling and the bootstrap (the global RNGs are not touched).
     """
     from ar_torchrl.backends import TransformersBackend
     from ar_torchrl.data.registry import TASKS
@@ -278,7 +280,6 @@ def ceiling_of_config(
 
     if split not in ("train", "holdout"):
         raise ValueError(f"ceiling_of_config: split must be 'train' or 'holdout', got {split!r}")
-    torch.manual_seed(seed)
     model, tokenizer = policy_for_ceiling(cfg, checkpoint)
     rows, held = TASKS.entry_for(cfg.data).factory(cfg.data)
     chosen = rows if split == "train" else held
