@@ -26,7 +26,18 @@ from ar_torchrl.data.datasets import MathDataset, check_generated_rows
 from ar_torchrl.data.registry import register_task
 from ar_torchrl.utils.checks import check_number
 
-__all__ = ["OPS", "arithmetic_task_split", "fewshot_rows", "problem_space"]
+__all__ = [
+    "COLUMN_TEMPLATE",
+    "OPS",
+    "arithmetic_task_split",
+    "column_problems",
+    "column_trace",
+    "count_carries",
+    "critic_arithmetic_rows",
+    "critic_arithmetic_split",
+    "fewshot_rows",
+    "problem_space",
+]
 
 Op = Literal["+", "-", "*"]
 OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
@@ -346,4 +357,216 @@ class ToolArithmeticDataConfig:
             tool_arithmetic_rows(
                 len(held), problems=held, shots=self.shots, shot_pool=train, seed=self.seed + 7
             ),
+        )
+
+
+# --------------------------------------------------------------------------- critic arithmetic
+#: The prompt of the column-addition task: the bare problem (a tiny model reads no instruction;
+#: the warm start teaches the response format, and a short prompt keeps CPU updates cheap).
+COLUMN_TEMPLATE = "{a} + {b}"
+
+
+def _operand_range(digits: int) -> tuple[int, int]:
+    """Operands with exactly ``digits`` digits (``0..9`` for one digit)."""
+    return (0, 9) if digits == 1 else (10 ** (digits - 1), 10**digits - 1)
+
+
+def count_carries(a: int, b: int) -> int:
+    """How many columns of ``a + b`` carry into the next one.
+
+    Example:
+        >>> count_carries(57, 38), count_carries(12, 34), count_carries(999, 1)
+        (1, 0, 3)
+    """
+    carries = carry = 0
+    while a or b:
+        carry = int(a % 10 + b % 10 + carry >= 10)
+        carries += carry
+        a, b = a // 10, b // 10
+    return carries
+
+
+def column_trace(
+    a: int, b: int, *, accuracy: float = 1.0, rng: random.Random | None = None
+) -> tuple[str, bool]:
+    """The column-by-column response to ``a + b`` and whether its answer is right.
+
+    One line per column from the units up, ``x+y=s`` (``x+y+1=s`` when a carry comes in), then
+    ``Answer: ...`` made of the written sums (the last column's whole sum, then the units digit of
+    the others). Each column's sum is right with probability ``accuracy`` and otherwise off by 1 or
+    2; the next column's carry and the answer follow what was *written*, so the first wrong column
+    decides the outcome and every later token is determined by it (a critic that checks the columns
+    knows the reward before the answer).
+
+    Example:
+        >>> column_trace(57, 38)
+        ('7+8=15\\n5+3+1=9\\nAnswer: 95', True)
+        >>> text, right = column_trace(57, 38, accuracy=0.0, rng=random.Random(0))
+        >>> text.splitlines()[0], right
+        ('7+8=17', False)
+    """
+    if not 0.0 <= accuracy <= 1.0:
+        raise ValueError(f"column_trace: accuracy must be in [0, 1], got {accuracy}")
+    if a < 0 or b < 0:
+        raise ValueError(f"column_trace: operands must be >= 0, got {a} and {b}")
+    rng = rng or random.Random(0)
+    xs, ys = str(a)[::-1], str(b)[::-1]
+    columns = max(len(xs), len(ys))
+    lines, digits, carry, right = [], [], 0, True
+    for k in range(columns):
+        x = int(xs[k]) if k < len(xs) else 0
+        y = int(ys[k]) if k < len(ys) else 0
+        total = x + y + carry
+        if accuracy < 1.0 and rng.random() >= accuracy:
+            total = rng.choice([v for v in (total - 2, total - 1, total + 1, total + 2) if v >= 0])
+            right = False
+        lines.append(f"{x}+{y}{'+1' if carry else ''}={total}")
+        carry = int(total >= 10)
+        digits.append(str(total) if k == columns - 1 else str(total % 10))
+    return "\n".join(lines) + f"\nAnswer: {''.join(reversed(digits))}", right
+
+
+def critic_arithmetic_rows(
+    problems: Sequence[tuple[int, int]], *, name: str = "critic_arithmetic"
+) -> MathDataset:
+    """DAPO-schema rows of column-addition problems (prompt :data:`COLUMN_TEMPLATE`), with
+    ``extra_info`` ``problem`` (``"57 + 38"``), ``digits`` (of the larger operand) and
+    ``carries`` (:func:`count_carries`): the difficulty of the row.
+
+    Example:
+        >>> row = critic_arithmetic_rows([(57, 38)])[0]
+        >>> row["prompt"][0]["content"], row["reward_model"]["ground_truth"], row["extra_info"]
+        ('57 + 38', '95', {'index': 0, 'problem': '57 + 38', 'digits': 2, 'carries': 1})
+    """
+    rows = [
+        {
+            "data_source": "critic_arithmetic",
+            "prompt": [{"role": "user", "content": COLUMN_TEMPLATE.format(a=a, b=b)}],
+            "ability": "MATH",
+            "reward_model": {"ground_truth": str(a + b), "style": "rule"},
+            "extra_info": {
+                "index": i,
+                "problem": f"{a} + {b}",
+                "digits": len(str(max(a, b))),
+                "carries": count_carries(a, b),
+            },
+        }
+        for i, (a, b) in enumerate(problems)
+    ]
+    return MathDataset(rows, name=name)
+
+
+def column_problems(
+    num: int,
+    *,
+    digits: Sequence[int] = (1, 2, 3),
+    seed: int = 0,
+    exclude: set[tuple[int, int]] | frozenset = frozenset(),
+) -> list[tuple[int, int]]:
+    """``num`` additions (seeded, with repetition): for each, a digit count drawn uniformly from
+    ``digits``, then two operands with that many digits, never a problem in ``exclude`` (which must
+    leave some problems of every digit count).
+
+    Example:
+        >>> column_problems(3, digits=[1, 3], seed=0)
+        [(876, 530), (4, 8), (514, 902)]
+    """
+    _check_digits("column_problems: ", digits)
+    if num < 0:
+        raise ValueError(f"column_problems: num must be >= 0, got {num}")
+    rng = random.Random(seed)
+    out: list[tuple[int, int]] = []
+    for _ in range(num):
+        low, high = _operand_range(rng.choice(list(digits)))
+        pair = (rng.randint(low, high), rng.randint(low, high))
+        while pair in exclude:  # redrawn with the same digit count: the mix stays uniform
+            pair = (rng.randint(low, high), rng.randint(low, high))
+        out.append(pair)
+    return out
+
+
+def _check_digits(prefix: str, digits: Sequence[int]) -> None:
+    if not digits or any(not isinstance(d, int) or not 1 <= d <= 6 for d in digits):
+        raise ValueError(
+            f"{prefix}digits must be a non-empty list of integers in [1, 6], got {digits}"
+        )
+    if len(set(digits)) != len(digits):
+        raise ValueError(f"{prefix}digits has duplicates: {list(digits)}")
+
+
+def critic_arithmetic_split(
+    num_rows: int, holdout: int, *, digits: Sequence[int] = (1, 2, 3), seed: int = 0
+) -> tuple[MathDataset, MathDataset]:
+    """Training and held-out column-addition rows over disjoint problems.
+
+    The held-out problems are distinct and spread evenly over ``digits`` (problem ``i`` has
+    ``digits[i % len(digits)]`` digits); the training rows are drawn (seeded, with repetition) from
+    every other problem (:func:`column_problems`).
+
+    Example:
+        >>> train, test = critic_arithmetic_split(100, 9, seed=0)
+        >>> len(train), len(test), [r["extra_info"]["digits"] for r in test][:3]
+        (100, 9, [1, 2, 3])
+        >>> {r["extra_info"]["problem"] for r in train}.isdisjoint(
+        ...     r["extra_info"]["problem"] for r in test)
+        True
+    """
+    _check_digits("critic_arithmetic_split: ", digits)
+    for d in digits:
+        share = -(-holdout // len(digits)) if holdout > 0 else 0
+        space = (_operand_range(d)[1] - _operand_range(d)[0] + 1) ** 2
+        if holdout < 1 or 2 * share > space:
+            raise ValueError(
+                f"critic_arithmetic_split: holdout={holdout} must be >= 1 and leave at least half "
+                f"of the {space} problems with {d} digit(s) to training ({share} held out)"
+            )
+    if num_rows < 1:
+        raise ValueError(f"critic_arithmetic_split: num_rows must be >= 1, got {num_rows}")
+    rng = random.Random(seed)
+    held: list[tuple[int, int]] = []
+    seen: set[tuple[int, int]] = set()
+    while len(held) < holdout:
+        low, high = _operand_range(digits[len(held) % len(digits)])
+        pair = (rng.randint(low, high), rng.randint(low, high))
+        if pair not in seen:
+            seen.add(pair)
+            held.append(pair)
+    train = column_problems(num_rows, digits=digits, seed=seed + 1, exclude=seen)
+    return (
+        critic_arithmetic_rows(train, name="train"),
+        critic_arithmetic_rows(held, name="holdout"),
+    )
+
+
+@register_task(
+    "critic_arithmetic",
+    help="column addition of 1-3 digit numbers, carries written out: value is learnable",
+)
+@dataclass
+class CriticArithmeticDataConfig:
+    """``data=critic_arithmetic``: :func:`critic_arithmetic_split` rows (train and held-out rows
+    over disjoint problems)."""
+
+    num_rows: int = 4000  # training rows (drawn with replacement from the training problems)
+    digits: list[int] = field(default_factory=lambda: [1, 2, 3])  # operand digit counts
+    holdout: int = 64  # held-out problems (one evaluation row each)
+    seed: int = 0  # problem split / sampling seed
+
+    def check(self, prefix: str) -> None:
+        check_generated_rows(prefix, self.num_rows)
+        _check_digits(prefix, list(self.digits))
+        check_number(prefix, "holdout", self.holdout, ge=1, integer=True)
+        smallest = (
+            _operand_range(min(self.digits))[1] - _operand_range(min(self.digits))[0] + 1
+        ) ** 2
+        if 2 * -(-self.holdout // len(self.digits)) > smallest:
+            key = prefix.rsplit(" ", 1)[-1]
+            raise ValueError(
+                f"{prefix}holdout={self.holdout} holds out more than half of the {smallest} "
+                f"problems with {min(self.digits)} digit(s) ({key}digits={list(self.digits)})"
+            )
+
+    def build(self) -> tuple[MathDataset, MathDataset]:
+        return critic_arithmetic_split(
+            self.num_rows, self.holdout, digits=list(self.digits), seed=self.seed
         )

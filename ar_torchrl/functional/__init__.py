@@ -19,11 +19,13 @@ References:
     CISPO: MiniMax-M1, 2025, https://arxiv.org/abs/2506.13585
     Rollout correction: verl's docs/algo/rollout_corr.md; IcePop (Ring-1T, 2025)
     PopArt: van Hasselt et al. 2016, https://arxiv.org/abs/1602.07714 (functional/popart.py)
+    EV ceiling: the law of total variance over states of a frozen policy (functional/ceiling.py)
 """
 
 from __future__ import annotations
 
 from ar_torchrl.functional._shapes import check_finite_reward
+from ar_torchrl.functional.ceiling import CeilingEstimate, ev_ceiling, prefix_state_ids
 from ar_torchrl.functional.gae import (
     _check_gae_inputs as _check_gae_inputs,
 )
@@ -55,12 +57,14 @@ __all__ = [
     "ROLLOUT_IS_LEVELS",
     "ROLLOUT_MASK_MODES",
     "AggregationMode",
+    "CeilingEstimate",
     "aggregate_loss",
     "check_finite_reward",
     "cispo_surrogate",
     "clipped_surrogate",
     "clipped_value_loss",
     "count_turns",
+    "ev_ceiling",
     "explained_variance",
     "grpo_advantage",
     "gspo_surrogate",
@@ -74,6 +78,7 @@ __all__ = [
     "rollout_correction",
     "rollout_mismatch_metrics",
     "masked_whiten",
+    "prefix_state_ids",
     "token_gae",
     "turn_gae",
 ]

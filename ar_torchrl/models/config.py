@@ -51,8 +51,10 @@ class WarmStartConfig:
     num_rows: int = 1000
     data_seed: int = 1234
     template: str = "short"
-    task: str = "arithmetic"  # arithmetic (answer traces) | tool_arithmetic (calculator traces)
+    task: str = "arithmetic"  # arithmetic | tool_arithmetic | critic_arithmetic (column traces)
     tool_fraction: float = 0.5  # tool_arithmetic: fraction of traces that call the calculator
+    # critic_arithmetic: probability that a column's sum is right, per operand digit count
+    column_accuracy: list[float] = field(default_factory=lambda: [1.0, 0.95, 0.8])
 
     def check(self, prefix: str) -> None:
         check_warm_start_args(
@@ -65,21 +67,37 @@ class WarmStartConfig:
         )
         check_number(prefix, "num_rows", self.num_rows, ge=1, integer=True)
         check_choice(prefix, "template", self.template, ("short", "dapo"))
-        check_choice(prefix, "task", self.task, ("arithmetic", "tool_arithmetic"))
+        check_choice(
+            prefix, "task", self.task, ("arithmetic", "tool_arithmetic", "critic_arithmetic")
+        )
         check_number(prefix, "tool_fraction", self.tool_fraction, ge=0, le=1)
+        if not self.column_accuracy or any(not 0 <= q <= 1 for q in self.column_accuracy):
+            raise ValueError(
+                f"{prefix}column_accuracy must be a non-empty list of probabilities in [0, 1] "
+                f"(one per operand digit count), got {list(self.column_accuracy)}"
+            )
 
     def apply(self, model: Any, tokenizer: Any, cache_dir: str | Path) -> Any:
         """The warm-started model (cached under ``cache_dir/warmstart``), or ``model`` if disabled."""
         if not self.enabled:
             return model
         from ar_torchrl.data.datasets import arithmetic_dataset
-        from ar_torchrl.data.tasks import tool_arithmetic_rows
+        from ar_torchrl.data.tasks import (
+            column_problems,
+            critic_arithmetic_rows,
+            tool_arithmetic_rows,
+        )
         from ar_torchrl.models.warmstart import cached_warm_start
 
         extra: dict[str, Any] = {}
         if self.task == "tool_arithmetic":  # calculator traces (the settings name them: own cache)
             rows = tool_arithmetic_rows(self.num_rows, seed=self.data_seed)
             extra["tool_fraction"] = self.tool_fraction
+        elif self.task == "critic_arithmetic":  # column traces, competence by problem size
+            digits = list(range(1, len(self.column_accuracy) + 1))
+            problems = column_problems(self.num_rows, digits=digits, seed=self.data_seed)
+            rows = critic_arithmetic_rows(problems)
+            extra["column_accuracy"] = [float(q) for q in self.column_accuracy]
         else:  # the answer-format traces (settings as before: the cache entries of earlier runs)
             rows = arithmetic_dataset(self.num_rows, seed=self.data_seed, template=self.template)
         model, _ = cached_warm_start(

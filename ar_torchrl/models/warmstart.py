@@ -29,7 +29,13 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from ar_torchrl.models.hf import check_tokenizer
 from ar_torchrl.utils.checks import check_warm_start_args
 
-__all__ = ["build_sft_batch", "cached_warm_start", "sft_response", "supervised_warm_start"]
+__all__ = [
+    "build_sft_batch",
+    "cached_warm_start",
+    "column_response",
+    "sft_response",
+    "supervised_warm_start",
+]
 
 logger = logging.getLogger(__name__)
 _FORMAT_VERSION = 1
@@ -55,6 +61,39 @@ def sft_response(ground_truth: str, correct: bool, rng: random.Random) -> str:
         return f"Answer: {truth}"
     offset = rng.choice([d for d in range(-3, 4) if d != 0])
     return f"Answer: {truth + offset}"
+
+
+def column_response(row: dict, column_accuracy: Sequence[float], rng: random.Random) -> str:
+    """The supervised target of a ``data=critic_arithmetic`` row: its column-by-column trace
+    (:func:`ar_torchrl.data.tasks.column_trace`), each column's sum right with probability
+    ``column_accuracy[digits - 1]``, so the warm start's competence depends on the problem's size.
+
+    Example:
+        >>> from ar_torchrl.data.tasks import critic_arithmetic_rows
+        >>> row = critic_arithmetic_rows([(57, 38)])[0]
+        >>> column_response(row, [1.0, 1.0, 1.0], random.Random(0))
+        '7+8=15\\n5+3+1=9\\nAnswer: 95'
+    """
+    from ar_torchrl.data.tasks import column_trace
+
+    extra = row.get("extra_info") or {}
+    try:
+        a, plus, b = extra["problem"].split()
+        digits = int(extra["digits"])
+        if plus != "+":
+            raise ValueError
+        pair = (int(a), int(b))
+    except (KeyError, ValueError, AttributeError):
+        raise ValueError(
+            "column traces need data=critic_arithmetic rows (extra_info.problem 'a + b' and "
+            f"extra_info.digits), got extra_info={extra!r:.120}"
+        ) from None
+    if not 1 <= digits <= len(column_accuracy):
+        raise ValueError(
+            f"column_accuracy has {len(column_accuracy)} entries (one per operand digit count) "
+            f"but row {extra.get('index')} ({extra['problem']}) has {digits} digits"
+        )
+    return column_trace(*pair, accuracy=column_accuracy[digits - 1], rng=rng)[0]
 
 
 def _row_fields(row: dict, index: int) -> tuple[list[dict], str]:
@@ -188,12 +227,15 @@ def supervised_warm_start(
     grad_clip: float = 1.0,
     seed: int = 0,
     tool_fraction: float | None = None,
+    column_accuracy: Sequence[float] | None = None,
 ) -> list[float]:
     """Train ``model`` in place on ``"Answer: X"`` responses (correct with prob ``correct_fraction``).
 
     With ``tool_fraction`` (tool-task rows), each row is a :func:`tool_trace` that calls the
     calculator with that probability (and answers directly otherwise): the call format is taught,
     the task is not solved (a model that never calls is right only ``correct_fraction`` of the time).
+    With ``column_accuracy`` (``data=critic_arithmetic`` rows), each response is the row's
+    column-by-column trace (:func:`column_response`; ``correct_fraction`` is not used).
 
     Each step samples ``batch_size`` rows (with replacement, seeded) and minimises the token-mean
     cross-entropy of the response and EOS. AdamW, learning rate decaying linearly from ``lr`` to
@@ -228,7 +270,10 @@ def supervised_warm_start(
     losses = []
     for _ in tqdm(range(steps), desc="warm start", leave=False):
         batch = [rows[rng.randrange(len(rows))] for _ in range(batch_size)]
-        if tool_fraction is None:
+        if column_accuracy is not None:
+            responses = [column_response(r, column_accuracy, rng) for r in batch]
+            ids, mask, labels = build_sft_batch(tokenizer, batch, responses)
+        elif tool_fraction is None:
             responses = [
                 sft_response(_row_fields(r, 0)[1], rng.random() < correct_fraction, rng)
                 for r in batch

@@ -103,3 +103,63 @@ def test_errors_are_clear():
     tok.chat_template = None
     with pytest.raises(ValueError, match="warm start tokenizer has no chat template"):
         supervised_warm_start(model, tok, rows, steps=1)
+
+
+# --------------------------------------------------------------------------- column traces
+def test_column_response_accuracy_depends_on_the_digit_count():
+    from ar_torchrl.data.tasks import critic_arithmetic_rows
+    from ar_torchrl.models.warmstart import column_response
+    from ar_torchrl.rewards.math import dapo_math_reward
+
+    rows = critic_arithmetic_rows([(7, 5), (57, 38), (587, 938)])
+    rng = random.Random(0)
+    accuracy = [1.0, 0.5, 0.9]
+    right = {1: 0, 2: 0, 3: 0}
+    for _ in range(1000):
+        for row in rows:
+            text = column_response(row, accuracy, rng)
+            right[row["extra_info"]["digits"]] += (
+                dapo_math_reward(text, row["reward_model"]["ground_truth"]) > 0
+            )
+    # a trace is right when every column is: accuracy ** digits
+    assert right[1] == 1000
+    assert right[2] / 1000 == pytest.approx(0.5**2, abs=0.04)
+    assert right[3] / 1000 == pytest.approx(0.9**3, abs=0.04)
+    with pytest.raises(ValueError, match="has 3 digits"):
+        column_response(rows[2], [1.0, 1.0], rng)
+    with pytest.raises(ValueError, match="column traces need data=critic_arithmetic rows"):
+        column_response(list(arithmetic_dataset(1))[0], accuracy, rng)
+
+
+def test_warm_start_on_column_traces_trains_on_the_trace(monkeypatch):
+    import re
+
+    from ar_torchrl.data.tasks import column_problems, critic_arithmetic_rows
+
+    seen = []
+
+    def spy(tokenizer, rows, responses):
+        seen.extend(zip(rows, responses))
+        return build_sft_batch(tokenizer, rows, responses)
+
+    monkeypatch.setattr(ws, "build_sft_batch", spy)
+    model, tok = build_tiny_model(hidden_size=32, num_heads=2)
+    rows = list(critic_arithmetic_rows(column_problems(40, seed=0)))
+    losses = supervised_warm_start(
+        model, tok, rows, steps=30, batch_size=8, lr=1e-2, column_accuracy=[1.0, 1.0, 1.0]
+    )
+    assert len(seen) == 30 * 8 and losses[0] > 4.0 and sum(losses[-5:]) / 5 < 2.0
+    for row, response in seen:  # every target is the row's column trace, right at accuracy 1
+        assert re.fullmatch(r"(\d\+\d(\+1)?=\d+\n)+Answer: \d+", response), response
+        assert response.endswith(f"Answer: {row['reward_model']['ground_truth']}")
+
+
+def test_warm_start_config_column_accuracy():
+    from ar_torchrl.models.config import WarmStartConfig
+
+    WarmStartConfig(task="critic_arithmetic").check("config: model.warm_start.")
+    for bad in ([], [1.0, 1.2]):
+        with pytest.raises(ValueError, match="column_accuracy must be a non-empty list of probab"):
+            WarmStartConfig(column_accuracy=bad).check("config: model.warm_start.")
+    with pytest.raises(ValueError, match="task"):
+        WarmStartConfig(task="columns").check("config: model.warm_start.")
