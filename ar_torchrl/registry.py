@@ -356,10 +356,10 @@ def resolve_component(path: str, registry: Registry) -> tuple[str, type]:
         >>> from ar_torchrl.data.registry import TASKS
         >>> resolve_component("ar_torchrl.data.datasets.ArithmeticDataConfig", TASKS)[0]
         'arithmetic'
-        >>> resolve_component("ar_torchrl.data.datasets.MathDataset", TASKS)
+        >>> resolve_component("ar_torchrl.data.datasets.MathDataset", TASKS)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: _component_: ar_torchrl.data.datasets.MathDataset is not a registered task schema; register it with @register_task(...) (registered: ['arithmetic', 'dapo_math', 'fewshot_arithmetic', 'tool_arithmetic'])
+        ValueError: _component_: ar_torchrl.data.datasets.MathDataset is not a registered task schema; register it with @register_task(...) (registered: [...])
     """
     module, _, attr = str(path).rpartition(".")
     try:

@@ -275,13 +275,12 @@ def ceiling_of_config(
             backend's sampling and the bootstrap (the global RNGs are not touched).
     """
     from ar_torchrl.backends import TransformersBackend
-    from ar_torchrl.data.registry import TASKS
     from ar_torchrl.recipes.dapo_ppo import build
 
     if split not in ("train", "holdout"):
         raise ValueError(f"ceiling_of_config: split must be 'train' or 'holdout', got {split!r}")
     model, tokenizer = policy_for_ceiling(cfg, checkpoint)
-    rows, held = TASKS.entry_for(cfg.data).factory(cfg.data)
+    rows, held = cfg.data.build()
     chosen = rows if split == "train" else held
     backend = TransformersBackend(
         model, mode="share", max_batch_size=getattr(cfg.backend, "max_batch_size", None), seed=seed
