@@ -18,6 +18,7 @@ _EXPORTS = {
             "BackendCapabilities",
             "Completion",
             "ContextLengthError",
+            "EpisodeCache",
             "FinishReason",
             "GenerationBackend",
             "SamplingParams",
