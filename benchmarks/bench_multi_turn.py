@@ -172,6 +172,11 @@ class _Replay:
         self._raw.release_conn()
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class PrefillClock:
     """Wall seconds of the trainside model's prefill forwards (the first forward of each
     ``generate`` call: more than one position), by forward hooks on the backend's model."""
@@ -183,10 +188,14 @@ class PrefillClock:
 
     def _pre(self, module, args, kwargs) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
-        self._start = time.perf_counter() if ids is not None and ids.shape[-1] > 1 else None
+        self._start = None
+        if ids is not None and ids.shape[-1] > 1:
+            _sync(ids.device)
+            self._start = time.perf_counter()
 
     def _post(self, module, args, kwargs, output) -> None:
         if self._start is not None:
+            _sync(output.logits.device)
             self.seconds += time.perf_counter() - self._start
             self.forwards += 1
             self._start = None
@@ -367,8 +376,13 @@ def run(args) -> tuple[dict, dict]:
     tok = build_char_tokenizer()
     eos = tok.eos_token_id
     model = build_tiny_qwen3(
-        len(tok), hidden_size=args.hidden, num_layers=args.layers, seed=args.seed
-    )
+        len(tok),
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        max_position_embeddings=1024,
+        seed=args.seed,
+    ).to(device=args.device, dtype=getattr(torch, args.dtype))
     prompts = make_prompts(tok, args.batch, args.seed)
     deltas = {  # after a turn cut at its cap / after a turn that sampled EOS (with --allow-eos)
         False: tool_delta_ids(tok, [TOOL_ANSWER], include_end_of_turn=True),
@@ -454,6 +468,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 15; quick 2)")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the trainside model's")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--allow-eos", action="store_true", help="EOS ends a turn (lengths then vary)")
@@ -468,6 +485,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--url and --launch exclude each other: use a running server or launch one")
     if "sglang" in args.backends and not (args.url or args.launch):
         p.error("--backends has sglang: pass --url URL of a running server, or --launch")
+    if "sglang" in args.backends and (args.heads != 4 or args.device != "cpu"):
+        p.error("--heads / --device cuda apply to the trainside engines only (the server's model)")
     if "sglang" not in args.backends and (args.url or args.launch):
         p.error(f"--url/--launch given but --backends is {args.backends} (no sglang)")
     args.ks = [int(k) for k in (args.ks or "1,2,4,8").split(",")]
@@ -506,6 +525,9 @@ def main(argv: list[str] | None = None) -> None:
         quick=args.quick,
         hidden=args.hidden,
         layers=args.layers,
+        heads=args.heads,
+        device=args.device,
+        dtype=args.dtype,
         eos_stops=args.allow_eos,
         launched=args.launch,
         url=args.url,

@@ -332,7 +332,8 @@ def test_benchmark_script_runs_quick(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["results"]
     assert {r["path"] for r in rows} == {
-        "backend",
+        "backend_sync1",
+        "backend_sync16",
         "backend_legacy",
         "hf_generate",
         "hf_generate_logprobs",
