@@ -240,9 +240,9 @@ def episode_batch(engine: Engine, prompts, k: int, args, seed: int, deltas, eos:
     if engine.prefill is not None:
         engine.prefill.reset()
     submitted, generated, turn_s, finishes = 0, [0] * len(prompts), [], []
-    episodes = EpisodeCache() if engine.keeps_cache else None
+    episodes = EpisodeCache() if engine.keeps_cache and k > 1 else None  # K = 1: one generation
     kept = {} if episodes is None else {"episodes": episodes, "episode_ids": range(len(prompts))}
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for turn in range(k):
         sampling = SamplingParams(
             max_new_tokens=per_turn, temperature=1.0, top_p=1.0, top_k=-1, seed=seed + turn
@@ -264,7 +264,7 @@ def episode_batch(engine: Engine, prompts, k: int, args, seed: int, deltas, eos:
             if turn < k - 1:
                 closed = bool(c.token_ids) and c.token_ids[-1] == eos
                 contexts[b] += deltas[closed]
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     cached = engine.cached.cached if engine.cached is not None else None
     if episodes is not None:  # the trainside engine's own cache
         cached = episodes.reused_tokens
@@ -275,6 +275,7 @@ def episode_batch(engine: Engine, prompts, k: int, args, seed: int, deltas, eos:
         )
     return dict(
         seconds=seconds,
+        cpu_seconds=cpu_seconds,
         turn_seconds=turn_s,
         generated_tokens=sum(generated),
         min_episode_tokens=min(generated),
@@ -348,6 +349,7 @@ def summarize(name: str, k: int, args, reps: list[dict], ones: list[dict]) -> di
     }
     cached = [r["cached_tokens"] for r in reps if r["cached_tokens"] is not None]
     ratios = [r["seconds"] / o["seconds"] for r, o in zip(reps, ones)]
+    cpu_ratios = sorted(r["cpu_seconds"] / o["cpu_seconds"] for r, o in zip(reps, ones))
     prefill = [r["prefill_seconds"] for r in reps if r["prefill_seconds"] is not None]
     return dict(
         backend=name,
@@ -361,6 +363,8 @@ def summarize(name: str, k: int, args, reps: list[dict], ones: list[dict]) -> di
         ms_per_generated_token=1e3
         * statistics.median(r["seconds"] / r["generated_tokens"] for r in reps),
         ratio=statistics.median(ratios),
+        cpu_ratio=statistics.median(cpu_ratios),
+        cpu_ratio_range=[cpu_ratios[0], cpu_ratios[-1]],
         ratio_reps=ratios,
         ratio_of_medians=med["seconds"] / statistics.median(o["seconds"] for o in ones),
         submitted_prompt_tokens=med["submitted_prompt_tokens"],
@@ -422,33 +426,33 @@ def run(args) -> tuple[dict, dict]:
 # ----------------------------------------------------------------------------- reporting
 def report(result: dict, args) -> str:
     head = (
-        f"  {'backend':<9} {'K':>2} {'tok/turn':>8} {'tok/ep':>6} {'s/batch':>8} {'ms/ep':>7} "
-        f"{'ms/tok':>7} {'ratio':>6} {'(range)':>11} {'submitted':>9} {'cached':>7} "
+        f"  {'backend':<17} {'K':>2} {'tok/turn':>8} {'s/batch':>8} {'ms/tok':>7} "
+        f"{'ratio [min, max]':>20} {'CPU ratio [min, max]':>21} {'submitted':>9} {'cached':>7} "
         f"{'prefilled':>9} {'prefill s':>9}"
     )
     lines = [
         f"{args.batch} episodes x {args.total_tokens} generated tokens, K turns of "
         f"{args.total_tokens}/K tokens (median of {args.reps} reps, round-robin; ratio = "
-        "time(K turns) / time(1 generation), median of per-rep ratios)",
+        "time(K turns) / time(1 generation), median [min, max] of per-rep ratios; CPU ratio: the "
+        "same with this process's CPU time, load-insensitive at 1 thread, the server's not counted)",
         head,
     ]
     for r in result["rows"]:
         cached = "-" if r["cached_tokens"] is None else f"{r['cached_tokens']:.0f}"
-        spread = f"{min(r['ratio_reps']):.2f}-{max(r['ratio_reps']):.2f}"
+        ratio = f"{r['ratio']:.2f} [{min(r['ratio_reps']):.2f}, {max(r['ratio_reps']):.2f}]"
+        lo, hi = r["cpu_ratio_range"]
+        cpu = f"{r['cpu_ratio']:.2f} [{lo:.2f}, {hi:.2f}]"
         prefill = "-" if r["prefill_seconds"] is None else f"{r['prefill_seconds']:.3f}"
         lines.append(
-            f"  {r['backend']:<9} {r['turns']:>2} {r['max_new_tokens_per_turn']:>8} "
-            f"{r['generated_tokens_per_episode']:>6.1f} {r['seconds']:>8.3f} "
-            f"{r['ms_per_episode']:>7.2f} {r['ms_per_generated_token']:>7.3f} {r['ratio']:>6.3f} "
-            f"{spread:>11} "
+            f"  {r['backend']:<17} {r['turns']:>2} {r['max_new_tokens_per_turn']:>8} "
+            f"{r['seconds']:>8.3f} {r['ms_per_generated_token']:>7.3f} {ratio:>20} {cpu:>21} "
             f"{r['submitted_prompt_tokens']:>9.0f} {cached:>7} {r['prefilled_tokens']:>9.0f} "
             f"{prefill:>9}"
         )
     lines.append(
-        "  (tok/ep: generated tokens per episode; range: of the per-rep ratios; submitted: prompt "
-        "tokens sent over all turns; cached: taken from the kept KV cache (trainside) or SGLang's "
-        "meta_info.cached_tokens; prefilled = "
-        "submitted - cached; prefill s: the trainside model's prefill forwards, hooks)"
+        "  (submitted: prompt tokens sent over all turns; cached: taken from the kept KV cache "
+        "(trainside) or SGLang's meta_info.cached_tokens; prefilled = submitted - cached; "
+        "prefill s: the trainside model's prefill forwards, hooks)"
     )
     return "\n".join(lines) + "\n"
 

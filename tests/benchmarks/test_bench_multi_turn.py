@@ -66,6 +66,9 @@ def check(data: dict, backends: list[str]) -> None:
                 1e3 * rep["seconds"] / rep["generated_tokens"]
             )
             assert r["ms_per_episode"] == pytest.approx(1e3 * rep["seconds"] / B)
+            assert r["cpu_ratio"] == pytest.approx(
+                rep["cpu_seconds"] / rows[name, 1]["reps"][0]["cpu_seconds"]
+            )
             assert 0 < sum(rep["turn_seconds"]) <= rep["seconds"]
             full = submitted_tokens(cfg["prompt_tokens"], k, len(delta))
             # up to one token shorter per delta where a turn's last sampled token was the EOS id
@@ -75,6 +78,8 @@ def check(data: dict, backends: list[str]) -> None:
                 assert rep["prefilled_tokens"] == rep["submitted_prompt_tokens"]
                 assert rep["prefill_forwards"] == k  # one prefill forward per generate call
                 assert 0 < rep["prefill_seconds"] < sum(rep["turn_seconds"])
+            elif name == "trainside" and k == 1:  # the reference: one plain generation
+                assert rep["cached_tokens"] is None and rep["prefill_forwards"] == 1
             elif name == "trainside":  # each episode keeps its KV cache: turn j reuses turn j-1's
                 # context and its tokens but the last one (sampled, never forwarded)
                 turns = [cfg["prompt_tokens"] + j * (T // k + len(delta)) for j in range(k)]

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
@@ -166,7 +167,11 @@ class KeptState:
 def kept_states(
     cache: DynamicCache, rows: list[int], mask: torch.Tensor
 ) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Copy the real (``mask == 1``) filled positions of batch rows ``rows`` out of ``cache``.
+    """The real (``mask == 1``) filled positions of batch rows ``rows`` of ``cache``, in order.
+
+    One gather per layer for all the rows (the real columns of each row moved to the end of a
+    ``[R, kv_heads, n, head_dim]`` copy, ``n`` the most real columns of a row); each row's state is
+    a view of its last ``n_row`` columns (the copy lives as long as one of its views).
 
     Args:
         cache: a decoded cache whose layers are all :class:`PreallocatedLayer`.
@@ -174,27 +179,31 @@ def kept_states(
         mask: ``[B, >= filled]`` the attention mask of the batch (1: a real token).
 
     Returns:
-        per row, per layer ``(keys, values)`` ``[kv_heads, n_row, head_dim]`` (copies).
+        per row, per layer ``(keys, values)`` ``[kv_heads, n_row, head_dim]``.
 
     Example:
         >>> cache = decode_cache(__import__("ar_torchrl").models.tiny.build_tiny_qwen3(99).config, 4)
         >>> for layer in cache.layers:
         ...     _ = layer.update(torch.randn(2, 1, 3, 8), torch.randn(2, 1, 3, 8))
         >>> out = kept_states(cache, [1], torch.tensor([[1, 1, 1], [0, 1, 1]]))
-        >>> out[0][0][0].shape
-        torch.Size([1, 2, 8])
+        >>> out[0][0][0].shape, torch.equal(out[0][0][0], cache.layers[0].keys[1, :, 1:])
+        (torch.Size([1, 2, 8]), True)
     """
     filled = cache.layers[0].get_seq_length()
-    real = mask[:, :filled].bool().cpu()
-    out = []
-    for row in rows:
-        cols = real[row].nonzero().squeeze(-1).to(mask.device)
-        out.append(
-            [
-                (layer.keys[row].index_select(1, cols), layer.values[row].index_select(1, cols))
-                for layer in cache.layers
-            ]
-        )
+    index = torch.tensor(rows, device=mask.device)
+    real = mask[index, :filled].bool()
+    counts = real.sum(-1).tolist()
+    n = max(counts)
+    # a stable sort puts each row's masked columns first, its real ones last, in their order
+    cols = torch.argsort(real.to(torch.int8), dim=-1, stable=True)[:, filled - n :]
+    out: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in rows]
+    for layer in cache.layers:
+        pair = []
+        for buf in (layer.keys, layer.values):
+            at = cols[:, None, :, None].expand(len(rows), buf.shape[1], n, buf.shape[-1])
+            pair.append(buf.index_select(0, index).gather(2, at))
+        for i, count in enumerate(counts):
+            out[i].append((pair[0][i, :, n - count :], pair[1][i, :, n - count :]))
     return out
 
 
@@ -212,17 +221,18 @@ def load_kept(cache: DynamicCache, states: list[KeptState | None], used: list[in
     Padding positions hold zeros (masked out: they never take part in attention).
     """
     width = max(used)
-    mask = torch.zeros(len(states), width, dtype=torch.long)
     some = next(s for s in states if s is not None)
+    device = some.layers[0][0].device
+    mask = torch.arange(width, device=device) >= width - torch.tensor(used, device=device)[:, None]
     for layer_index, layer in enumerate(cache.layers):
-        keys, values = some.layers[layer_index]
-        k_pre = keys.new_zeros(len(states), keys.shape[0], width, keys.shape[-1])
-        v_pre = values.new_zeros(len(states), values.shape[0], width, values.shape[-1])
-        for row, (state, n) in enumerate(zip(states, used)):
-            if n:
-                k_row, v_row = state.layers[layer_index]
-                k_pre[row, :, width - n :] = k_row[:, :n]
-                v_pre[row, :, width - n :] = v_row[:, :n]
-                mask[row, width - n :] = 1
-        layer.update(k_pre, v_pre)
-    return mask.to(some.layers[0][0].device)
+        prefix = []
+        for part in (0, 1):  # keys, values: [H, n, D] per row -> [B, H, W0, D], left-padded
+            empty = some.layers[layer_index][part][:, :0].transpose(0, 1)
+            rows = [
+                s.layers[layer_index][part][:, :n].transpose(0, 1) if n else empty
+                for s, n in zip(states, used)
+            ]
+            padded = pad_sequence(rows, batch_first=True, padding_side="left")
+            prefix.append(padded.transpose(1, 2))
+        layer.update(*prefix)
+    return mask.long()
