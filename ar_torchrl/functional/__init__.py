@@ -27,9 +27,10 @@ from __future__ import annotations
 from ar_torchrl.functional._shapes import check_finite_reward
 from ar_torchrl.functional.ceiling import CeilingEstimate, ev_ceiling, prefix_state_ids
 from ar_torchrl.functional.gae import (
-    _check_gae_inputs as _check_gae_inputs,
+    check_gae_inputs,
+    length_adaptive_lmbda,
+    token_gae,
 )
-from ar_torchrl.functional.gae import length_adaptive_lmbda, token_gae
 from ar_torchrl.functional.grpo import grpo_advantage, rloo_advantage
 from ar_torchrl.functional.kl import KL_ESTIMATORS, k3_kl, kl_penalty
 from ar_torchrl.functional.losses import aggregate_loss, clipped_value_loss, loss_normalizer
@@ -71,6 +72,7 @@ __all__ = [
     "rloo_advantage",
     "k3_kl",
     "kl_penalty",
+    "check_gae_inputs",
     "length_adaptive_lmbda",
     "loss_normalizer",
     "masked_log_ratio",

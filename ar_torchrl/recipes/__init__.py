@@ -8,9 +8,9 @@
 - :mod:`.dapo_ppo`: the DAPO-math PPO recipe (``examples/dapo_ppo.py`` runs it).
 
 Hydra stays in ``examples/`` and ``configs/``: a recipe gets the composed configuration and a
-:class:`~ar_torchrl.recipes.run.Launch`. Importing this package imports no torch.
+:class:`~ar_torchrl.recipes.launch.Launch`. Importing this package imports no torch.
 """
 
-from ar_torchrl.recipes.run import Launch, StopOnSignal
+from ar_torchrl.recipes.launch import Launch, StopOnSignal
 
 __all__ = ["Launch", "StopOnSignal"]

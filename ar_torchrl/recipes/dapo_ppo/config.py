@@ -28,7 +28,7 @@ from ar_torchrl.models.config import MODELS
 from ar_torchrl.objectives.policy_loss import POLICY_LOSSES, RolloutCorrection
 from ar_torchrl.objectives.registry import ADVANTAGES, needs_critic
 from ar_torchrl.recipes import config as recipe_config
-from ar_torchrl.recipes.run import world_size
+from ar_torchrl.recipes.launch import world_size
 from ar_torchrl.rewards.registry import REWARDS
 from ar_torchrl.tools.config import ToolConfig
 from ar_torchrl.utils.checks import (

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from ar_torchrl.recipes import run as runs
+from ar_torchrl.recipes import launch as run_management
 from ar_torchrl.recipes.config import (
     check_overrides,
     component_imports,
@@ -28,6 +28,16 @@ from ar_torchrl.recipes.config import (
     render_help,
 )
 from ar_torchrl.recipes.dapo_ppo.config import GROUPS, Config, config_schema, validate_config
+from ar_torchrl.recipes.launch import (
+    Launch,
+    StopOnSignal,
+    make_private,
+    named_checkpoint,
+    prepare_run_dir,
+    remove_empty_run_dir,
+    report_lines,
+    without_keys,
+)
 
 __all__ = [
     "PROG",
@@ -148,20 +158,20 @@ def _with_added_keys(container: dict) -> dict:
 
 
 def _matches(raw: DictConfig):
-    want = runs.without_keys(OmegaConf.to_container(raw, resolve=False), RESUMABLE_CHANGES)
+    want = without_keys(OmegaConf.to_container(raw, resolve=False), RESUMABLE_CHANGES)
 
     def matches(saved: Path) -> bool:
         other = _with_added_keys(OmegaConf.to_container(OmegaConf.load(saved), resolve=False))
-        return runs.without_keys(other, RESUMABLE_CHANGES) == want
+        return without_keys(other, RESUMABLE_CHANGES) == want
 
     return matches
 
 
 def checkpoint_to_resume(cfg: Config, raw: DictConfig, run_dir: Path, store) -> Path | None:
     """The checkpoint to continue from (``train.resume_from``, see
-    :func:`ar_torchrl.recipes.run.find_checkpoint`), or ``None`` for a fresh start; ``store`` is the
+    :func:`ar_torchrl.recipes.launch.find_checkpoint`), or ``None`` for a fresh start; ``store`` is the
     run's :class:`~ar_torchrl.checkpoint.CheckpointStore`."""
-    return runs.find_checkpoint(
+    return run_management.find_checkpoint(
         cfg.train.resume_from,
         store=store,
         run_dir=run_dir,
@@ -197,16 +207,16 @@ def find_critic_source(cfg: Config, store) -> Path | None:
     one), checked by the run's checkpoint store; ``None`` without a warm start."""
     if cfg.critic.init_from is None:
         return None
-    return runs.named_checkpoint(cfg.critic.init_from, store, key="critic.init_from")
+    return named_checkpoint(cfg.critic.init_from, store, key="critic.init_from")
 
 
-def run(raw: DictConfig, launch: runs.Launch) -> Result:
+def run(raw: DictConfig, launch: Launch) -> Result:
     """Validate, resume or start, train, report. A user error (bad value, nothing to resume) is a
     status-1 :class:`Result` naming it; SIGINT/SIGTERM give 130/143 with a checkpoint."""
     try:  # what a user can get wrong is checked here, before the slow imports
         cfg = validate_config(raw)
     except (TypeError, ValueError) as err:
-        runs.remove_empty_run_dir(launch.run_dir)
+        remove_empty_run_dir(launch.run_dir)
         return Result(1, [f"{PROG}: {err}"])
     logger.info("loading torch, transformers and TorchRL, then building the run")
     from ar_torchrl.checkpoint import checkpoint_store
@@ -233,9 +243,9 @@ def run(raw: DictConfig, launch: runs.Launch) -> Result:
         except (TypeError, ValueError, FileNotFoundError) as err:
             return Result(1, [f"{PROG}: {err}"] if main else [])
         if main:
-            runs.make_private(run_dir)
-            runs.prepare_run_dir(run_dir, checkpoint)
-        ended, stop = None, runs.StopOnSignal()
+            make_private(run_dir)
+            prepare_run_dir(run_dir, checkpoint)
+        ended, stop = None, StopOnSignal()
         try:
             # The stack stops a launched SGLang server and closes clients, also on errors.
             with stop, contextlib.ExitStack() as stack:
@@ -259,7 +269,7 @@ def run(raw: DictConfig, launch: runs.Launch) -> Result:
         return Result(status)
     if cfg.train.plot and ended is None:
         _plot(run_dir)
-    lines = runs.report_lines(
+    lines = report_lines(
         launch, iterations=cfg.train.iterations, stopped=ended, checkpoint=last, prog=PROG
     )
     return Result(status, lines)
