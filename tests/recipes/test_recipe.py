@@ -250,21 +250,33 @@ def test_a_checkpoint_of_the_previous_layout_resumes_exactly(tmp_path, cache_dir
     assert [h["step"] for h in from_today] == [7, 8]
     same_runs(resumed[7:], from_today)  # the steps trained after resuming: exactly equal
     written = torch.load(tmp_path / "today" / "checkpoints" / "step_8.pt", weights_only=True)
-    assert_same_tree(written, raw, values=False)  # the layout today's recipe writes
+    # the layout today's recipe writes: the legacy one plus the keys added since (read as their
+    # defaults when absent)
+    assert_same_tree(written, raw, values=False, added=ADDED_SINCE_LEGACY)
 
 
-def assert_same_tree(a, b, *, values: bool, where: str = "checkpoint") -> None:
+#: Checkpoint entries written since the legacy layout, each read as a default when absent.
+ADDED_SINCE_LEGACY = {"checkpoint['extra']['collector']": {"interruptions"}}
+
+
+def assert_same_tree(
+    a, b, *, values: bool, where: str = "checkpoint", added: dict[str, set] | None = None
+) -> None:
     """``a`` and ``b`` have the same keys, containers, tensor dtypes and shapes (``values``: and
-    the same tensors, bit for bit, and the same plain values)."""
+    the same tensors, bit for bit, and the same plain values); ``added`` names, per place, the keys
+    ``a`` may hold that ``b`` lacks."""
+    added = added or {}
     assert type(a) is type(b), f"{where}: {type(a).__name__} vs {type(b).__name__}"
     if isinstance(a, dict):
-        assert a.keys() == b.keys(), f"{where}: keys {sorted(a)} vs {sorted(b)}"
+        extra = added.get(where, set())
+        assert a.keys() - extra == b.keys(), f"{where}: keys {sorted(a)} vs {sorted(b)}"
+        a = {k: v for k, v in a.items() if k not in extra}
         for k in a:
-            assert_same_tree(a[k], b[k], values=values, where=f"{where}[{k!r}]")
+            assert_same_tree(a[k], b[k], values=values, where=f"{where}[{k!r}]", added=added)
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), f"{where}: {len(a)} vs {len(b)} items"
         for i, (x, y) in enumerate(zip(a, b)):
-            assert_same_tree(x, y, values=values, where=f"{where}[{i}]")
+            assert_same_tree(x, y, values=values, where=f"{where}[{i}]", added=added)
     elif isinstance(a, torch.Tensor):
         assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{where}: {a.dtype}{list(a.shape)}"
         assert not values or torch.equal(a, b), f"{where}: other values"
