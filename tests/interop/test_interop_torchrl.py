@@ -191,6 +191,47 @@ def test_sampled_pad_ids_are_refused():
         TokenTrajectory.from_policy(policy)
 
 
+def test_plan_micro_batches_names_the_missing_key_of_a_raw_torchrl_batch(finished_batch):
+    """Issue 30: a raw LLMCollector batch gave a bare AttributeError ('NoneType' ... 'bool')."""
+    data, policy = finished_batch
+    assert data.batch_dims == 2  # LLMCollector's [B, 1]
+    with pytest.raises(
+        KeyError,
+        match=r"^plan_micro_batches: the batch has no 'attention_mask' .* raw TorchRL LLM batch .*"
+        r"postproc=TokenTrajectory.from_policy\(policy\)",
+    ):
+        plan_micro_batches(data, token_budget=512)
+    with pytest.raises(
+        ValueError, match=r"expects a \[B, L\] TensorDict, got batch_size \(8,\)\. This is a raw"
+    ):
+        plan_micro_batches(data.reshape(-1), token_budget=512)
+    plan_micro_batches(TokenTrajectory.from_policy(policy)(data), token_budget=512)
+
+
+def test_from_policy_accepts_an_sglang_wrapper():
+    """SGLang keeps every sampled token (no bad_words_ids needed); its generate_kwargs are SGLang's
+    sampling params. The wrapper is built without a server (AsyncSGLang() connects lazily)."""
+    from torchrl.modules.llm import SGLangWrapper
+    from torchrl.modules.llm.backends.sglang import AsyncSGLang
+
+    tok = build_char_tokenizer()
+    policy = SGLangWrapper(
+        AsyncSGLang(),
+        tokenizer=tok,
+        input_mode="history",
+        generate_kwargs={"max_new_tokens": 5, "temperature": 0.7},
+    )
+    conv = TokenTrajectory.from_policy(policy, rollout_log_prob="raise")
+    assert (conv.max_new_tokens, conv.temperature, conv.vocab_size) == (5, 0.7, VOCAB_CHAR)
+    assert sorted(conv.eos_token_ids) == [EOS] and conv.rollout_log_prob == "raise"
+    greedy = SGLangWrapper(
+        AsyncSGLang(), tokenizer=tok, generate_kwargs={"max_new_tokens": 3, "do_sample": False}
+    )
+    assert TokenTrajectory.from_policy(greedy).temperature == 1.0  # greedy log-probs: T = 1
+    with pytest.raises(ValueError, match=r"SGLangWrapper.generate_kwargs has no max_new_tokens"):
+        TokenTrajectory.from_policy(SGLangWrapper(AsyncSGLang(), tokenizer=tok))
+
+
 def row(prompt, response, *, reward=1.0, done=True, version=0, log_probs=None) -> TensorDict:
     """One row as TorchRL's LLMCollector writes it (1-D tensors, ``[1, 1]`` reward)."""
     td = TensorDict(
@@ -560,6 +601,23 @@ def test_replay_buffer_of_several_batches():
     plan = plan_micro_batches(sample, token_budget=200)
     assert len(plan.micro_batches) == 2
     first_update_has_ratio_one(ac, sample, plan)
+
+
+def test_the_converters_collate_fn_pads_with_its_pad_id():
+    """Item 1's second half: the pad id from the converter, not inferred from the batches."""
+    tok = build_char_tokenizer()
+    conv = TokenTrajectory(tok, max_new_tokens=4)
+    a = conv(lazy_stack([row([1, 9], [5, EOS]), row([1, 9, 9], [6, 7, 8, 9])]))
+    b = conv(lazy_stack([row([1], [5, 6, 7, 8])]))  # no padding at all
+    buffer = ReplayBuffer(storage=LazyStackStorage(8), batch_size=3, collate_fn=conv.collate_fn)
+    buffer.extend(a)
+    buffer.extend(b)
+    sample = buffer.sample()
+    assert sample.batch_size[0] == 3
+    assert (sample["tokens"][~sample["attention_mask"]] == conv.pad_token_id).all()
+    assert torch.equal(
+        conv.collate_fn([a, b])["tokens"], pad_trajectories([a, b], pad_token_id=0)["tokens"]
+    )
 
 
 def test_llm_collector_fills_a_replay_buffer_of_token_trajectories():
