@@ -178,6 +178,8 @@ class TorchRLBackend(GenerationBackend):
                 gk["top_k"] = sampling.top_k if sampling.top_k != -1 else self._vocab_size()
             elif sampling.top_k != -1:
                 gk["top_k"] = sampling.top_k
+        if self.kind == "vllm":  # the prompt's log-probs are never read: not computed
+            gk["prompt_logprobs"] = None
         if self.kind == "transformers":
             gk["eos_token_id"] = sorted(self.eos_token_ids | set(sampling.stop_token_ids))
             gk["pad_token_id"] = self.pad_token_id
@@ -241,10 +243,9 @@ class TorchRLBackend(GenerationBackend):
         self, prompts: list[list[int]], n: int, sampling: SamplingParams
     ) -> list[Completion]:
         policy = self._policy(sampling)
+        self._check_prompts(prompts)
         rows = [p for p in prompts for _ in range(n)]
-        td = lazy_stack(
-            [TensorDict({"tokens": TensorDict({"prompt": torch.tensor(p)})}) for p in rows]
-        )
+        td = lazy_stack([self._input(p) for p in rows])
         with set_list_to_stack(True), self._seeded(sampling), torch.no_grad():
             out = policy(td)
         responses = self._responses(out, len(rows))
@@ -257,6 +258,24 @@ class TorchRLBackend(GenerationBackend):
             Completion(r // n, ids, lp, finish)
             for r, (ids, lp, finish) in enumerate(zip(responses, log_probs, finishes))
         ]
+
+    def _input(self, prompt: list[int]) -> TensorDict:
+        ids = torch.tensor(prompt)
+        td = TensorDict({"tokens": TensorDict({"prompt": ids})})
+        if self.kind == "transformers":  # else TorchRL masks the prompt's pad-id tokens out
+            td["attention_mask"] = torch.ones_like(ids, dtype=torch.bool)
+        return td
+
+    def _check_prompts(self, prompts: list[list[int]]) -> None:
+        if self.kind != "vllm":
+            return
+        bad = [i for i, p in enumerate(prompts) if self.pad_token_id in p]
+        if bad:
+            raise ValueError(
+                f"{_OWNER}: prompts {bad[:5]} hold the pad id {self.pad_token_id}, which TorchRL "
+                "0.14.1's vLLMWrapper strips from token prompts (the engine would see another "
+                "prompt); give the tokenizer a pad token the prompts never contain"
+            )
 
     def _responses(self, out: TensorDictBase, rows: int) -> list[list[int]]:
         ids = out.get(("tokens", "response"), None, as_list=True)
