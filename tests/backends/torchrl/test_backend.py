@@ -173,7 +173,9 @@ def test_vllm_wrapper_generates_with_engine_log_probs_and_syncs_by_double_buffer
         torch.testing.assert_close(
             td["rollout_log_prob"][b][td["loss_mask"][b]], ref, atol=1e-5, rtol=0
         )
-    assert llm.requests == 4  # one token prompt per sample (the backend repeats each prompt n times)
+    assert (
+        llm.requests == 4
+    )  # one token prompt per sample (the backend repeats each prompt n times)
     engine.close()
     assert not os.path.exists(directory)
 
@@ -215,7 +217,10 @@ def test_registered_as_backend_torchrl(tok, tmp_path):
         ValueError, match=r"backend.url / backend.weight_sync_options configure an SGLangWrapper"
     ):
         BACKENDS.options("torchrl", {"url": "http://127.0.0.1:1"}, prefix="config: backend.")
-    with pytest.raises(ValueError, match=r"config: backend.wrapper='vllm' is not one of \['transformers', 'sglang'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"config: backend.wrapper='vllm' is not one of \['transformers', 'sglang'\]",
+    ):
         BACKENDS.options("torchrl", {"wrapper": "vllm"}, prefix="config: backend.")
     with pytest.raises(ValueError, match=r"weight_sync_options.bucket_bytes must be >= 1"):
         BACKENDS.options(
