@@ -666,6 +666,33 @@ def test_llm_collector_fills_a_replay_buffer_of_token_trajectories():
 
 # -- the example ----------------------------------------------------------------------------------
 
+#: names of this library that main() calls; every line that uses one carries a marker
+LIBRARY_CALLS = re.compile(
+    r"\b(attach_value_head|TokenTrajectory|LMActorCritic|TokenGAE|TokenPPOLoss|plan_micro_batches|"
+    r"recompute_old_log_probs_and_values|ppo_update|TorchRLBackend|named_policy_tensors|gae)[.(]"
+)
+
+
+def test_the_example_adds_the_critic_in_five_lines_beyond_torchrls_loop():
+    """The Must-show count: with either engine, at most 5 added lines ([ar_torchrl +]) beyond
+    TorchRL's own loop plus the converter; every other use of the library replaces a TorchRL line
+    ([ar_torchrl ~]) and says which."""
+    import inspect
+
+    source = inspect.getsource(EXAMPLE.main).splitlines()
+    added = [x for x in source if "# [ar_torchrl +]" in x]
+    converter = [x for x in source if "# [ar_torchrl converter]" in x]
+    replaced = [x for x in source if "# [ar_torchrl ~]" in x]
+    assert len(added) == 5 and len(converter) == 1, added
+    assert len(replaced) == 5  # actor, loss, update; SGLang's sync scheme and its sync
+    calls = [x for x in source if LIBRARY_CALLS.search(x.split("#")[0])]
+    unmarked = [x for x in calls if "# [ar_torchrl" not in x]
+    assert not unmarked, unmarked
+    assert len(calls) == len(added) + len(converter) + len(replaced)
+    sglang_only = [x for x in replaced if "sync" in x]
+    assert len(sglang_only) == 2  # the transformers engine samples with the trained model itself
+
+
 LINE = re.compile(
     r"iter +(\d+) .*first-minibatch ratio min (\S+) max (\S+) \((\d+) micro-batches\)"
     r"  value-head grad (\S+)"
@@ -691,3 +718,40 @@ def test_example_runs_torchrl_loop_with_the_critic():
         assert match[2] == match[3] == "1.0", match[0]  # min_ratio == max_ratio == 1.0 exactly
         assert int(match[4]) >= 2  # the first mini-batch accumulated several micro-batches
         assert float(match[5]) > 0, match[0]  # the value head got a gradient
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+def test_example_runs_torchrl_loop_with_an_sglang_wrapper(
+    sglang_server, sglang_api_key, monkeypatch
+):
+    """The same loop with ``SGLangWrapper`` against the real server: first ratio exactly 1, the
+    value head trained, the server's log-probs equal to the trainer's (1e-4) in every iteration,
+    also after the weight sync of the first update."""
+    from support.torchrl_sglang import authorized
+    from torchrl.modules.llm import SGLangWrapper
+    from torchrl.modules.llm.backends.sglang import AsyncSGLang
+
+    from ar_torchrl.backends.torchrl import TorchRLBackend
+    from ar_torchrl.weight_sync import named_policy_tensors
+
+    authorized(monkeypatch, sglang_server.url, sglang_api_key)
+    tok = build_char_tokenizer()
+    # the server serves the example's starting policy (--no-warm-start: the seed-0 tiny Qwen3)
+    with TorchRLBackend(SGLangWrapper(AsyncSGLang.connect(sglang_server.url), tokenizer=tok)) as e:
+        e.sync_weights(named_policy_tensors(build_tiny_qwen3(len(tok))), version=0)
+    history = EXAMPLE.main(
+        2,
+        engine="sglang",
+        url=sglang_server.url,
+        warm_start=False,
+        prompts_per_batch=2,
+        group_size=2,
+        max_new_tokens=6,
+        num_minibatches=1,  # 4 rows: one micro-batch of the 512-token budget
+    )
+    assert len(history) == 2
+    for row in history:
+        assert row["first_min_ratio"] == row["first_max_ratio"] == 1.0
+        assert row["value_head_grad_norm"] > 0
+        assert row["engine_log_prob_max_abs_diff"] <= 1e-4
