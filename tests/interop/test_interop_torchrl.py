@@ -755,3 +755,26 @@ def test_example_runs_torchrl_loop_with_an_sglang_wrapper(
         assert row["first_min_ratio"] == row["first_max_ratio"] == 1.0
         assert row["value_head_grad_norm"] > 0
         assert row["engine_log_prob_max_abs_diff"] <= 1e-4
+
+
+def test_torchrls_log_prob_key_name_through_set_keys():
+    """docs/torchrl.md's key table: TorchRL 0.14's ClipPPOLoss calls the old log-prob
+    "action_log_prob"; TokenPPOLoss keeps "sample_log_prob" and takes TorchRL's through set_keys,
+    which the anchors and the update read from the loss."""
+    from torchrl.objectives import ClipPPOLoss
+
+    from ar_torchrl.objectives import TokenGAE, TokenPPOLoss
+    from ar_torchrl.training import ppo_update, recompute_old_log_probs_and_values
+
+    assert ClipPPOLoss._AcceptedKeys().sample_log_prob == "action_log_prob"
+    td = make_trajectory([3, 4], [5, 3])
+    ac = tiny_actor_critic(0)
+    loss = TokenPPOLoss(ac)
+    assert loss.tensor_keys.sample_log_prob == "sample_log_prob"
+    loss.set_keys(sample_log_prob="action_log_prob")
+    plan = plan_micro_batches(td, token_budget=200)
+    recompute_old_log_probs_and_values(ac, td, plan, loss=loss)
+    assert "action_log_prob" in td.keys() and "sample_log_prob" not in td.keys()
+    TokenGAE()(td)
+    out = ppo_update(loss, torch.optim.SGD(loss.parameters(), lr=0.0), td, plan)
+    assert out["train/min_ratio"] == out["train/max_ratio"] == 1.0

@@ -13,9 +13,9 @@ logits / T)`` of the sampled token, docs/design.md section 7b):
 
 - ``SGLangWrapper``: the server's own (``meta_info.output_token_logprobs``, temperature-scaled);
   they match the trainer's recompute within 1e-4 (``tests/backends/torchrl``, a real server);
-- ``vLLMWrapper``: the engine's own (``CompletionOutput.logprobs``); vLLM >= 0.10.2 reports the
-  raw distribution unless the engine runs with ``logprobs_mode="processed_logprobs"``: start it so
-  when sampling at ``T != 1``;
+- ``vLLMWrapper``: the engine's own (``CompletionOutput.logprobs``); vLLM's V1 engine computes
+  them from the raw logits by default (``logprobs_mode="raw_logprobs"``): start it with
+  ``logprobs_mode="processed_logprobs"`` when sampling at ``T != 1``;
 - ``TransformersWrapper``: recomputed with the wrapper's model (the trainer's numerics: one
   :class:`~ar_torchrl.modules.LMActorCritic` forward per micro-batch), because TorchRL 0.14.1
   writes 0.0 for the first token and ignores the temperature (docs/design.md section 8). Its
