@@ -216,7 +216,10 @@ def main(
         if engine == "sglang":
             url = stack.enter_context(sglang_server(url, model, tok))
         policy = make_policy(engine, model, tok, url, max_new_tokens)
-        keep = "raise" if engine == "sglang" else "drop"  # SGLang's log-probs are right: keep them
+        # SGLang's log-probs are right: keep them as rollout_log_prob (TorchRL 0.14.1's
+        # TransformersWrapper zeroes the first token's: drop them, the trainer recomputes anyway)
+        keep = {"rollout_log_prob": "raise"} if engine == "sglang" else {}
+        to_trajectory = TokenTrajectory.from_policy(policy, **keep)  # [ar_torchrl converter]
 
         # TorchRL collector; its postproc turns each batch into the [B, L] token trajectory.
         collector = LLMCollector(
@@ -225,9 +228,7 @@ def main(
             dialog_turns_per_batch=batch,
             total_dialog_turns=iterations * batch,
             track_policy_version=True,
-            postproc=TokenTrajectory.from_policy(
-                policy, rollout_log_prob=keep
-            ),  # [ar_torchrl converter]
+            postproc=to_trajectory,  # TorchRL batch -> [B, L] token trajectory
         )
         stack.callback(collector.shutdown)
 
