@@ -113,6 +113,17 @@ class DoubleBufferSender:
         directory: where the weights are written (default: a temporary directory, removed by
             :meth:`close`); the engine must read the same filesystem.
         num_threads: threads of the memory-mapped write.
+
+    Example (an engine that records what ``load_weights`` receives, where ``vllm.LLM`` loads):
+        >>> from types import SimpleNamespace as NS
+        >>> loaded = []
+        >>> model = NS(load_weights=lambda pairs: loaded.extend(name for name, _ in pairs))
+        >>> engine = NS(llm_engine=NS(model_executor=NS(driver_worker=NS(model_runner=NS(model=model)))))
+        >>> sender = DoubleBufferSender(engine)
+        >>> sender.send([("lm_head.weight", torch.ones(2)), ("value_head.bias", torch.ones(1))], 1)
+        >>> loaded
+        ['lm_head.weight']
+        >>> sender.close()
     """
 
     def __init__(self, engine: Any, directory: str | None = None, num_threads: int = 1) -> None:
