@@ -224,6 +224,7 @@ def run(raw: DictConfig, launch: runs.Launch) -> Result:
     except (TypeError, ValueError) as err:
         runs.remove_empty_run_dir(launch.run_dir)
         return Result(1, [f"{PROG}: {err}"])
+    plot = cfg.train.plot and _can_plot()
     logger.info("loading torch, transformers and TorchRL, then building the run")
     from ar_torchrl.checkpoint import checkpoint_store
     from ar_torchrl.recipes.strategy import open_strategy  # torch
@@ -275,7 +276,7 @@ def run(raw: DictConfig, launch: runs.Launch) -> Result:
     status = 128 + stop.signum if stop.requested else 0
     if not main:
         return Result(status)
-    if cfg.train.plot and ended is None:
+    if plot and ended is None:
         _plot(run_dir)
     lines = runs.report_lines(
         launch, iterations=cfg.train.iterations, stopped=ended, checkpoint=last, prog=PROG
@@ -329,6 +330,20 @@ def cli(script: str | Sequence[str] | None = None) -> None:
     task.__module__ = "ar_torchrl.recipes.dapo_ppo"
     main = hydra.main(config_path=str(CONFIG_DIR), config_name="dapo_ppo", version_base="1.3")
     main(task)()
+
+
+def _can_plot() -> bool:
+    """Whether ``train.plot`` can draw (matplotlib, the ``[plot]`` extra, is installed); warns
+    once, at the start, when it cannot (the run goes on without ``curves.png``)."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is not None:
+        return True
+    logger.warning(
+        "train.plot=true but matplotlib is not installed: no curves.png at the end "
+        "(pip install 'ar_torchrl[plot]', or train.plot=false)"
+    )
+    return False
 
 
 def _plot(run_dir: Path) -> None:
