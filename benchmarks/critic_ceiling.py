@@ -42,11 +42,12 @@ def compose(config_name: str, overrides: list[str]):
     from hydra import initialize_config_dir
     from hydra.core.config_store import ConfigStore
 
+    from ar_torchrl.recipes.config import CONFIG_DIR
     from ar_torchrl.recipes.dapo_ppo import schemas, validate_config
 
     for group, name, schema in schemas():  # as examples/dapo_ppo.py stores them
         ConfigStore.instance().store(group=group, name=name, node=schema)
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         return validate_config(hydra_compose(config_name=config_name, overrides=overrides))
 
 

@@ -190,7 +190,9 @@ def main(
 
     # The policy being trained: the tiny Qwen3 and its character tokenizer, optionally
     # warm-started on the answer format (cached; the same run as examples/compose_torchrl.py).
-    if warm_start:  # the recipe's own warm start and its cache entry (configs/model/tiny.yaml)
+    if (
+        warm_start
+    ):  # the recipe's own warm start and its cache entry (ar_torchrl/configs/model/tiny.yaml)
         cache = Path(os.environ.get("AR_TORCHRL_CACHE", Path.home() / ".cache" / "ar_torchrl"))
         model, tok = warm_started_tiny_model(cache)
     else:

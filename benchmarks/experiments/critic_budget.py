@@ -5,7 +5,7 @@
 Same prompts, samples, iterations and seeds for every variant (only the advantage estimator and
 where the values come from differ); per task:
 
-- ``cpu``: the CPU default (``configs/dapo_ppo.yaml``), ``--iterations`` (default 100, the CI
+- ``cpu``: the CPU default (``ar_torchrl/configs/dapo_ppo.yaml``), ``--iterations`` (default 100, the CI
   version) over 5 seeds;
 - ``smollm2``: SmolLM2-135M-Instruct on ``--config-name smollm2_arithmetic`` (10 iterations, held-out
   evaluation every 5) over 3 seeds.

@@ -1,4 +1,4 @@
-"""The real-model configuration (configs/smollm2_arithmetic.yaml): it composes to the typed schema,
+"""The real-model configuration (ar_torchrl/configs/smollm2_arithmetic.yaml): it composes to the typed schema,
 bad task values are rejected naming the key, its data split is disjoint, and two iterations of it
 run end to end on SmolLM2-135M-Instruct (CI smoke run; the learning curves in the README are a
 benchmark run, not a test)."""

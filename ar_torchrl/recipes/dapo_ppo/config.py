@@ -1,6 +1,6 @@
 """The DAPO-PPO recipe's configuration: its own sections, and the registries' group options.
 
-The values live in ``configs/`` (every key commented there). Group options come from the component
+The values live in ``ar_torchrl/configs/`` (every key commented there). Group options come from the component
 registries, each with its schema (:func:`schemas`): ``model`` (:data:`ar_torchrl.models.config.MODELS`),
 ``backend`` (:data:`ar_torchrl.backends.registry.BACKENDS`), ``data``
 (:data:`ar_torchrl.data.registry.TASKS`), ``reward`` (:data:`ar_torchrl.rewards.REWARDS`); the
@@ -362,6 +362,7 @@ class TrainConfig:
     keep_checkpoints: Optional[int] = 2
     resume_from: Optional[str] = None
     plot: bool = True
+    export: bool = True
 
     def check(self, prefix: str) -> None:
         _count(prefix, "iterations", self.iterations)
@@ -421,7 +422,7 @@ class CheckpointConfig:
 # --------------------------------------------------------------------------- the whole config
 @dataclass
 class Config:
-    """The recipe's configuration (configs/dapo_ppo.yaml and its groups)."""
+    """The recipe's configuration (ar_torchrl/configs/dapo_ppo.yaml and its groups)."""
 
     model: Any = MISSING
     backend: Any = MISSING

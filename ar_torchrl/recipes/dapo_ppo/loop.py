@@ -34,7 +34,7 @@ from ar_torchrl.recipes.strategy import ExecutionStrategy
 from ar_torchrl.training import lr_schedule_factor, plan_micro_batches, ppo_update
 from ar_torchrl.utils import StageTimer, append_jsonl, log_metrics, make_logger
 
-__all__ = ["Run", "setup", "train"]
+__all__ = ["Run", "export", "setup", "train"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +68,7 @@ class Run:
     kl_reward: Any = None  # KLRewardShaping when algo.kl_in_reward > 0 (before the advantage)
     critic: LMCritic | None = None
     store: CheckpointStore | None = None
+    tokenizer: Any = None  # the policy's, written with the exported models
 
     @property
     def is_main(self) -> bool:
@@ -175,6 +176,7 @@ def setup(
         ctx.broadcast_object(backend.weight_dtype if backend is not None else None),
         critic=critic,
         store=store,
+        tokenizer=tokenizer,
     )
     if cfg.algo.kl_in_reward > 0:  # the KL as a per-token reward (k1), before GAE
         from ar_torchrl.objectives import KLRewardShaping
@@ -287,6 +289,24 @@ def train(run: Run, stop: Any) -> int:
     if run.collector:
         run.collector.shutdown()
     return step
+
+
+def export(run: Run) -> dict[str, Path]:
+    """The trained models as HF directories (``train.export``): ``run_dir/policy/`` (safetensors,
+    tokenizer, no ``value_head.*``) and, with a separate critic, ``run_dir/critic/``; under FSDP2
+    every rank gathers, rank 0 writes (:func:`~ar_torchrl.distributed.export_trained`). Returns
+    what rank 0 wrote."""
+    if not run.cfg.train.export:
+        return {}
+    from ar_torchrl.distributed.export import export_trained
+
+    started = time.perf_counter()
+    written = export_trained(
+        run.strategy.ctx, run.run_dir, policy=run.model, tokenizer=run.tokenizer, critic=run.critic
+    )
+    for name, path in written.items():
+        logger.info("exported the %s to %s (%.1f s)", name, path, time.perf_counter() - started)
+    return written
 
 
 def progress_fields(metrics: dict[str, float]) -> dict[str, str]:
