@@ -28,7 +28,8 @@ class ReinforcePPAdvantage(Transform):
     baseline is the batch mean, so one sample per prompt works. With a ``policy_mask`` in the
     batch (rows kept for a critic only) the whitening runs over ``loss_mask & policy_mask``, as
     :class:`TokenGAE`'s ``normalize_advantage`` does. A NaN/inf reward is an error naming its row
-    and position. The batch is the one given: under torchrun, each rank's.
+    and position. The statistics are those of the batch given (the recipe gives every rank the
+    whole batch, so they are the same on every rank).
 
     Call contract (shared with :class:`TokenGAE` and :class:`GRPOAdvantage`): every call
     ``td = module(td)`` recomputes and overwrites the advantage. On a replay buffer register it

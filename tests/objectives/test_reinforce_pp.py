@@ -126,7 +126,9 @@ def test_registered_without_a_critic_and_with_one():
     assert type(plain) is ReinforcePPAdvantage and not plain.critic_targets and plain.gamma == 1.0
     with_head = make_advantage("reinforce_pp", critic=True, gamma=0.9)
     assert with_head.critic_targets and with_head.gamma == 0.9
-    with pytest.raises(ValueError, match=r"'reinforce_pp' has no option 'scale'; its options: \[\]"):
+    with pytest.raises(
+        ValueError, match=r"'reinforce_pp' has no option 'scale'; its options: \[\]"
+    ):
         make_advantage("reinforce_pp", scale=True)
 
 
