@@ -249,7 +249,7 @@ def mixed_arithmetic_split(
     num_rows: int,
     holdout: int,
     *,
-    levels: Sequence[str] = ("+ 0-9", "+ 10-99", "* 10-99"),
+    levels: Sequence[str] = ("+ 0-9", "* 0-9", "+ 10-99"),
     shots: int = 3,
     seed: int = 0,
 ) -> tuple[MathDataset, MathDataset]:
@@ -335,7 +335,7 @@ class MixedArithmeticDataConfig:
     rows over disjoint problems, difficulty varying by prompt)."""
 
     num_rows: int = 4000  # training rows (a level drawn uniformly, then one of its problems)
-    levels: list[str] = field(default_factory=lambda: ["+ 0-9", "+ 10-99", "* 10-99"])
+    levels: list[str] = field(default_factory=lambda: ["+ 0-9", "* 0-9", "+ 10-99"])
     shots: int = 3  # solved user/assistant turns of the same level before the question
     holdout: int = 64  # held-out problems, spread evenly over the levels
     seed: int = 0  # problem split / sampling seed
