@@ -11,6 +11,7 @@ References:
     Turn-level GAE: AReaL's ``gae_timestep_unit: turn`` (areal/trainer/ppo/gae.py)
     PPO: Schulman et al. 2017, https://arxiv.org/abs/1707.06347
     GRPO: Shao et al. 2024, https://arxiv.org/abs/2402.03300
+    REINFORCE++: Hu et al. 2025, https://arxiv.org/abs/2501.03262
     DAPO (clip-higher, token-mean, dynamic sampling): Yu et al. 2025, https://arxiv.org/abs/2503.14476
     Dr.GRPO (no std scaling, constant length normaliser): Liu et al. 2025, https://arxiv.org/abs/2503.20783
     VAPO (decoupled / length-adaptive lambda): Yue et al. 2025, https://arxiv.org/abs/2504.05118
@@ -42,6 +43,7 @@ from ar_torchrl.functional.policy_losses import (
     masked_log_ratio,
 )
 from ar_torchrl.functional.reductions import explained_variance, masked_mean, masked_whiten
+from ar_torchrl.functional.reinforce import reinforce_pp_advantage
 from ar_torchrl.functional.rollout_correction import (
     ROLLOUT_IS_LEVELS,
     ROLLOUT_MASK_MODES,
@@ -69,6 +71,7 @@ __all__ = [
     "explained_variance",
     "grpo_advantage",
     "gspo_surrogate",
+    "reinforce_pp_advantage",
     "rloo_advantage",
     "k3_kl",
     "kl_penalty",

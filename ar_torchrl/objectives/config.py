@@ -16,7 +16,7 @@ from typing import Any
 from ar_torchrl.objectives.registry import register_advantage
 from ar_torchrl.utils.checks import check_gae_args, check_grpo_args
 
-__all__ = ["GAEConfig", "GRPOConfig", "RLOOConfig"]
+__all__ = ["GAEConfig", "GRPOConfig", "RLOOConfig", "ReinforcePPConfig"]
 
 
 @register_advantage("gae", needs_critic=True, help="token-level GAE over the value head")
@@ -70,3 +70,19 @@ class RLOOConfig:
         from ar_torchrl.objectives.rloo import RLOOAdvantage
 
         return RLOOAdvantage(critic_targets=critic, gamma=gamma)
+
+
+@register_advantage(
+    "reinforce_pp", help="REINFORCE++ returns whitened over the batch (no critic, no groups)"
+)
+@dataclass
+class ReinforcePPConfig:
+    """Options of :class:`~ar_torchrl.objectives.ReinforcePPAdvantage` besides ``gamma`` (none)."""
+
+    def build(self, *, critic: bool, gamma: float) -> Any:
+        """REINFORCE++ (:class:`~ar_torchrl.objectives.ReinforcePPAdvantage`): Monte-Carlo returns
+        discounted by ``gamma``, whitened over the batch; with a value head they are also its
+        targets (``critic_targets=True``), as under GRPO."""
+        from ar_torchrl.objectives.reinforce_pp import ReinforcePPAdvantage
+
+        return ReinforcePPAdvantage(critic_targets=critic, gamma=gamma)

@@ -63,7 +63,7 @@ def trajectory():
 
 
 def test_registered_estimators_run_on_a_trajectory():
-    for name in ("gae", "grpo", "rloo"):
+    for name in ("gae", "grpo", "rloo", "reinforce_pp"):
         td = trajectory()
         out = make_advantage(name, critic=True)(td)
         assert out["advantage"].shape == out["value_target"].shape == (*td.shape, 1)
@@ -129,4 +129,4 @@ def test_recipe_accepts_exactly_the_registered_names(scratch_registry):
 def test_registry_imports_no_torch():
     code = "import sys, ar_torchrl.objectives.registry as r; print(r.advantage_names(), 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "('gae', 'grpo', 'rloo') False"
+    assert out.stdout.strip() == "('gae', 'grpo', 'rloo', 'reinforce_pp') False"

@@ -325,7 +325,7 @@ def imported_modules(stderr: str) -> set[str]:
         (
             ["algo.advantage_mode=ppo"],
             1,
-            "algo.advantage_mode='ppo' is not one of ['gae', 'grpo', 'rloo']",
+            "algo.advantage_mode='ppo' is not one of ['gae', 'grpo', 'rloo', 'reinforce_pp']",
         ),
         (["+algo.lrr=1e-4"], 1, "no schema has the key(s) algo.lrr (did you mean 'algo.lr'?)"),
         (["backend=sglang", "backend.url=notaurl"], 1, "backend.url='notaurl' is not a server URL"),
