@@ -132,8 +132,7 @@ def main(argv=None) -> dict:
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     import torch
 
-    from ar_torchrl.checkpoint.local import latest_checkpoint
-    from ar_torchrl.data.registry import TASKS
+    from ar_torchrl.checkpoint.local import latest as latest_checkpoint
     from ar_torchrl.recipes.ceiling import ceiling_of_config
 
     torch.set_num_threads(args.threads)
@@ -159,7 +158,7 @@ def main(argv=None) -> dict:
         seed=args.seed,
     )
     seconds = time.perf_counter() - start
-    train_rows, held_rows = TASKS.entry_for(cfg.data).factory(cfg.data)
+    train_rows, held_rows = cfg.data.build()
     rows = train_rows if args.split == "train" else held_rows
     policy = str(checkpoint) if checkpoint else f"the starting policy of {name}"
     print(
