@@ -21,12 +21,18 @@ References:
     Rollout correction: verl's docs/algo/rollout_corr.md; IcePop (Ring-1T, 2025)
     PopArt: van Hasselt et al. 2016, https://arxiv.org/abs/1602.07714 (functional/popart.py)
     EV ceiling: the law of total variance over states of a frozen policy (functional/ceiling.py)
+    Critic health (out-of-sample EV): verl's critic/vf_explained_var (functional/critic_health.py)
 """
 
 from __future__ import annotations
 
 from ar_torchrl.functional._shapes import check_finite_reward
 from ar_torchrl.functional.ceiling import CeilingEstimate, ev_ceiling, prefix_state_ids
+from ar_torchrl.functional.critic_health import (
+    explained_variance_or_nan,
+    monte_carlo_returns,
+    position_thirds,
+)
 from ar_torchrl.functional.gae import (
     check_gae_inputs,
     length_adaptive_lmbda,
@@ -69,6 +75,7 @@ __all__ = [
     "count_turns",
     "ev_ceiling",
     "explained_variance",
+    "explained_variance_or_nan",
     "grpo_advantage",
     "gspo_surrogate",
     "reinforce_pp_advantage",
@@ -80,9 +87,11 @@ __all__ = [
     "loss_normalizer",
     "masked_log_ratio",
     "masked_mean",
+    "monte_carlo_returns",
     "rollout_correction",
     "rollout_mismatch_metrics",
     "masked_whiten",
+    "position_thirds",
     "prefix_state_ids",
     "token_gae",
     "turn_gae",

@@ -11,10 +11,13 @@ called. A recipe reads the schemas from :data:`~ar_torchrl.objectives.registry.A
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Optional
 
 from ar_torchrl.objectives.registry import register_advantage
 from ar_torchrl.utils.checks import check_gae_args, check_grpo_args
+
+# OmegaConf reads the annotations at run time: they must stay `Optional[...]`, not `X | None`.
+# ruff: noqa: UP045
 
 __all__ = ["GAEConfig", "GRPOConfig", "RLOOConfig", "ReinforcePPConfig"]
 
@@ -25,6 +28,7 @@ class GAEConfig:
     """Options of :class:`~ar_torchrl.objectives.TokenGAE` besides ``gamma``."""
 
     lmbda: float = 0.95  # GAE lambda
+    critic_lmbda: Optional[float] = None  # lambda of the value target (None: lmbda; VAPO: 1.0)
     normalize_advantage: bool = True  # whiten advantages over trained tokens
     timestep: str = "token"  # GAE step: token | turn (one per turn of multi-turn rows)
 

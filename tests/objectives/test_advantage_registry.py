@@ -49,6 +49,7 @@ def test_builtin_estimators_and_their_arguments():
     # each entry carries its torch-free schema, with the library's own range checks
     assert [f.name for f in dataclasses.fields(advantage_registry.ADVANTAGES["gae"].config)] == [
         "lmbda",
+        "critic_lmbda",
         "normalize_advantage",
         "timestep",
     ]

@@ -109,7 +109,12 @@ def test_groups_carry_only_their_own_keys():
     assert "path" not in load().data and "num_rows" not in load(overrides=["data=dapo_math"]).data
     assert {"hidden_size", "path"} & set(load(overrides=["model=smollm2_135m"]).model) == set()
     grpo = load(overrides=["algo=grpo"]).algo
-    assert grpo.gae == {"lmbda": 0.95, "normalize_advantage": True, "timestep": "token"}  # defaults
+    assert grpo.gae == {  # defaults
+        "lmbda": 0.95,
+        "critic_lmbda": None,
+        "normalize_advantage": True,
+        "timestep": "token",
+    }
     assert "grpo" not in OmegaConf.load(CONFIGS / "algo" / "ppo_gae.yaml")
     assert not {"gae", "clip_value", "value_lr"} & set(
         OmegaConf.load(CONFIGS / "algo" / "grpo.yaml")

@@ -77,6 +77,8 @@ RESUMABLE_CHANGES = (
     "train.keep_checkpoints",
     "train.plot",
     "train.export",
+    "train.critic_warn_iters",
+    "train.save_rollouts",
     "dist.timeout_s",
 )
 
@@ -87,6 +89,12 @@ ADDED_KEYS = {
     "rollout.env": None,
     "rollout.env_options": {},
     "checkpoint.hmac_key_env": None,
+    "algo.gae.critic_lmbda": None,
+    "algo.critic_warmup_until_ev": None,
+    "critic.pretrain_from": None,
+    "critic.pretrain_epochs": 10,
+    "train.critic_warn_iters": 20,
+    "train.save_rollouts": False,
 }
 
 #: What ``--help`` says above the groups and keys.
@@ -226,6 +234,15 @@ def find_critic_source(cfg: Config, store) -> Path | None:
     return named_checkpoint(cfg.critic.init_from, store, key="critic.init_from")
 
 
+def check_pretrain_source(cfg: Config) -> None:
+    """``critic.pretrain_from`` names a run directory with saved rollouts (FileNotFoundError
+    otherwise, naming the key and how to save them)."""
+    if cfg.critic.pretrain_from is not None:
+        from ar_torchrl.recipes.dapo_ppo.rollouts import rollout_files
+
+        rollout_files(cfg.critic.pretrain_from)
+
+
 def run(raw: DictConfig, launch: Launch) -> Result:
     """Validate, resume or start, train, report. A user error (bad value, nothing to resume) is a
     status-1 :class:`Result` naming it; SIGINT/SIGTERM give 130/143 with a checkpoint."""
@@ -257,6 +274,7 @@ def run(raw: DictConfig, launch: Launch) -> Result:
             )
             checkpoint = strategy.on_main(checkpoint_to_resume, cfg, raw, run_dir, store)
             critic_source = strategy.on_main(find_critic_source, cfg, store)
+            strategy.on_main(check_pretrain_source, cfg)
         except (TypeError, ValueError, FileNotFoundError) as err:
             return Result(1, [f"{PROG}: {err}"] if main else [])
         if main:
