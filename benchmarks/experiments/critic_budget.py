@@ -127,6 +127,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runs", type=Path, default=ROOT / "outputs" / "critic_budget")
     p.add_argument("--quick", action="store_true", help="3 iterations, 1 seed, a temporary dir")
     p.add_argument("--report-only", action="store_true", help="summarise the runs there, run none")
+    p.add_argument(
+        "--ceilings",
+        action="store_true",
+        help="measure each finished run's EV ceiling at its last checkpoint (16 x 64, cached)",
+    )
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--png", type=Path, default=None)
     p.add_argument(
@@ -241,6 +246,33 @@ def summarize(history: list[dict], samples_per_prompt: int = 4) -> dict:
     }
 
 
+#: ``--ceilings``: the ceiling of each run's final policy, written beside its history.
+CEILING_NAME = "ceiling_end.json"
+
+
+def end_ceiling(run_dir: Path) -> float | None:
+    """The token-level EV ceiling of ``run_dir``'s last checkpoint (K x P = 16 x 64 training
+    prompts, ``benchmarks/critic_ceiling.py``), measured once and cached in the run directory;
+    ``None`` without a checkpoint."""
+    import json
+    import subprocess
+
+    out = run_dir / CEILING_NAME
+    if not out.is_file():
+        if not any((run_dir / "checkpoints").glob("step_*")):
+            return None
+        cmd = [
+            sys.executable,
+            str(ROOT / "benchmarks" / "critic_ceiling.py"),
+            "--run",
+            str(run_dir),
+        ]
+        cmd += ["--samples", "16", "--prompts", "64", "--out", str(out)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, text=True)
+    return json.loads(out.read_text())["results"]["token"]["ceiling"]
+
+
 def measure(args: argparse.Namespace) -> dict:
     names = args.only or list(VARIANT_SETS[args.variants])
     cache = Path(os.environ.get("AR_TORCHRL_CACHE", ROOT / ".cache" / "ar_torchrl"))
@@ -266,7 +298,10 @@ def measure(args: argparse.Namespace) -> dict:
         history = read_history(run_dir)
         if _finished(history, args.iterations):
             n = samples_per_prompt(VARIANTS[name])
-            results.setdefault(name, []).append({"seed": seed, **summarize(history, n)})
+            summary = {"seed": seed, **summarize(history, n)}
+            if args.ceilings or (run_dir / CEILING_NAME).is_file():
+                summary["ceiling_end"] = end_ceiling(run_dir)
+            results.setdefault(name, []).append(summary)
     if tmp:
         tmp.cleanup()
     return {
@@ -338,12 +373,11 @@ def matched_table(result: dict) -> str:
     generated tokens, the reward rise, the held-out greedy accuracy, the critic's out-of-sample EV
     over the last 20 % of iterations against the task's token-level ceiling, and s / iteration."""
     ceiling = _ceiling(result["task"])
-    of = f" (ceiling {ceiling:.2f})" if ceiling is not None else ""
     lines = [
         "| arm | overrides | seeds | generated tokens (M) | reward rise | "
-        f"held-out acc. start -> end | `critic/explained_variance`, last 20 %{of} | "
-        "s / iteration |",
-        "|---|---|---|---|---|---|---|---|",
+        "held-out acc. start -> end | `critic/explained_variance`, last 20 % | "
+        "token-level ceiling at the end | s / iteration |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, v in result["variants"].items():
         runs = v["runs"]
@@ -358,9 +392,15 @@ def matched_table(result: dict) -> str:
             f"| {name} | {' '.join(f'`{o}`' for o in v['overrides'])} | {len(runs)} | "
             f"{_span([r['generated_tokens'] / 1e6 for r in runs], '.2f')} | "
             f"{_span([r['reward_rise'] for r in runs], '+.2f')} | {acc0} -> {acc1} | "
-            f"{_span(ev, '.3f')} | {_span([r['seconds_per_iteration'] for r in runs], '.2f')} |"
+            f"{_span(ev, '.3f')} | "
+            f"{_span([r['ceiling_end'] for r in runs if r.get('ceiling_end') is not None], '.2f')} | "
+            f"{_span([r['seconds_per_iteration'] for r in runs], '.2f')} |"
         )
-    return "\n".join(lines)
+    start = f"; the starting policy's ceiling is {ceiling:.2f}" if ceiling is not None else ""
+    return "\n".join(lines) + (
+        f"\n\nCeilings: what a perfect critic of the run's final policy could explain (16 x 64, "
+        f"`benchmarks/critic_ceiling.py --run <run dir>`){start}."
+    )
 
 
 def plot(result: dict, png: Path) -> None:
