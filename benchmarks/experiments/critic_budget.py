@@ -482,10 +482,14 @@ def docs_block(result: dict) -> str:
     """The block of docs/evidence.md for ``result``: the table and where it comes from."""
     stem = _stem(result.get("variant_set", "critic"), result["task"])
     m, (begin, end) = result["machine"], begin_end(stem)
+    runs = [r for v in result["variants"].values() for r in v["runs"]]
+    seeds = max((len(v["runs"]) for v in result["variants"].values()), default=0)
+    flags = "" if seeds == TASKS[result["task"]][1] else f"--seeds {seeds} "
+    flags += "--ceilings " if any(r.get("ceiling_end") is not None for r in runs) else ""
     return (
         f"{begin}\n{render(result)}\n\n{result['iterations']} iterations per run, mean [min, max] over "
         f"the seeds; written by `OMP_NUM_THREADS=1 .venv/bin/python benchmarks/experiments/critic_budget.py "
-        f"--task {result['task']} --variants {result.get('variant_set', 'critic')} --jobs 2 "
+        f"--task {result['task']} --variants {result.get('variant_set', 'critic')} {flags}--jobs 2 "
         f"--write-docs` (`benchmarks/results/{stem}.json`; torch {m['torch']}, "
         f"{m['cpu_count']} cores).\n{end}"
     )
