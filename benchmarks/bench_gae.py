@@ -65,6 +65,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import inspect
+import math
 import os
 import platform
 import statistics
@@ -100,10 +101,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="B=16, L=512, P=64, 3 repetitions")
     p.add_argument("--batch", type=int, default=256)
+    p.add_argument(
+        "--batches",
+        type=str,
+        default=None,
+        help="a sweep over B, comma-separated (default --batch)",
+    )
     p.add_argument("--length", type=int, default=4096)
     p.add_argument("--prompt", type=int, default=512, help="left-padded prompt width P")
     p.add_argument("--reps", type=int, default=7, help="timed repetitions (after one warm-up)")
     p.add_argument("--budget-s", type=float, default=4.0, help="max timed seconds per path")
+    p.add_argument(
+        "--vec-max-gb",
+        type=float,
+        default=4.0,
+        help="skip TorchRL's vectorized path where its [B, T, filter] buffer exceeds this",
+    )
     p.add_argument("--threads", type=str, default=f"1,{cores}", help="comma-separated")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -119,6 +132,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch.cuda.is_available() is False on this machine")
     args.threads = sorted({int(t) for t in args.threads.split(",")})
+    args.batches = [int(b) for b in args.batches.split(",")] if args.batches else [args.batch]
     if args.device == "cuda":  # host threads do not matter to GPU kernels: one group
         args.threads = [1]
     return args
@@ -158,15 +172,27 @@ def torchrl_inputs(data: dict[str, Tensor], prompt: int) -> dict[str, Tensor]:
 
 
 def make_paths(
-    data: dict[str, Tensor], trl: dict[str, Tensor], lmbda: float
+    data: dict[str, Tensor], trl: dict[str, Tensor], lmbda: float, vec: bool = True
 ) -> dict[str, Callable[[], tuple[Tensor, Tensor]]]:
-    """Zero-argument callables returning ``(advantage, value_target)`` in each path's layout."""
+    """Zero-argument callables returning ``(advantage, value_target)`` in each path's layout
+    (``vec=False``: without TorchRL's vectorized path)."""
     r, v, m = data["reward"], data["value"], data["loss_mask"]
-    return {
+    paths = {
         "token_gae": lambda: token_gae(r, v, m, gamma=GAMMA, lmbda=lmbda),
         "torchrl_loop": lambda: generalized_advantage_estimate(GAMMA, lmbda, **trl),
         "torchrl_vec": lambda: vec_generalized_advantage_estimate(GAMMA, lmbda, **trl),
     }
+    if not vec:
+        del paths["torchrl_vec"]
+    return paths
+
+
+def vec_gae_bytes(batch: int, steps: int, lmbda: float) -> int:
+    """About the float32 bytes TorchRL's vectorized GAE holds: ``[B, T, filter]`` with the filter
+    ``(gamma*lambda)**k`` truncated below 1e-7 (``T`` long at gamma*lambda = 1)."""
+    decay = GAMMA * lmbda
+    taps = steps if decay >= 1.0 else min(steps, math.ceil(math.log(1e-7) / math.log(decay)))
+    return 4 * batch * steps * taps
 
 
 # ----------------------------------------------------------------------------- check
@@ -178,7 +204,7 @@ def check_equal(data: dict[str, Tensor], paths: dict, prompt: int) -> dict[str, 
     assert float(outside) == 0.0, f"token_gae wrote {float(outside)} on a masked token"
     seg_mask = mask[:, prompt:]
     errors = {}
-    for name in TORCHRL_PATHS:
+    for name in (n for n in TORCHRL_PATHS if n in paths):
         t_adv, t_ret = (x.squeeze(-1) for x in paths[name]())
         err = max(
             float((t_adv - adv[:, prompt:])[seg_mask].abs().max()),
@@ -208,7 +234,8 @@ def time_paths(paths: dict, reps: int, budget_s: float) -> dict[str, dict]:
     """Warm up each path once, then time them round-robin (so a load change on the shared machine
     hits every path alike); each path gets up to ``reps`` calls within ``budget_s``.
 
-    Returns ``{name: {"ms": median wall, "min_ms": min wall, "cpu_ms": median CPU, "reps": n}}``.
+    Returns ``{name: {"ms": median wall, "min_ms": min wall, "cpu_ms": median CPU, "reps": n,
+    "wall_ms": every call's wall ms, in round order}}``.
     """
     n = {
         name: max(1, min(reps, int(budget_s / max(_call_s(fn)[0], 1e-9))))
@@ -228,6 +255,7 @@ def time_paths(paths: dict, reps: int, budget_s: float) -> dict[str, dict]:
             "min_ms": min(wall[name]),
             "cpu_ms": statistics.median(cpu[name]),
             "reps": len(wall[name]),
+            "wall_ms": wall[name],
         }
         for name in paths
     }
@@ -243,53 +271,71 @@ def copy_bandwidth_gbs(n_bytes: int, device: str, reps: int = 5) -> float:
 
 
 def run(args: argparse.Namespace) -> dict:
-    data = make_batch(args.batch, args.length, args.prompt, args.seed)
-    data = {k: v.to(args.device) for k, v in data.items()}
-    trl = torchrl_inputs(data, args.prompt)
-    gae_bytes = args.batch * args.length * BYTES_PER_TOKEN
+    rows, bandwidth, check_errors, skipped = [], {}, {}, []
     copy_bytes = (64 if args.quick else 256) * 2**20 * (8 if args.device == "cuda" else 1)
-    rows, bandwidth, check_errors = [], {}, {}
     load_before = os.getloadavg()[0]
     for threads in args.threads:
         torch.set_num_threads(threads)
         bw = copy_bandwidth_gbs(copy_bytes, args.device)
-        bound_ms = gae_bytes / (bw * 1e9) * 1e3
-        bandwidth[str(threads)] = {"copy_gbs": bw, "bound_ms": bound_ms}
-        for lmbda in LAMBDAS:
-            paths = make_paths(data, trl, lmbda)
-            check_errors[f"lambda={lmbda}"] = check_equal(data, paths, args.prompt)
-            for name, t in time_paths(paths, args.reps, args.budget_s).items():
-                rows.append(
-                    {
-                        "path": name,
-                        "lmbda": lmbda,
-                        "threads": threads,
-                        **t,
-                        "x_bandwidth_bound": t["ms"] / bound_ms,
-                    }
+        bandwidth[str(threads)] = {"copy_gbs": bw}
+        for batch in args.batches:
+            data = make_batch(batch, args.length, args.prompt, args.seed)
+            data = {k: v.to(args.device) for k, v in data.items()}
+            trl = torchrl_inputs(data, args.prompt)
+            bound_ms = batch * args.length * BYTES_PER_TOKEN / (bw * 1e9) * 1e3
+            for lmbda in LAMBDAS:
+                vec = (
+                    vec_gae_bytes(batch, args.length - args.prompt, lmbda) <= args.vec_max_gb * 1e9
                 )
-            print(f"  threads={threads} lambda={lmbda} done", file=sys.stderr, flush=True)
+                if not vec:
+                    skipped.append({"path": "torchrl_vec", "batch": batch, "lmbda": lmbda})
+                paths = make_paths(data, trl, lmbda, vec=vec)
+                check_errors[f"B={batch} lambda={lmbda}"] = check_equal(data, paths, args.prompt)
+                for name, t in time_paths(paths, args.reps, args.budget_s).items():
+                    rows.append(
+                        {
+                            "path": name,
+                            "batch": batch,
+                            "lmbda": lmbda,
+                            "threads": threads,
+                            **t,
+                            "bound_ms": bound_ms,
+                            "x_bandwidth_bound": t["ms"] / bound_ms,
+                        }
+                    )
+                print(
+                    f"  threads={threads} B={batch} lambda={lmbda} done",
+                    file=sys.stderr,
+                    flush=True,
+                )
     add_speedups(rows)
-    cfg = config_dict(args, gae_bytes, copy_bytes)
+    cfg = config_dict(args, args.batches[0] * args.length * BYTES_PER_TOKEN, copy_bytes)
     cfg["load_avg_1m"] = {"before": load_before, "after": os.getloadavg()[0]}
     return {
         "config": cfg,
         "bandwidth": bandwidth,
         "check_max_abs_diff": check_errors,
         "results": rows,
+        "skipped": skipped,  # over --vec-max-gb: the speed-up is vs TorchRL's loop there
         "targets": targets(rows, args.device),
     }
 
 
 def add_speedups(rows: list[dict]) -> None:
-    """``speedup_vs_torchrl_fastest`` = fastest TorchRL ms / this ms, per (lambda, threads)."""
+    """``speedup_vs_torchrl_fastest`` = fastest TorchRL ms / this ms (medians), per (B, lambda,
+    threads); ``speedup_range``: [min, median, max] of the per-round ratios (the i-th call of the
+    fastest TorchRL path over the i-th call of this path: the same load on both)."""
     for row in rows:
-        same = [r["ms"] for r in rows if r["path"] in TORCHRL_PATHS and _group(r) == _group(row)]
-        row["speedup_vs_torchrl_fastest"] = min(same) / row["ms"]
+        same = [r for r in rows if r["path"] in TORCHRL_PATHS and _group(r) == _group(row)]
+        fastest = min(same, key=lambda r: r["ms"])
+        row["speedup_vs_torchrl_fastest"] = fastest["ms"] / row["ms"]
+        paired = sorted(a / b for a, b in zip(fastest["wall_ms"], row["wall_ms"]))
+        row["speedup_range"] = [paired[0], statistics.median(paired), paired[-1]]
+        row["torchrl_fastest"] = fastest["path"]
 
 
-def _group(row: dict) -> tuple[float, int]:
-    return row["lmbda"], row["threads"]
+def _group(row: dict) -> tuple[int, float, int]:
+    return row["batch"], row["lmbda"], row["threads"]
 
 
 def targets(rows: list[dict], device: str = "cpu") -> dict:
@@ -311,6 +357,7 @@ def targets(rows: list[dict], device: str = "cpu") -> dict:
 def config_dict(args: argparse.Namespace, gae_bytes: int, copy_bytes: int) -> dict:
     return {
         "batch": args.batch,
+        "batches": args.batches,
         "length": args.length,
         "prompt": args.prompt,
         "torchrl_time_steps": args.length - args.prompt,
@@ -354,24 +401,25 @@ def print_table(result: dict) -> None:
     cfg = result["config"]
     load = cfg["load_avg_1m"]
     print(
-        f"\nGAE benchmark: B={cfg['batch']} L={cfg['length']} (TorchRL on the response "
+        f"\nGAE benchmark: B={cfg['batches']} L={cfg['length']} (TorchRL on the response "
         f"segment, T={cfg['torchrl_time_steps']}), gamma={cfg['gamma']}, 1-min load average "
         f"{load['before']:.1f} -> {load['after']:.1f} on {cfg['cpu_count']} cores, device "
         f"{cfg['gpu'] or 'cpu'}"
     )
     for threads, bw in result["bandwidth"].items():
-        print(
-            f"  threads={threads}: copy bandwidth {bw['copy_gbs']:.1f} GB/s -> "
-            f"bound {bw['bound_ms']:.2f} ms for {cfg['gae_bytes'] / 1e6:.1f} MB"
-        )
-    header = f"{'path':<14}| {'lambda':>6} | {'threads':>7} | {'ms':>9} | "
-    header += f"{'speed-up vs TorchRL fastest':>27} | {'x of bandwidth bound':>20} | {'cpu ms':>9}"
+        print(f"  threads={threads}: copy bandwidth {bw['copy_gbs']:.1f} GB/s")
+    header = f"{'path':<14}| {'B':>5} | {'lambda':>6} | {'threads':>7} | {'ms':>9} | "
+    header += (
+        f"{'speed-up vs TorchRL fastest [min, med, max]':>44} | {'x bound':>7} | {'cpu ms':>9}"
+    )
     print(header)
     print("-" * len(header))
     for r in result["results"]:
+        lo, med, hi = r["speedup_range"]
+        speedup = f"{r['speedup_vs_torchrl_fastest']:.2f} [{lo:.2f}, {med:.2f}, {hi:.2f}]"
         print(
-            f"{r['path']:<14}| {r['lmbda']:>6} | {r['threads']:>7} | {r['ms']:>9.2f} | "
-            f"{r['speedup_vs_torchrl_fastest']:>27.2f} | {r['x_bandwidth_bound']:>20.1f} | "
+            f"{r['path']:<14}| {r['batch']:>5} | {r['lmbda']:>6} | {r['threads']:>7} | "
+            f"{r['ms']:>9.2f} | {speedup:>44} | {r['x_bandwidth_bound']:>7.1f} | "
             f"{r['cpu_ms']:>9.2f}"
         )
     t = result["targets"]

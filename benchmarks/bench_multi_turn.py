@@ -1,8 +1,8 @@
-"""Benchmark: a K-turn episode vs one generation of the same total length, on both backends.
+"""Benchmark: a K-turn episode vs one generation of the same total length, per engine.
 
-What it measures (issue 18): for each backend (trainside ``TransformersBackend``, SGLang over HTTP)
-and each ``K`` in ``--ks`` (default 1, 2, 4), the wall time of one batch of ``B`` episodes
-(``--batch``, default 16) that each generate ``T`` tokens in all (``--total-tokens``, default 96):
+What it measures (issues 18, 31): for each engine in ``--backends`` and each ``K`` in ``--ks``
+(default 1, 2, 4, 8), the wall time of one batch of ``B`` episodes (``--batch``, default 16) that
+each generate ``T`` tokens in all (``--total-tokens``, default 96):
 
 * ``K = 1``: one ``backend.generate(prompts, 1, SamplingParams(max_new_tokens=T))``;
 * ``K > 1``: ``K`` sequential ``generate`` calls with ``max_new_tokens = T // K``, each continuing
@@ -13,25 +13,30 @@ and each ``K`` in ``--ks`` (default 1, 2, 4), the wall time of one batch of ``B`
   it). This is what :class:`~ar_torchrl.envs.ToolEnv` sends per turn (``_turn`` /
   ``_after_turn``), without parsing or running a tool.
 
-The headline is the **ratio** ``time(K turns) / time(1 generation)`` per backend: the median over
+Engines: ``trainside`` is ``TransformersBackend`` as ``ToolEnv`` drives it, each episode keeping
+its KV cache between turns (``generate(..., episodes=EpisodeCache(), episode_ids=...)``: a turn
+forwards only the previous turn's last token and the tool delta); ``trainside_prefill`` is the
+same engine re-prefilling the whole context every turn (``ToolEnv(kv_cache=False)``, and every
+turn before issue 31); ``sglang`` a real server over HTTP.
+
+The headline is the **ratio** ``time(K turns) / time(1 generation)`` per engine: the median over
 ``--reps`` repetitions of the ratio of the two times measured in the same repetition (the configs
 run round-robin, the order of the ``K`` rotated each repetition, after one warm-up batch per
-config). Both sides generate exactly the same number of tokens, so ``ratio - 1`` is the relative
-cost of splitting an episode into turns: per call, a new prefill of the context so far, a new KV
-cache, the call itself (for SGLang an HTTP round trip per request and the scheduler picking the
-requests up), plus the (K - 1) tool deltas of context. The trainside backend keeps no cache
-between calls: every turn re-prefills the whole prefix (``prefilled`` = ``submitted`` prompt
-tokens; ``prefill s`` is the wall time of its prefill forwards, timed by forward hooks on its
-model, so ``prefill s(K) - prefill s(1)`` is what re-prefilling costs it). SGLang's radix cache
-keeps the prefix of the earlier turns, so a turn should prefill only what the cache does not hold
-(about the tool delta): ``cached`` is the sum of SGLang's ``meta_info.cached_tokens`` over the
-requests (read from the raw ``/generate`` answers by wrapping the backend's HTTP session, since
-:class:`~ar_torchrl.backends.Completion` does not carry it), and ``prefilled = submitted -
-cached``. What prefix reuse saves shows in those columns; the two ratios
-also differ by each backend's own per-call cost, which this benchmark does not separate. The
-SGLang radix cache is flushed (``POST /flush_cache``) before every measured batch, so each batch
-starts cold and only reuses what it wrote itself (never a previous repetition's identical turns);
-it still shares the common start of the prompts across episodes, also at ``K = 1``.
+config), with its [min, max] over the repetitions. Both sides generate exactly the same number of
+tokens, so ``ratio - 1`` is the relative cost of splitting an episode into turns: per call, the
+context that is prefilled (all of it for ``trainside_prefill``; what the cache does not hold
+otherwise), a new KV cache, the call itself (for SGLang an HTTP round trip per request and the
+scheduler picking the requests up), plus the (K - 1) tool deltas of context (forwarded, and
+attended to by every later token). ``prefill s`` is the wall time of the trainside prefill
+forwards (the first forward of each call), timed by forward hooks on its model. ``cached`` is,
+for ``trainside``, the context tokens taken from the kept cache
+(:attr:`~ar_torchrl.backends.EpisodeCache.reused_tokens`) and, for SGLang, the sum of
+``meta_info.cached_tokens`` over the requests (read from the raw ``/generate`` answers by
+wrapping the backend's HTTP session, since :class:`~ar_torchrl.backends.Completion` does not
+carry it); ``prefilled = submitted - cached``. The SGLang radix cache is flushed (``POST
+/flush_cache``) before every measured batch, so each batch starts cold and only reuses what it
+wrote itself (never a previous repetition's identical turns); it still shares the common start of
+the prompts across episodes, also at ``K = 1``.
 
 Equal lengths: a random tiny model samples its EOS early and at random, which would make ``K``
 turns generate fewer or more tokens than one generation. Every turn is made to run to its cap
@@ -56,8 +61,8 @@ inherits ``OMP_NUM_THREADS`` (set it to 1 on a shared machine). Timings are wall
 batches (``time.perf_counter``).
 
 Run (from the repository root):
-    .venv/bin/python benchmarks/bench_multi_turn.py --backends trainside
-    .venv/bin/python benchmarks/bench_multi_turn.py --launch            # both, launches a server
+    .venv/bin/python benchmarks/bench_multi_turn.py --backends trainside,trainside_prefill
+    .venv/bin/python benchmarks/bench_multi_turn.py --launch            # all, launches a server
     .venv/bin/python benchmarks/bench_multi_turn.py --url http://127.0.0.1:30000
     .venv/bin/python benchmarks/bench_multi_turn.py --quick --backends trainside   # seconds
 
@@ -86,14 +91,14 @@ from typing import Any
 import torch
 from _common import code_version, machine_info, write_json
 
-from ar_torchrl.backends import SamplingParams, TransformersBackend
+from ar_torchrl.backends import EpisodeCache, SamplingParams, TransformersBackend
 from ar_torchrl.models import build_char_tokenizer, build_tiny_qwen3
 from ar_torchrl.models.tiny import save_tiny_model
 from ar_torchrl.tools.template import render_ids, tool_delta_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-BACKENDS = ("trainside", "sglang")
+BACKENDS = ("trainside", "trainside_prefill", "sglang")
 TOOL_ANSWER = "42"
 #: the launched server's KV pool: room for B episodes of the longest K plus the radix cache
 LAUNCH_ARGS = ("--max-total-tokens", "16384")
@@ -167,6 +172,11 @@ class _Replay:
         self._raw.release_conn()
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class PrefillClock:
     """Wall seconds of the trainside model's prefill forwards (the first forward of each
     ``generate`` call: more than one position), by forward hooks on the backend's model."""
@@ -178,10 +188,14 @@ class PrefillClock:
 
     def _pre(self, module, args, kwargs) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
-        self._start = time.perf_counter() if ids is not None and ids.shape[-1] > 1 else None
+        self._start = None
+        if ids is not None and ids.shape[-1] > 1:
+            _sync(ids.device)
+            self._start = time.perf_counter()
 
     def _post(self, module, args, kwargs, output) -> None:
         if self._start is not None:
+            _sync(output.logits.device)
             self.seconds += time.perf_counter() - self._start
             self.forwards += 1
             self._start = None
@@ -199,6 +213,7 @@ class Engine:
     flush: Any = None  # () -> None, SGLang: POST /flush_cache
     cached: CachedTokens | None = None
     prefill: PrefillClock | None = None
+    keeps_cache: bool = False  # trainside: each episode keeps its KV cache between turns
 
 
 def flush_fn(backend, url: str):
@@ -225,14 +240,16 @@ def episode_batch(engine: Engine, prompts, k: int, args, seed: int, deltas, eos:
     if engine.prefill is not None:
         engine.prefill.reset()
     submitted, generated, turn_s, finishes = 0, [0] * len(prompts), [], []
-    start = time.perf_counter()
+    episodes = EpisodeCache() if engine.keeps_cache and k > 1 else None  # K = 1: one generation
+    kept = {} if episodes is None else {"episodes": episodes, "episode_ids": range(len(prompts))}
+    start, cpu_start = time.perf_counter(), time.process_time()
     for turn in range(k):
         sampling = SamplingParams(
             max_new_tokens=per_turn, temperature=1.0, top_p=1.0, top_k=-1, seed=seed + turn
         )
         submitted += sum(map(len, contexts))
         t0 = time.perf_counter()
-        out = engine.backend.generate(contexts, 1, sampling)
+        out = engine.backend.generate(contexts, 1, sampling, **kept)
         turn_s.append(time.perf_counter() - t0)
         for b, c in enumerate(out):
             contexts[b] += c.token_ids
@@ -247,8 +264,10 @@ def episode_batch(engine: Engine, prompts, k: int, args, seed: int, deltas, eos:
             if turn < k - 1:
                 closed = bool(c.token_ids) and c.token_ids[-1] == eos
                 contexts[b] += deltas[closed]
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     cached = engine.cached.cached if engine.cached is not None else None
+    if episodes is not None:  # the trainside engine's own cache
+        cached = episodes.reused_tokens
     if engine.cached is not None and engine.cached.prompt != submitted:
         raise RuntimeError(
             f"{engine.name}: SGLang reported {engine.cached.prompt} prompt tokens over "
@@ -256,6 +275,7 @@ def episode_batch(engine: Engine, prompts, k: int, args, seed: int, deltas, eos:
         )
     return dict(
         seconds=seconds,
+        cpu_seconds=cpu_seconds,
         turn_seconds=turn_s,
         generated_tokens=sum(generated),
         min_episode_tokens=min(generated),
@@ -278,11 +298,13 @@ def engines(args, model, tok):
     with contextlib.ExitStack() as stack:
         out = []
         for name in args.backends:
-            if name == "trainside":
+            if name.startswith("trainside"):
                 backend = TransformersBackend(
                     model, mode="copy", eos_token_id=(() if not args.allow_eos else None)
                 )
-                out.append(Engine("trainside", backend, prefill=PrefillClock(backend.model)))
+                keeps = name == "trainside"  # trainside_prefill: the whole context every turn
+                clock = PrefillClock(backend.model)
+                out.append(Engine(name, backend, prefill=clock, keeps_cache=keeps))
                 continue
             from ar_torchrl.backends import SGLangBackend, launch_sglang_server
             from ar_torchrl.weight_sync import named_policy_tensors
@@ -327,6 +349,7 @@ def summarize(name: str, k: int, args, reps: list[dict], ones: list[dict]) -> di
     }
     cached = [r["cached_tokens"] for r in reps if r["cached_tokens"] is not None]
     ratios = [r["seconds"] / o["seconds"] for r, o in zip(reps, ones)]
+    cpu_ratios = sorted(r["cpu_seconds"] / o["cpu_seconds"] for r, o in zip(reps, ones))
     prefill = [r["prefill_seconds"] for r in reps if r["prefill_seconds"] is not None]
     return dict(
         backend=name,
@@ -340,6 +363,8 @@ def summarize(name: str, k: int, args, reps: list[dict], ones: list[dict]) -> di
         ms_per_generated_token=1e3
         * statistics.median(r["seconds"] / r["generated_tokens"] for r in reps),
         ratio=statistics.median(ratios),
+        cpu_ratio=statistics.median(cpu_ratios),
+        cpu_ratio_range=[cpu_ratios[0], cpu_ratios[-1]],
         ratio_reps=ratios,
         ratio_of_medians=med["seconds"] / statistics.median(o["seconds"] for o in ones),
         submitted_prompt_tokens=med["submitted_prompt_tokens"],
@@ -355,8 +380,13 @@ def run(args) -> tuple[dict, dict]:
     tok = build_char_tokenizer()
     eos = tok.eos_token_id
     model = build_tiny_qwen3(
-        len(tok), hidden_size=args.hidden, num_layers=args.layers, seed=args.seed
-    )
+        len(tok),
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        max_position_embeddings=1024,
+        seed=args.seed,
+    ).to(device=args.device, dtype=getattr(torch, args.dtype))
     prompts = make_prompts(tok, args.batch, args.seed)
     deltas = {  # after a turn cut at its cap / after a turn that sampled EOS (with --allow-eos)
         False: tool_delta_ids(tok, [TOOL_ANSWER], include_end_of_turn=True),
@@ -396,32 +426,33 @@ def run(args) -> tuple[dict, dict]:
 # ----------------------------------------------------------------------------- reporting
 def report(result: dict, args) -> str:
     head = (
-        f"  {'backend':<9} {'K':>2} {'tok/turn':>8} {'tok/ep':>6} {'s/batch':>8} {'ms/ep':>7} "
-        f"{'ms/tok':>7} {'ratio':>6} {'(range)':>11} {'submitted':>9} {'cached':>7} "
+        f"  {'backend':<17} {'K':>2} {'tok/turn':>8} {'s/batch':>8} {'ms/tok':>7} "
+        f"{'ratio [min, max]':>20} {'CPU ratio [min, max]':>21} {'submitted':>9} {'cached':>7} "
         f"{'prefilled':>9} {'prefill s':>9}"
     )
     lines = [
         f"{args.batch} episodes x {args.total_tokens} generated tokens, K turns of "
         f"{args.total_tokens}/K tokens (median of {args.reps} reps, round-robin; ratio = "
-        "time(K turns) / time(1 generation), median of per-rep ratios)",
+        "time(K turns) / time(1 generation), median [min, max] of per-rep ratios; CPU ratio: the "
+        "same with this process's CPU time, load-insensitive at 1 thread, the server's not counted)",
         head,
     ]
     for r in result["rows"]:
         cached = "-" if r["cached_tokens"] is None else f"{r['cached_tokens']:.0f}"
-        spread = f"{min(r['ratio_reps']):.2f}-{max(r['ratio_reps']):.2f}"
+        ratio = f"{r['ratio']:.2f} [{min(r['ratio_reps']):.2f}, {max(r['ratio_reps']):.2f}]"
+        lo, hi = r["cpu_ratio_range"]
+        cpu = f"{r['cpu_ratio']:.2f} [{lo:.2f}, {hi:.2f}]"
         prefill = "-" if r["prefill_seconds"] is None else f"{r['prefill_seconds']:.3f}"
         lines.append(
-            f"  {r['backend']:<9} {r['turns']:>2} {r['max_new_tokens_per_turn']:>8} "
-            f"{r['generated_tokens_per_episode']:>6.1f} {r['seconds']:>8.3f} "
-            f"{r['ms_per_episode']:>7.2f} {r['ms_per_generated_token']:>7.3f} {r['ratio']:>6.3f} "
-            f"{spread:>11} "
+            f"  {r['backend']:<17} {r['turns']:>2} {r['max_new_tokens_per_turn']:>8} "
+            f"{r['seconds']:>8.3f} {r['ms_per_generated_token']:>7.3f} {ratio:>20} {cpu:>21} "
             f"{r['submitted_prompt_tokens']:>9.0f} {cached:>7} {r['prefilled_tokens']:>9.0f} "
             f"{prefill:>9}"
         )
     lines.append(
-        "  (tok/ep: generated tokens per episode; range: of the per-rep ratios; submitted: prompt "
-        "tokens sent over all turns; cached: SGLang's meta_info.cached_tokens; prefilled = "
-        "submitted - cached; prefill s: the trainside model's prefill forwards, hooks)"
+        "  (submitted: prompt tokens sent over all turns; cached: taken from the kept KV cache "
+        "(trainside) or SGLang's meta_info.cached_tokens; prefilled = submitted - cached; "
+        "prefill s: the trainside model's prefill forwards, hooks)"
     )
     return "\n".join(lines) + "\n"
 
@@ -429,16 +460,21 @@ def report(result: dict, args) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--backends", default="trainside,sglang", help="comma list of " + ",".join(BACKENDS)
+        "--backends",
+        default="trainside,trainside_prefill,sglang",
+        help="comma list of " + ",".join(BACKENDS),
     )
     p.add_argument("--url", default=None, help="a running SGLang server (its weights are replaced)")
     p.add_argument("--launch", action="store_true", help="launch a local SGLang server")
-    p.add_argument("--ks", default=None, help="turn counts, comma list (default 1,2,4)")
+    p.add_argument("--ks", default=None, help="turn counts, comma list (default 1,2,4,8)")
     p.add_argument("--total-tokens", type=int, default=None, help="T per episode (96; quick 48)")
     p.add_argument("--batch", type=int, default=None, help="episodes per batch (16; quick 4)")
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 15; quick 2)")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the trainside model's")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--allow-eos", action="store_true", help="EOS ends a turn (lengths then vary)")
@@ -453,9 +489,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--url and --launch exclude each other: use a running server or launch one")
     if "sglang" in args.backends and not (args.url or args.launch):
         p.error("--backends has sglang: pass --url URL of a running server, or --launch")
+    if "sglang" in args.backends and (args.heads != 4 or args.device != "cpu"):
+        p.error("--heads / --device cuda apply to the trainside engines only (the server's model)")
     if "sglang" not in args.backends and (args.url or args.launch):
         p.error(f"--url/--launch given but --backends is {args.backends} (no sglang)")
-    args.ks = [int(k) for k in (args.ks or "1,2,4").split(",")]
+    args.ks = [int(k) for k in (args.ks or "1,2,4,8").split(",")]
     args.total_tokens = args.total_tokens or (48 if args.quick else 96)
     args.batch = args.batch or (4 if args.quick else 16)
     args.reps = args.reps or (2 if args.quick else 15)
@@ -491,6 +529,9 @@ def main(argv: list[str] | None = None) -> None:
         quick=args.quick,
         hidden=args.hidden,
         layers=args.layers,
+        heads=args.heads,
+        device=args.device,
+        dtype=args.dtype,
         eos_stops=args.allow_eos,
         launched=args.launch,
         url=args.url,

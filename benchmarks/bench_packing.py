@@ -21,7 +21,8 @@ Data (seeded): response lengths log-normal (median ``--median``, sigma ``--sigma
 Before timing, the script checks that packed log-probs and values equal the padded ones on every
 token that has them (float32: |diff| <= 1e-4, the max is reported) and that the ``"auto"`` plan is
 the one ``AUTO_PACKING_MIN_PADDING`` selects. Timing: one warm-up pass each, then ``--reps``
-round-robin passes (padded, packed, padded, ...); the median is reported.
+round-robin passes (padded, packed, padded, ...; default 7); the median is reported, and the
+speed-up as the ratio of the medians with the [min, median, max] of the per-round ratios.
 
 Models: ``--model small`` (CPU default: a random-init Qwen3, hidden 128, 2 layers, vocab 8192,
 float32) or ``--model qwen3-0.6b`` (random init of the Qwen3-0.6B shape: hidden 1024, 28 layers,
@@ -99,7 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-response", type=int, default=16)
     p.add_argument("--max-response", type=int, default=1024)
     p.add_argument("--token-budget", type=int, default=4096)
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=7)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="B=8, responses <= 128, 1 rep")
@@ -252,6 +253,11 @@ def run(args: argparse.Namespace) -> dict:
     for stage in ("anchor", "train"):
         rows[1][f"{stage}_speedup"] = rows[0][f"{stage}_s"] / rows[1][f"{stage}_s"]
         rows[0][f"{stage}_speedup"] = 1.0
+        paired = sorted(  # per round: padded and packed ran back to back, under the same load
+            a / b for a, b in zip(times[f"{stage}/padded"], times[f"{stage}/packed"])
+        )
+        rows[1][f"{stage}_speedup_range"] = [paired[0], statistics.median(paired), paired[-1]]
+        rows[0][f"{stage}_speedup_range"] = [1.0, 1.0, 1.0]
     return {
         "config": config_dict(args, td),
         "check_max_abs_diff": diffs,
@@ -293,16 +299,19 @@ def print_table(result: dict) -> None:
     )
     header = (
         f"{'mode':<7}| {'micro-batches':>13} | {'computed':>9} | {'padding %':>9} | "
-        f"{'anchor tok/s':>12} | {'x':>5} | {'train tok/s':>11} | {'x':>5}"
+        f"{'anchor tok/s':>12} | {'x [min, med, max]':>24} | {'train tok/s':>11} | "
+        f"{'x [min, med, max]':>24}"
     )
     print(header)
     print("-" * len(header))
     for row in result["results"]:
+        a, t = row["anchor_speedup_range"], row["train_speedup_range"]
+        anchor = f"{row['anchor_speedup']:.2f} [{a[0]:.2f}, {a[1]:.2f}, {a[2]:.2f}]"
+        train = f"{row['train_speedup']:.2f} [{t[0]:.2f}, {t[1]:.2f}, {t[2]:.2f}]"
         print(
             f"{row['mode']:<7}| {row['micro_batches']:>13} | {row['computed_tokens']:>9} | "
             f"{100 * row['padding_fraction']:>9.1f} | {row['anchor_tokens_per_s']:>12.0f} | "
-            f"{row['anchor_speedup']:>5.2f} | {row['train_tokens_per_s']:>11.0f} | "
-            f"{row['train_speedup']:>5.2f}"
+            f"{anchor:>24} | {row['train_tokens_per_s']:>11.0f} | {train:>24}"
         )
     diffs = result["check_max_abs_diff"]
     print(

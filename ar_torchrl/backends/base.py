@@ -16,6 +16,13 @@ wait for a generation in flight; it interrupts it (the engine stops at the next 
 what each completion has so far), loads the weights, and the generation continues every unfinished
 completion from its exact tokens under the new version. Each token keeps the version and the
 log-prob of the weights that sampled it (``Completion.token_versions``).
+
+**Episode caches** (``episode_cache = True``): a multi-turn caller keeps an :class:`EpisodeCache`
+per batch of episodes and passes it with each turn (``generate(..., episodes=cache,
+episode_ids=ids)``); the engine keeps what it computed of each episode's context (the trainside
+engine: its key/value states) and the next turn prefills only what the context added since (the
+tool's tokens), not the whole prefix. The cache is emptied when the weights change (a sync between
+turns) and is not used with partial rollouts (a sync may come between any two tokens).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ __all__ = [
     "BackendCapabilities",
     "Completion",
     "ContextLengthError",
+    "EpisodeCache",
     "FinishReason",
     "GenerationBackend",
     "SamplingParams",
@@ -178,6 +186,9 @@ class BackendCapabilities:
             the engine's (GPU) memory around an update (colocated engines).
         sampler_state: :meth:`~GenerationBackend.state_dict` holds the engine's sampling RNG, saved
             in checkpoints so that a resumed run samples what the uninterrupted one would.
+        episode_cache: ``generate(..., episodes=, episode_ids=)`` keeps what the engine computed of
+            each episode's context in an :class:`EpisodeCache` and the next turn continues from it
+            (see the module docstring).
 
     Example:
         >>> BackendCapabilities(partial_rollouts=True).memory_release
@@ -187,6 +198,54 @@ class BackendCapabilities:
     partial_rollouts: bool = False
     memory_release: bool = False
     sampler_state: bool = False
+    episode_cache: bool = False
+
+
+class EpisodeCache:
+    """What an engine keeps of a batch of multi-turn episodes between their turns.
+
+    One per batch of episodes, owned by the caller (e.g. :class:`~ar_torchrl.envs.ToolEnv`, from
+    its reset to its last turn) and filled by an engine that declares
+    ``capabilities.episode_cache``: ``generate(contexts, 1, sampling, episodes=cache,
+    episode_ids=ids)`` continues episode ``ids[i]`` from what the cache holds of it when
+    ``contexts[i]`` extends the tokens it was computed for (else, a miss, the whole context is
+    prefilled), and stores the episode's new state. The states hold memory until :meth:`drop` /
+    :meth:`clear` (the trainside engine: the key/value states of every kept token); the engine
+    clears them when its weights changed since they were computed.
+
+    Attributes:
+        states: engine state per episode id (opaque to the caller).
+        policy_version: the weights the states were computed with (set by the engine).
+        reused_tokens: context tokens taken from the cache instead of prefilled, over all turns.
+        prefilled_tokens: context tokens prefilled, over all turns.
+
+    Example:
+        >>> cache = EpisodeCache()
+        >>> cache.states.update({0: "state of episode 0", 1: "state of episode 1"})
+        >>> cache.drop([0]); len(cache), 1 in cache
+        (1, True)
+    """
+
+    def __init__(self) -> None:
+        self.states: dict[int, object] = {}
+        self.policy_version: int | None = None
+        self.reused_tokens = 0
+        self.prefilled_tokens = 0
+
+    def drop(self, episode_ids: Iterable[int]) -> None:
+        """Forget the episodes ``episode_ids`` (ended: their state is not needed again)."""
+        for i in episode_ids:
+            self.states.pop(int(i), None)
+
+    def clear(self) -> None:
+        """Forget every episode (the counters are kept)."""
+        self.states.clear()
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def __contains__(self, episode_id: object) -> bool:
+        return episode_id in self.states
 
 
 class GenerationBackend(abc.ABC):
@@ -329,28 +388,84 @@ class GenerationBackend(abc.ABC):
         raise ValueError(f"{type(self).__name__} does not release its memory, so none to resume")
 
     def generate(
-        self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        n: int,
+        sampling: SamplingParams,
+        *,
+        episodes: EpisodeCache | None = None,
+        episode_ids: Sequence[int] | None = None,
     ) -> list[Completion]:
         """Sample ``n`` completions per prompt; prompt-major flat list, each stamped with the version.
 
+        Args:
+            prompt_token_ids: the prompts (a multi-turn episode: its whole context so far).
+            n: completions per prompt.
+            sampling: how to sample.
+            episodes: with ``episode_ids``, prompt ``i`` continues episode ``episode_ids[i]`` of
+                this cache (``capabilities.episode_cache``; ``n = 1``; see :class:`EpisodeCache`).
+            episode_ids: one distinct id per prompt.
+
         Raises:
-            ValueError: no prompts, an empty prompt, or ``n < 1``.
+            ValueError: no prompts, an empty prompt, ``n < 1``, or ``episodes`` on an engine that
+                keeps none / with ids that do not match the prompts.
             ContextLengthError: a prompt plus ``max_new_tokens`` exceeds :attr:`context_length`.
             WeightSyncError: the last sync failed part-way; sync again first.
         """
         name = type(self).__name__
         prompts = validate_prompts(prompt_token_ids, n, name)
         self._check_context(prompts, sampling, name)
+        if episodes is not None or episode_ids is not None:
+            episode_ids = self._check_episodes(episodes, episode_ids, len(prompts), n, name)
         if self._partial_rollouts:
+            if episodes is not None:  # a sync may come between any two tokens: nothing is kept
+                episodes.clear()
             return self._generate_partial(prompts, n, sampling)
         with self._engine_lock:
             self._check_not_broken(name)
             version = self._policy_version
-            out = self._generate(prompts, n, sampling)
+            if episodes is None:
+                out = self._generate(prompts, n, sampling)
+            else:
+                if episodes.policy_version != version:  # computed by other weights
+                    episodes.clear()
+                    episodes.policy_version = version
+                out = self._generate_episodes(prompts, sampling, episodes, episode_ids)
         self._check_count(out, len(prompts) * n, name)
         for c in out:
             c.policy_version = version
         return out
+
+    def _check_episodes(self, episodes, episode_ids, count: int, n: int, name: str) -> list[int]:
+        if not self.capabilities.episode_cache:
+            raise ValueError(
+                f"{name} keeps no episode cache (capabilities.episode_cache is False): call "
+                "generate without episodes= / episode_ids= (every turn sends the whole context)"
+            )
+        if episodes is None or episode_ids is None:
+            raise ValueError(
+                f"{name}.generate: episodes= and episode_ids= go together, got "
+                f"episodes={type(episodes).__name__} and episode_ids={episode_ids!r}"
+            )
+        ids = [int(i) for i in episode_ids]
+        if n != 1 or len(ids) != count or len(set(ids)) != count:
+            raise ValueError(
+                f"{name}.generate: with episodes=, n must be 1 and episode_ids one distinct id per "
+                f"prompt; got n={n}, {count} prompts and episode_ids {ids[:8]}"
+            )
+        return ids
+
+    def _generate_episodes(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        episodes: EpisodeCache,
+        episode_ids: list[int],
+    ) -> list[Completion]:
+        """One completion per episode's context, continuing from ``episodes``. An engine that
+        declares ``capabilities.episode_cache`` overrides it; this one keeps nothing and prefills
+        every context whole (what an engine without a cache does on every turn)."""
+        return self._generate(prompts, 1, sampling)
 
     def _check_not_broken(self, name: str) -> None:
         if self._broken_sync is not None:

@@ -19,6 +19,13 @@ raising or timed-out tool, an oversized answer), each in the step of its turn. T
 -1 on prompt, tool and padding tokens) and puts each step's reward on its turn's last trained token,
 the outcome on the episode's last trained token; tool tokens have ``loss_mask`` False.
 
+KV cache: on an engine that keeps one (``backend.capabilities.episode_cache``, the trainside
+engine) each episode keeps its key/value cache from turn to turn (an
+:class:`~ar_torchrl.backends.EpisodeCache` per batch, from the reset to the last turn): a turn
+forwards only what the context added since the last (the turn's last token and the tool's delta),
+not the whole prefix again; episodes that ended are dropped from it. SGLang keeps its own (the
+radix cache). ``kv_cache=False`` sends the whole context every turn.
+
 Weight versions: a batch's episodes are generated under one version. A collector's weight sync
 waits for the batch in flight (:class:`~ar_torchrl.collectors.WeightSyncCollector` holds its lock
 while a batch is generated, also in async mode), and the builder refuses a batch that mixes versions.
@@ -34,7 +41,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl.data import Categorical, Composite, Unbounded
 
-from ar_torchrl.backends.base import GenerationBackend, SamplingParams
+from ar_torchrl.backends.base import EpisodeCache, GenerationBackend, SamplingParams
 from ar_torchrl.data.samples import Sample, Segment
 from ar_torchrl.data.trajectory import build_trajectory
 from ar_torchrl.envs.llm_env import LLMEnv
@@ -59,6 +66,9 @@ class ToolEnv(LLMEnv):
         template_check: compare each episode's ids with the chat template's rendering of the whole
             conversation when it ends (``"raise"`` / ``"warn"`` on a template that is not
             prefix-stable, ``"off"``).
+        kv_cache: keep each episode's KV cache between turns on an engine that can (see the
+            module docstring); the tokens are those of ``False`` (the log-probs equal to float
+            rounding), which prefills each turn's whole context.
 
     Example:
         >>> from ar_torchrl.models import build_char_tokenizer, build_tiny_qwen3
@@ -88,6 +98,7 @@ class ToolEnv(LLMEnv):
         max_total_tokens: int = 512,
         tool_error_penalty: float = 0.0,
         template_check: Literal["raise", "warn", "off"] = "raise",
+        kv_cache: bool = True,
         **kwargs: Any,
     ) -> None:
         if max_turns < 1 or max_total_tokens < 2:
@@ -102,6 +113,8 @@ class ToolEnv(LLMEnv):
         self.toolbox = toolbox
         self.max_turns, self.max_total_tokens = int(max_turns), int(max_total_tokens)
         self.tool_error_penalty, self.template_check = float(tool_error_penalty), template_check
+        self.kv_cache = bool(kv_cache) and backend.capabilities.episode_cache
+        self._episode_cache: EpisodeCache | None = None
         super().__init__(dataset, tokenizer, backend, reward_fn=reward_fn, **kwargs)
 
     # ------------------------------------------------------------------ specs
@@ -130,6 +143,7 @@ class ToolEnv(LLMEnv):
             sample.extra.update(turns=0, tool_calls=0, tool_errors=0, done=False, messages=[])
             samples.append(sample)
         out["sample_id"] = self._keep_samples(samples)
+        self._episode_cache = EpisodeCache() if self.kv_cache else None
         out["turn"] = torch.zeros_like(out["prompt_id"])
         out["episode_done"] = torch.zeros(out.shape, dtype=torch.bool)
         return out
@@ -140,11 +154,15 @@ class ToolEnv(LLMEnv):
         active = [b for b, s in enumerate(samples) if not s.extra["done"]]
         reward = torch.zeros(len(samples), dtype=torch.float32)
         ended = self._turn(samples, active, turn, reward)
+        if self._episode_cache is not None:  # ended episodes need no cache
+            self._episode_cache.drop(ended)
         if ended:
             self._scorer([samples[b] for b in ended])
             for b in ended:
                 reward[b] += samples[b].reward
         all_done = all(s.extra["done"] for s in samples)
+        if all_done:
+            self._episode_cache = None
         stopped = torch.tensor([s.terminated for s in samples])
         done = torch.full((len(samples), 1), all_done)
         rewards = reward.unsqueeze(-1)
@@ -179,7 +197,10 @@ class ToolEnv(LLMEnv):
         for budget, rows in sorted(by_budget.items()):
             sampling = _with_max_new_tokens(self.sampling, budget)
             prompts = [[int(t) for s in samples[b].segments for t in s.token_ids] for b in rows]
-            completions = self.backend.generate(prompts, 1, sampling)
+            cached = {}
+            if self._episode_cache is not None:  # continue each episode from its KV cache
+                cached = {"episodes": self._episode_cache, "episode_ids": rows}
+            completions = self.backend.generate(prompts, 1, sampling, **cached)
             for b, c in zip(rows, completions):
                 if self._after_turn(samples[b], c, turn, reward, b):
                     ended.append(b)

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from ar_torchrl.backends import (
+    BackendCapabilities,
     Completion,
     ContextLengthError,
+    EpisodeCache,
     GenerationBackend,
     SamplingParams,
     TransformersBackend,
@@ -179,7 +181,7 @@ def test_engines_declare_their_capabilities():
 
     assert Echo.capabilities == BackendCapabilities()  # the defaults: nothing optional
     assert TransformersBackend.capabilities == BackendCapabilities(
-        partial_rollouts=True, sampler_state=True
+        partial_rollouts=True, sampler_state=True, episode_cache=True
     )
     assert SGLangBackend.capabilities == BackendCapabilities(
         partial_rollouts=True, memory_release=True
@@ -203,6 +205,36 @@ def test_engines_declare_their_capabilities():
     assert (
         share.shares_trainer_weights and not TransformersBackend(share.model).shares_trainer_weights
     )
+
+
+# ----------------------------------------------------------------------------- episode caches
+class Keeper(Echo):
+    """Declares an episode cache and keeps nothing: the base class prefills every context."""
+
+    capabilities = BackendCapabilities(episode_cache=True)
+
+
+def test_episode_caches_are_refused_where_not_declared_and_checked_where_declared():
+    sampling = SamplingParams(max_new_tokens=1)
+    with pytest.raises(
+        ValueError, match=r"Echo keeps no episode cache \(capabilities.episode_cache"
+    ):
+        Echo().generate([[1]], 1, sampling, episodes=EpisodeCache(), episode_ids=[0])
+    keeper, cache = Keeper(Sender()), EpisodeCache()
+    with pytest.raises(ValueError, match=r"episodes= and episode_ids= go together"):
+        keeper.generate([[1]], 1, sampling, episodes=cache)
+    for prompts, n, ids in (([[1]], 2, [0]), ([[1]], 1, [0, 1]), ([[1], [2]], 1, [3, 3])):
+        with pytest.raises(ValueError, match=r"n must be 1 and episode_ids one distinct id per"):
+            keeper.generate(prompts, n, sampling, episodes=cache, episode_ids=ids)
+    out = keeper.generate([[1, 2], [3]], 1, sampling, episodes=cache, episode_ids=[5, 9])
+    assert [c.token_ids for c in out] == [[2], [3]] and cache.policy_version == 0
+    cache.states[5] = "kept by version 0"
+    keeper.sync_weights(TENSORS, version=4)  # new weights: what was kept is stale
+    keeper.generate([[1]], 1, sampling, episodes=cache, episode_ids=[5])
+    assert len(cache) == 0 and cache.policy_version == 4
+    cache.states[5] = "kept by version 4"
+    keeper.generate([[1]], 1, sampling, episodes=cache, episode_ids=[5])
+    assert 5 in cache  # same weights: kept
 
 
 def test_the_old_partial_rollouts_declaration_still_works():

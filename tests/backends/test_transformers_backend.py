@@ -11,7 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from ar_torchrl.backends import SamplingParams, TransformersBackend, next_token_log_probs
+from ar_torchrl.backends import (
+    EpisodeCache,
+    SamplingParams,
+    TransformersBackend,
+    next_token_log_probs,
+)
 from ar_torchrl.backends.transformers.kv_cache import PreallocatedLayer
 from ar_torchrl.models.tiny import build_tiny_qwen3
 from ar_torchrl.modules import attach_value_head
@@ -327,7 +332,8 @@ def test_benchmark_script_runs_quick(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["results"]
     assert {r["path"] for r in rows} == {
-        "backend",
+        "backend_sync1",
+        "backend_sync16",
         "backend_legacy",
         "hf_generate",
         "hf_generate_logprobs",
@@ -345,3 +351,131 @@ def test_list_of_eos_ids_from_the_generation_config():
     stopped = [c for c in out if c.finish_reason == "stop"]
     assert stopped and all(c.token_ids[-1] in backend.eos_token_ids for c in stopped)
     assert all(not set(c.token_ids[:-1]) & set(backend.eos_token_ids) for c in out)
+
+
+# ----------------------------------------------------------------------------- multi-turn episodes
+DELTAS = ([30, 31], [32, 33, 34, 35, 36], [37])  # a "tool answer" per turn, of varied lengths
+
+
+def play_episodes(model, *, kept, turns=4, stops=(), max_batch_size=None, sync_every=None):
+    """``turns`` turns of the PROMPTS and two more episodes, each continuing from its exact ids
+    plus a tool delta; episode 1 ends after turn 1 (and is dropped from the cache). Returns per
+    turn ``{episode: (context sent, completion)}``, and the episode cache (``kept``) or None."""
+    backend = TransformersBackend(
+        model, seed=5, max_batch_size=max_batch_size, sync_every=sync_every
+    )
+    contexts = [list(p) for p in [*PROMPTS, [40, 41, 42], [43] * 9]]
+    active, cache, turns_played = list(range(len(contexts))), EpisodeCache(), []
+    for turn in range(turns):
+        sampling = SamplingParams(max_new_tokens=6, stop_token_ids=stops)  # the backend's stream
+        ids = {"episodes": cache, "episode_ids": active} if kept else {}
+        out = backend.generate([contexts[b] for b in active], 1, sampling, **ids)
+        turns_played.append({b: (list(contexts[b]), c) for b, c in zip(active, out)})
+        for b, c in zip(active, out):
+            contexts[b] += c.token_ids + DELTAS[(b + turn) % len(DELTAS)]
+        if turn == 1:
+            active.remove(1)
+            cache.drop([1])
+    return turns_played, (cache if kept else None)
+
+
+@pytest.mark.parametrize(
+    ("stops", "max_batch_size"), [((), None), (tuple(range(40, 60)), None), ((), 2)]
+)
+def test_episodes_that_keep_their_kv_cache_give_the_re_prefilling_tokens(
+    model, stops, max_batch_size
+):
+    """Issue 31 item 2: a K-turn episode continued from its kept KV cache samples the same tokens
+    (same seeds) as the path that re-prefills the whole context every turn, with the same
+    log-probs (to float rounding: the prefix's keys/values come from another forward), and each
+    turn forwards only what its context added (the last turn's last token and the tool delta)."""
+    forwarded = []
+    hook = model.register_forward_pre_hook(
+        lambda m, a, kw: forwarded.append(kw["input_ids"].numel()), with_kwargs=True
+    )
+    try:
+        whole, _ = play_episodes(model, kept=False, stops=stops, max_batch_size=max_batch_size)
+        n_whole, forwarded[:] = sum(forwarded), []
+        kept, cache = play_episodes(model, kept=True, stops=stops, max_batch_size=max_batch_size)
+        n_kept = sum(forwarded)
+    finally:
+        hook.remove()
+    if stops:  # some turns stop early (rows dropped mid-turn), some run to the cap
+        assert {c.finish_reason for turn in kept for _, c in turn.values()} == {"stop", "length"}
+    for a, b in zip(whole, kept):
+        assert a.keys() == b.keys()
+        for episode, (context, c) in b.items():
+            assert a[episode][0] == context and a[episode][1].token_ids == c.token_ids
+            assert a[episode][1].finish_reason == c.finish_reason
+            ref = reference_log_probs(model, context, c.token_ids, SamplingParams())
+            torch.testing.assert_close(torch.tensor(c.log_probs), ref, atol=1e-5, rtol=0)
+    # what was kept of each episode: its last context and that turn's tokens but the last one
+    reused = sum(
+        len(kept[k - 1][e][0]) + len(kept[k - 1][e][1]) - 1 for k in range(1, 4) for e in kept[k]
+    )
+    sent = sum(len(context) for turn in kept for context, _ in turn.values())
+    assert (cache.reused_tokens, cache.prefilled_tokens) == (reused, sent - reused)
+    assert cache.prefilled_tokens < sent / 3 and n_kept < n_whole / 2
+    assert sorted(cache.states) == sorted(kept[-1])  # the episode that ended was dropped
+
+
+def test_an_episode_whose_context_does_not_extend_its_kept_ids_is_prefilled_whole(model):
+    backend, cache = TransformersBackend(model, seed=0), EpisodeCache()
+    sampling = SamplingParams(max_new_tokens=4, temperature=0.0)
+    first = backend.generate(PROMPTS, 1, sampling, episodes=cache, episode_ids=[0, 1, 2])
+    edited = [PROMPTS[0] + first[0].token_ids + [30], [99 - t for t in PROMPTS[1]] + [31]]
+    out = backend.generate(edited, 1, sampling, episodes=cache, episode_ids=[0, 1])
+    reused = len(PROMPTS[0]) + len(first[0]) - 1  # episode 1's context changed: a miss
+    assert cache.reused_tokens == reused
+    for context, c in zip(edited, out):
+        assert c.token_ids == backend.generate([context], 1, sampling)[0].token_ids
+    backend.partial_rollouts = True  # a sync may come between two tokens: nothing is kept
+    backend.generate(edited, 1, sampling, episodes=cache, episode_ids=[0, 1])
+    assert len(cache) == 0
+
+
+# ----------------------------------------------------------------------------- host reads
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_reading_the_stop_condition_every_n_tokens_gives_the_same_tokens(model, temperature):
+    """Issue 31 item 3: ``sync_every > 1`` reads the loop's state every n tokens (finished rows
+    compute padding until then, and are dropped later): the same tokens at every interval, greedy
+    also as the every-token loop, and log-probs that match a plain forward."""
+    stops = (49, 18, 3) if temperature == 0 else tuple(range(40, 60))
+    sampling = SamplingParams(max_new_tokens=16, temperature=temperature, stop_token_ids=stops)
+    prompts = PROMPTS + [[p + 1 for p in row] for row in PROMPTS] + [[3, 4, 5], [60, 61]]
+    runs = {
+        every: TransformersBackend(model, seed=2, sync_every=every).generate(prompts, 2, sampling)
+        for every in (1, 2, 5, 64)
+    }
+    assert len({len(c) for c in runs[1]}) > 1
+    same = (1, 2, 5, 64) if temperature == 0 else (2, 5, 64)  # sampling: 1 keeps today's stream
+    for every in same:
+        assert [c.token_ids for c in runs[every]] == [c.token_ids for c in runs[same[0]]]
+        assert [c.finish_reason for c in runs[every]] == [c.finish_reason for c in runs[same[0]]]
+    for c in runs[5]:
+        ref = reference_log_probs(model, prompts[c.prompt_index], c.token_ids, sampling)
+        torch.testing.assert_close(torch.tensor(c.log_probs), ref, atol=1e-5, rtol=0)
+    kept, _ = play_episodes(model, kept=True, stops=tuple(range(40, 60)), sync_every=3)
+    whole, _ = play_episodes(model, kept=False, stops=tuple(range(40, 60)), sync_every=3)
+    assert [[c.token_ids for _, c in t.values()] for t in kept] == [
+        [c.token_ids for _, c in t.values()] for t in whole
+    ]
+    for bad in (0, True, -2):
+        with pytest.raises(ValueError, match=r"sync_every must be an int >= 1 .* got"):
+            TransformersBackend(model, sync_every=bad)
+
+
+def test_the_dense_mask_is_the_padding_mask_with_causality():
+    from ar_torchrl.backends.transformers.backend import _dense_causal_mask
+
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 0, 1]])
+    dense = _dense_causal_mask(mask, 2)[:, 0]
+    loop = torch.zeros(2, 2, 4, dtype=torch.bool)
+    for b in range(2):
+        for i in range(2):
+            for j in range(4):
+                loop[b, i, j] = bool(mask[b, j]) and j <= 2 + i  # query i sits at column 2 + i
+    assert torch.equal(dense, loop)
+    padded_query = _dense_causal_mask(torch.tensor([[0, 0, 1]]), 3)[0, 0]
+    assert padded_query[0].all() and padded_query[1].all()  # no key to attend: attends to all
+    assert padded_query[2].tolist() == [False, False, True]

@@ -18,7 +18,7 @@ from ar_torchrl.models import build_char_tokenizer
 from ar_torchrl.tools.template import tool_delta_ids
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_multi_turn.py"
-KS = (1, 2, 4)
+KS = (1, 2, 4, 8)
 T, B = 48, 4  # --quick
 
 
@@ -66,15 +66,29 @@ def check(data: dict, backends: list[str]) -> None:
                 1e3 * rep["seconds"] / rep["generated_tokens"]
             )
             assert r["ms_per_episode"] == pytest.approx(1e3 * rep["seconds"] / B)
+            assert r["cpu_ratio"] == pytest.approx(
+                rep["cpu_seconds"] / rows[name, 1]["reps"][0]["cpu_seconds"]
+            )
             assert 0 < sum(rep["turn_seconds"]) <= rep["seconds"]
             full = submitted_tokens(cfg["prompt_tokens"], k, len(delta))
             # up to one token shorter per delta where a turn's last sampled token was the EOS id
             assert full - B * (k - 1) <= rep["submitted_prompt_tokens"] <= full
-            if name == "trainside":  # no cache between calls: every turn prefills its context
+            if name == "trainside_prefill":  # no cache between calls: every turn prefills all
                 assert rep["cached_tokens"] is None
                 assert rep["prefilled_tokens"] == rep["submitted_prompt_tokens"]
                 assert rep["prefill_forwards"] == k  # one prefill forward per generate call
                 assert 0 < rep["prefill_seconds"] < sum(rep["turn_seconds"])
+            elif name == "trainside" and k == 1:  # the reference: one plain generation
+                assert rep["cached_tokens"] is None and rep["prefill_forwards"] == 1
+            elif name == "trainside":  # each episode keeps its KV cache: turn j reuses turn j-1's
+                # context and its tokens but the last one (sampled, never forwarded)
+                turns = [cfg["prompt_tokens"] + j * (T // k + len(delta)) for j in range(k)]
+                reused = B * sum(turns[j - 1] + T // k - 1 for j in range(1, k))
+                assert abs(rep["cached_tokens"] - reused) <= B * (k - 1)  # EOS-shortened deltas
+                assert (
+                    rep["prefilled_tokens"] == rep["submitted_prompt_tokens"] - rep["cached_tokens"]
+                )
+                assert rep["prefill_forwards"] == k
             else:  # SGLang's radix cache: later turns reuse the earlier turns' prefix
                 assert rep["prefill_seconds"] is None and rep["prefill_forwards"] is None
                 assert 0 <= rep["cached_tokens"] < rep["submitted_prompt_tokens"]
@@ -85,13 +99,20 @@ def check(data: dict, backends: list[str]) -> None:
                     assert rep["cached_tokens"] >= B * (k - 1) * cfg["prompt_tokens"]
 
 
+@pytest.mark.slow  # a benchmark script: full tier only
+def test_bench_multi_turn_quick_trainside_kept_and_prefilled(tmp_path):
+    names = ["trainside", "trainside_prefill"]
+    check(run_quick(tmp_path, "--backends", ",".join(names)), names)
+
+
 @pytest.mark.sglang
 @pytest.mark.slow
-def test_bench_multi_turn_quick_both_backends(tmp_path, sglang_server):
-    # both backends in one run (the trainside one alone would repeat its half: CI time); the
+def test_bench_multi_turn_quick_all_backends(tmp_path, sglang_server):
+    # every backend in one run (the trainside ones alone would repeat their half: CI time); the
     # script syncs the trainside model's weights into the server before timing
-    data = run_quick(tmp_path, "--backends", "trainside,sglang", "--url", sglang_server.url)
-    check(data, ["trainside", "sglang"])
+    names = ["trainside", "trainside_prefill", "sglang"]
+    data = run_quick(tmp_path, "--backends", ",".join(names), "--url", sglang_server.url)
+    check(data, names)
     assert data["config"]["sglang_version"] and data["config"]["url"] == sglang_server.url
 
 
@@ -103,7 +124,7 @@ def test_bench_multi_turn_quick_both_backends(tmp_path, sglang_server):
         (["--launch", "--url", "http://127.0.0.1:1"], "--url and --launch exclude each other"),
         (["--backends", "trainside", "--launch"], r"--url/--launch given but --backends is"),
         (["--backends", "trainside", "--ks", "2,4"], r"including 1 \(the reference\)"),
-        (["--backends", "trainside", "--total-tokens", "10"], r"not divisible by K=\[4\]"),
+        (["--backends", "trainside", "--total-tokens", "10"], r"not divisible by K=\[4, 8\]"),
     ],
     ids=[
         "sglang-without-server",

@@ -39,6 +39,9 @@ def test_bench_packing_quick(tmp_path: Path, dist: str) -> None:
                 row["real_tokens"] / row[f"{stage}_s"]
             )
         assert row["anchor_speedup"] > 0 and row["train_speedup"] > 0
+        for stage in ("anchor", "train"):
+            lo, med, hi = row[f"{stage}_speedup_range"]
+            assert 0 < lo <= med <= hi
     auto = result["auto"]
     assert auto["padded_padding"] == pytest.approx(padded["padding_fraction"])
     assert auto["choice"] == (

@@ -68,8 +68,8 @@ def test_summarize_splits_stages_and_computes_the_outside_fraction():
         "time/sync": 0.4,
     }
     slower = {**it, "time/iteration": 30.0}
-    out = bench.summarize([it, slower, it])  # medians: the odd one out is ignored
-    assert out["wall_s"] == 10.0
+    out = bench.summarize([it, slower, it])  # the median iteration: the odd one out is ignored
+    assert out["wall_s"] == 10.0 and out["wall_range"] == [10.0, 30.0]
     assert out["stages"]["generation"] == pytest.approx(3.5)
     assert out["stages"]["train fwd/bwd"] == pytest.approx(2.7)
     assert out["stages"]["logging/other"] == pytest.approx(10.0 - 8.5)
@@ -77,3 +77,16 @@ def test_summarize_splits_stages_and_computes_the_outside_fraction():
     assert out["outside_model_compute"] == pytest.approx(1 - 6.6 / 10.0)
     with pytest.raises(ValueError, match="no timed iteration: use --iterations >= 2"):
         bench.summarize([])
+
+
+def test_the_stages_add_up_to_the_iteration_and_other_is_never_negative():
+    """Issue 31: medians taken stage by stage need not add up (here generate 9 + update 1.5 >
+    wall 10: "other" was -0.5); the median iteration's own stages do."""
+    bench = load_benchmark("bench_step_breakdown")
+    a = {"time/iteration": 10.0, "time/generate": 9.0, "time/update": 0.5}
+    b = {"time/iteration": 10.0, "time/generate": 0.5, "time/update": 9.0}
+    c = {"time/iteration": 11.0, "time/generate": 9.0, "time/update": 1.5}
+    out = bench.summarize([a, b, c])
+    assert sum(out["stages"].values()) == pytest.approx(out["wall_s"]) == 10.0
+    assert out["stages"]["logging/other"] == pytest.approx(0.5) and out["median_iteration"] == 1
+    assert out["stage_ranges"]["generation"] == [0.5, 9.0]

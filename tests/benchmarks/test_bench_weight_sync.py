@@ -32,13 +32,15 @@ def run_quick(tmp_path: Path, *args: str) -> dict:
 
 def check_rows(result: dict, methods: set[str], model: str = "tiny") -> None:
     rows = {r["method"]: r for r in result["results"]}
-    assert set(rows) == methods | {"raw_safetensors"}
+    assert set(rows) == methods | {"raw_safetensors", "memcpy"}
     assert result["config"]["model"] == model and result["bytes"] > 0
-    raw = rows["raw_safetensors"]["seconds"]
+    raw, memcpy = rows["raw_safetensors"]["seconds"], rows["memcpy"]["seconds"]
     for r in rows.values():
         assert r["seconds"] > 0 and len(r["runs"]) == 1
+        assert r["seconds_range"] == [r["seconds"]] * 2
         assert r["gb_per_s"] == pytest.approx(result["bytes"] / r["seconds"] / 1e9)
         assert r["vs_raw"] == pytest.approx(r["seconds"] / raw)
+        assert r["vs_memcpy"] == pytest.approx(r["seconds"] / memcpy)
 
 
 @pytest.mark.slow  # a benchmark script or a multi-process run: full tier only
@@ -57,12 +59,16 @@ def test_bench_weight_sync_sglang_senders(tmp_path, sglang_server, sglang_model_
         tmp_path,
         "--methods",
         methods,
+        "--before",
         "--url",
         sglang_server.url,
         "--model-dir",
         str(sglang_model_dir),
     )
-    check_rows(result, set(methods.split(",")), model=sglang_model_dir.name)
+    with_flush = {f"{m}+flush" for m in methods.split(",")}  # before issue 31, side by side
+    check_rows(result, set(methods.split(",")) | with_flush, model=sglang_model_dir.name)
+    assert "POST /flush_cache?timeout=30" not in result["profile"]["tensor"]
+    assert "POST /flush_cache?timeout=30" in result["profile"]["tensor+flush"]
     assert "write shards" in result["profile"]["disk"]
     assert "POST /update_weights_from_tensor" in result["profile"]["tensor"]
     assert "POST /update_weights_from_distributed" in result["profile"]["distributed"]

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from support.tool_doubles import Echo, EveryTurnIsACall
 from torchrl.envs import RewardScaling, TransformedEnv
 from torchrl.envs.utils import check_env_specs
 
@@ -18,7 +19,7 @@ from ar_torchrl.data.tasks import tool_arithmetic_rows
 from ar_torchrl.envs import ToolEnv
 from ar_torchrl.models import build_char_tokenizer, build_tiny_qwen3
 from ar_torchrl.rewards.math import ArithmeticReward
-from ar_torchrl.tools import TOOLS, ToolConfig, register_tool
+from ar_torchrl.tools import TOOLS, Toolbox, ToolConfig, register_tool
 from ar_torchrl.tools.template import render_ids
 
 torch.set_num_threads(1)
@@ -268,6 +269,46 @@ def test_a_real_tiny_model_plays_whole_episodes(tok):
             ref = torch.log_softmax(logits, -1).gather(-1, ids[1:, None])[:, 0]
             got = td["rollout_log_prob"][b][td["attention_mask"][b]][1:]
             torch.testing.assert_close(got[mask[1:]], ref[mask[1:]], atol=1e-4, rtol=0)
+
+
+def test_episodes_keep_their_kv_cache_across_turns_with_the_re_prefilling_tokens(tok):
+    """Issue 31 item 2: on the trainside engine each episode keeps its KV cache between turns
+    (every turn forwards only the last token and the tool's delta, not the whole prefix); the
+    trajectory is that of ``kv_cache=False`` (same seed): the same tokens, turns and masks, and
+    rollout log-probs equal to float rounding."""
+    model = build_tiny_qwen3(len(tok), seed=0)
+    stop = tuple(i for i in range(3, len(tok), 2) if i != tok.pad_token_id)
+
+    def collect(kv_cache: bool):
+        forwarded = []
+        backend = TransformersBackend(model, seed=0)
+        backend.model.register_forward_pre_hook(
+            lambda m, a, kw: forwarded.append(kw["input_ids"].numel()), with_kwargs=True
+        )
+        env = ToolEnv(
+            tool_arithmetic_rows(4, seed=3),
+            tok,
+            backend,
+            toolbox=Toolbox([Echo()], EveryTurnIsACall()),
+            reward_fn=ArithmeticReward(),
+            num_samples=2,
+            prompts_per_batch=2,
+            sampling=SamplingParams(max_new_tokens=12, stop_token_ids=stop),
+            max_turns=4,
+            max_total_tokens=400,
+            kv_cache=kv_cache,
+        )
+        return env.collect(), sum(forwarded)
+
+    kept, n_kept = collect(True)
+    whole, n_whole = collect(False)
+    assert int(kept["turn_id"].max()) == 3  # episodes ran several turns
+    for key in ("tokens", "attention_mask", "loss_mask", "turn_id", ("next", "reward")):
+        assert torch.equal(kept[key], whole[key]), key
+    torch.testing.assert_close(
+        kept["rollout_log_prob"], whole["rollout_log_prob"], atol=1e-5, rtol=0
+    )
+    assert n_kept < n_whole / 2
 
 
 # ----------------------------------------------------------------------------- hostile turns and tools

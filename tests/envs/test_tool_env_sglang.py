@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from support.sglang_helpers import trainer_log_probs, trainer_with_value_head
+from support.tool_doubles import Echo, EveryTurnIsACall
 from support.trajectories import first_update_has_ratio_one
 
 from ar_torchrl.backends import SamplingParams
@@ -25,36 +26,12 @@ from ar_torchrl.envs import ToolEnv
 from ar_torchrl.models import build_char_tokenizer
 from ar_torchrl.modules import LMActorCritic
 from ar_torchrl.rewards.math import ArithmeticReward
-from ar_torchrl.tools import Toolbox, ToolCall
+from ar_torchrl.tools import Toolbox
 from ar_torchrl.tools.template import tool_delta_ids
 from ar_torchrl.training import plan_micro_batches
 from ar_torchrl.weight_sync import named_policy_tensors
 
 VERSION = 700
-
-
-class EveryTurnIsACall:
-    """Test call format (the :class:`~ar_torchrl.tools.CallParser` protocol): the whole turn is a
-    call to ``echo``, so episodes run until ``max_turns``."""
-
-    name = "every_turn"
-    syntax = "anything (every turn is a call to echo)"
-
-    def parse(self, text: str) -> list[ToolCall]:
-        return [ToolCall("echo", text, text)]
-
-    def format(self, call: ToolCall) -> str:
-        return str(call.arguments)
-
-
-class Echo:
-    """A tool (the :class:`~ar_torchrl.tools.Tool` protocol): the length of its argument."""
-
-    name = "echo"
-    description = "echo: answers with the number of characters it was given"
-
-    def __call__(self, arguments) -> str:
-        return str(len(arguments))
 
 
 class Recording:

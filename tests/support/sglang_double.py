@@ -83,6 +83,11 @@ from ar_torchrl.backends.sglang.schema import (
 
 EOS_ID = 2
 VOCAB = 99
+#: SGLang 0.5.23's update answer when the weights loaded but the flush was refused (requests ran).
+NOT_FLUSHED = (
+    "Weights were updated, but the cache was not flushed because requests are still running or "
+    "queued. Retract or finish them, then call /flush_cache."
+)
 #: SGLang 0.5.23's answer to ``POST /flush_cache`` (200, plain text) when it flushed.
 FLUSHED = (
     b"Cache flushed.\nPlease check backend logs for more details. (When there are running or "
@@ -186,6 +191,7 @@ class SGLangDouble:
         default_factory=lambda: {"weights": 2.0, "kv_cache": 4.0, "cuda_graph": 0.5}
     )
     release_lag_s: float = 0.0
+    flushes: int = 0  # cache flushes (an update's own ``flush_cache`` or ``/flush_cache``)
     offloaded: set = field(default_factory=set)  # released tags
     _freed: set = field(default_factory=set)  # released tags whose memory is free by now
     crashed: str | None = None
@@ -213,8 +219,12 @@ class SGLangDouble:
             server = self._server
             threading.Thread(target=lambda: (server.shutdown(), server.server_close())).start()
 
-    def accept_weight_updates(self, *, fail: bool = False) -> None:
-        """Answer weight updates as SGLang 0.5.23 does (see the module docstring)."""
+    def accept_weight_updates(self, *, fail: bool = False, refuse_flushes: int = 0) -> None:
+        """Answer weight updates as SGLang 0.5.23 does (see the module docstring): an update with
+        ``flush_cache`` (SGLang's default: true) flushes the cache; ``refuse_flushes = k``: the
+        next ``k`` such flushes are refused as when requests of another client run (the weights
+        and version are loaded, the call answers 400 with SGLang's message)."""
+        refused = [refuse_flushes]
 
         def update(body: dict) -> tuple[int, dict]:
             if fail:
@@ -224,6 +234,11 @@ class SGLangDouble:
                 if "weight_version" in body:
                     self.weight_version = str(body["weight_version"])
                 self.weights_valid = True
+                if body.get("flush_cache", True):
+                    if refused[0]:
+                        refused[0] -= 1
+                        return 400, {"success": False, "message": NOT_FLUSHED}
+                    self.flushes += 1
             return 200, {"success": True, "message": "Success", "num_paused_requests": 0}
 
         self.handlers.update(
@@ -538,6 +553,7 @@ def _make_handler(double: SGLangDouble) -> type[BaseHTTPRequestHandler]:
                 with double._state:
                     idle = double._state.wait_for(lambda: not double.in_flight, timeout)
                 if idle:
+                    double.flushes += 1
                     self._send(200, FLUSHED)
                 else:
                     self._send(400, b"Flush cache failed.\n")

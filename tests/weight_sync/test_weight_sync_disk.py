@@ -34,9 +34,10 @@ def test_disk_sync_in_shards(sglang_server):
         assert_server_matches(backend, model, 11)
         model2 = trainer_with_value_head(seed=12)
         backend.sync_weights(named_policy_tensors(model2), version=12)
-        assert_server_matches(backend, model2, 12)
+        assert_server_matches(backend, model2, 12)  # the same prompts: the cache was flushed
         assert not served.exists()  # the previous sync's dir is removed once replaced
     assert set(sent.names) == policy and len(sent.names) == 2 * len(policy)
+    assert not [p for p in sent.paths if p.startswith("/flush_cache")]  # the update flushed
 
 
 @pytest.mark.sglang

@@ -38,6 +38,7 @@ def test_distributed_sync_on_the_real_server(sglang_server):
         assert_server_matches(backend, model, 31)
         model2 = trainer_with_value_head(seed=32)
         backend.sync_weights(named_policy_tensors(model2), version=32)  # the group is reused
-        assert_server_matches(backend, model2, 32)
+        assert_server_matches(backend, model2, 32)  # the same prompts: the cache was flushed
     assert set(sent.names) == policy and len(sent.names) == 2 * len(policy)
+    assert not [p for p in sent.paths if p.startswith("/flush_cache")]  # the update flushed
     assert sent.paths.count("/init_weights_update_group") == 1

@@ -19,6 +19,7 @@ from support.sglang_helpers import (
     alive,
     assert_server_matches,
     metadata_only,
+    sglang_backend,
     trainer_with_value_head,
     wait_until,
 )
@@ -43,9 +44,10 @@ def test_tensor_sync_in_buckets_on_the_real_server(sglang_server):
         assert_server_matches(backend, model, 21)
         model2 = trainer_with_value_head(seed=22)
         backend.sync_weights(named_policy_tensors(model2), version=22)
-        assert_server_matches(backend, model2, 22)
+        assert_server_matches(backend, model2, 22)  # the same prompts: the cache was flushed
     assert set(sent.names) == policy and len(sent.names) == 2 * len(policy)
     assert sent.paths.count("/update_weights_from_tensor") > 2  # several buckets per sync
+    assert not [p for p in sent.paths if p.startswith("/flush_cache")]  # the update flushed
     assert (
         sent.paths.count("/begin_weight_update") == 2
         and sent.paths.count("/end_weight_update") == 2
@@ -85,6 +87,36 @@ def test_buckets_carry_the_version_on_the_last_one(sglang_double):
     assert all(b["load_format"] == "flattened_bucket" for b in bodies)
     received = [n for bucket in sglang_double.received for n in bucket]
     assert sorted(received) == sorted(n for n, _ in named_policy_tensors(model))
+
+
+def test_the_last_update_flushes_the_cache_without_a_separate_flush_call(sglang_double):
+    """Issue 31 item 4: SGLang's update endpoints flush the cache themselves (``flush_cache`` on
+    the last bucket); no ``/flush_cache`` round trip follows. A server that refuses that flush
+    (another client's requests run: the weights are loaded, the call fails) is flushed once idle;
+    one that stays busy fails the sync, partial (it serves the new weights over a stale cache)."""
+    sglang_double.accept_weight_updates(refuse_flushes=1)
+    model = build_tiny_qwen3(99)
+    with sglang_backend(
+        sglang_double.url, weight_sync="tensor", weight_sync_options={"bucket_bytes": 20_000}
+    ) as backend:
+        backend.sync_weights(named_policy_tensors(model), version=2)  # refused, then flushed
+        paths = [p for p, _ in sglang_double.requests]
+        last_update = max(i for i, p in enumerate(paths) if p == "/update_weights_from_tensor")
+        assert paths.index("/flush_cache?timeout=30") == last_update + 1
+        assert sglang_double.flushes == 1 and backend.policy_version == 2
+        del sglang_double.requests[:]
+        backend.sync_weights(named_policy_tensors(model), version=3)
+        paths = [p for p, _ in sglang_double.requests]
+        assert paths.count("/update_weights_from_tensor") > 1
+        assert not [p for p in paths if p.startswith("/flush_cache")]
+        assert sglang_double.flushes == 2 and backend.policy_version == 3
+        sglang_double.accept_weight_updates(refuse_flushes=1)
+        sglang_double.handlers["/flush_cache?timeout=30"] = lambda body: (400, "busy")
+        with pytest.raises(
+            WeightSyncError, match=r"loaded the weights but did not flush its cache \(busy for"
+        ) as info:
+            backend.sync_weights(named_policy_tensors(model), version=4)
+        assert info.value.partial and backend.policy_version == 3
 
 
 def test_version_mismatch_rejection_and_session_errors(sglang_double):

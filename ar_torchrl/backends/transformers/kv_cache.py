@@ -9,15 +9,31 @@ on rows that still generate.
 
 :func:`decode_cache` puts such layers into a ``DynamicCache`` built from the model config, for the
 full-attention layers only (sliding-window and other layer kinds keep Hugging Face's own classes).
+
+Multi-turn episodes keep their cache between turns (:class:`~ar_torchrl.backends.EpisodeCache`):
+:func:`kept_states` copies each row's real positions out of a decoded batch (a :class:`KeptState`:
+the token ids they hold and per layer ``[kv_heads, n, head_dim]`` keys and values), and
+:func:`load_kept` writes the kept states of the next turn's rows, left-padded, as the prefilled
+prefix of a new cache: the turn then forwards only the tokens each context added.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-__all__ = ["PreallocatedLayer", "decode_cache"]
+__all__ = [
+    "KeptState",
+    "PreallocatedLayer",
+    "decode_cache",
+    "keeps_episodes",
+    "kept_states",
+    "load_kept",
+]
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -114,3 +130,109 @@ def decode_cache(config, capacity: int) -> DynamicCache:
         for layer in cache.layers
     ]
     return cache
+
+
+def keeps_episodes(cache: DynamicCache) -> bool:
+    """Whether every layer of ``cache`` is a :class:`PreallocatedLayer` (then rows can be kept)."""
+    return bool(cache.layers) and all(type(layer) is PreallocatedLayer for layer in cache.layers)
+
+
+@dataclass
+class KeptState:
+    """What a decoded row leaves for its episode's next turn.
+
+    Attributes:
+        ids: the token ids whose keys/values are kept: the context the turn started from and its
+            sampled tokens but the last (sampled, never forwarded).
+        layers: per cache layer, ``(keys, values)`` of those tokens, ``[kv_heads, len(ids), head_dim]``.
+
+    Example:
+        >>> state = KeptState([4, 5, 6], [(torch.zeros(1, 3, 2), torch.zeros(1, 3, 2))])
+        >>> state.reusable([4, 5, 6, 7, 8]), state.reusable([4, 5, 6]), state.reusable([4, 9, 6, 7])
+        (3, 2, 0)
+    """
+
+    ids: list[int]
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+
+    def reusable(self, context: list[int]) -> int:
+        """How many leading positions of ``context`` this state holds (at least one token of
+        ``context`` is left to forward, whose logits give the next token; 0: not its prefix)."""
+        n = len(self.ids)
+        if context[:n] == self.ids[: len(context)]:
+            return min(n, len(context) - 1)
+        return 0
+
+
+def kept_states(
+    cache: DynamicCache, rows: list[int], mask: torch.Tensor
+) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The real (``mask == 1``) filled positions of batch rows ``rows`` of ``cache``, in order.
+
+    One gather per layer for all the rows (the real columns of each row moved to the end of a
+    ``[R, kv_heads, n, head_dim]`` copy, ``n`` the most real columns of a row); each row's state is
+    a view of its last ``n_row`` columns (the copy lives as long as one of its views).
+
+    Args:
+        cache: a decoded cache whose layers are all :class:`PreallocatedLayer`.
+        rows: the batch rows to copy.
+        mask: ``[B, >= filled]`` the attention mask of the batch (1: a real token).
+
+    Returns:
+        per row, per layer ``(keys, values)`` ``[kv_heads, n_row, head_dim]``.
+
+    Example:
+        >>> cache = decode_cache(__import__("ar_torchrl").models.tiny.build_tiny_qwen3(99).config, 4)
+        >>> for layer in cache.layers:
+        ...     _ = layer.update(torch.randn(2, 1, 3, 8), torch.randn(2, 1, 3, 8))
+        >>> out = kept_states(cache, [1], torch.tensor([[1, 1, 1], [0, 1, 1]]))
+        >>> out[0][0][0].shape, torch.equal(out[0][0][0], cache.layers[0].keys[1, :, 1:])
+        (torch.Size([1, 2, 8]), True)
+    """
+    filled = cache.layers[0].get_seq_length()
+    index = torch.tensor(rows, device=mask.device)
+    real = mask[index, :filled].bool()
+    counts = real.sum(-1).tolist()
+    n = max(counts)
+    # a stable sort puts each row's masked columns first, its real ones last, in their order
+    cols = torch.argsort(real.to(torch.int8), dim=-1, stable=True)[:, filled - n :]
+    out: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in rows]
+    for layer in cache.layers:
+        pair = []
+        for buf in (layer.keys, layer.values):
+            at = cols[:, None, :, None].expand(len(rows), buf.shape[1], n, buf.shape[-1])
+            pair.append(buf.index_select(0, index).gather(2, at))
+        for i, count in enumerate(counts):
+            out[i].append((pair[0][i, :, n - count :], pair[1][i, :, n - count :]))
+    return out
+
+
+def load_kept(cache: DynamicCache, states: list[KeptState | None], used: list[int]) -> torch.Tensor:
+    """Write the first ``used[i]`` kept positions of every row, left-padded, as the cache's prefix.
+
+    Args:
+        cache: a fresh cache of :class:`PreallocatedLayer` layers (its capacity counts the prefix).
+        states: per batch row, its episode's kept state (``None``: nothing kept).
+        used: per row, the kept positions to use (``0`` where ``states[i]`` is ``None``).
+
+    Returns:
+        ``[B, W0]`` long mask of the prefix (``W0 = max(used)``; 1 on the loaded positions).
+
+    Padding positions hold zeros (masked out: they never take part in attention).
+    """
+    width = max(used)
+    some = next(s for s in states if s is not None)
+    device = some.layers[0][0].device
+    mask = torch.arange(width, device=device) >= width - torch.tensor(used, device=device)[:, None]
+    for layer_index, layer in enumerate(cache.layers):
+        prefix = []
+        for part in (0, 1):  # keys, values: [H, n, D] per row -> [B, H, W0, D], left-padded
+            empty = some.layers[layer_index][part][:, :0].transpose(0, 1)
+            rows = [
+                s.layers[layer_index][part][:, :n].transpose(0, 1) if n else empty
+                for s, n in zip(states, used)
+            ]
+            padded = pad_sequence(rows, batch_first=True, padding_side="left")
+            prefix.append(padded.transpose(1, 2))
+        layer.update(*prefix)
+    return mask.long()

@@ -66,6 +66,8 @@ def sample_next_token(
     sampling: SamplingParams,
     generator: torch.Generator | None = None,
     logprob_mode: LogProbMode = "temperature",
+    rows: torch.Tensor | None = None,
+    batch: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample (or, greedy, pick) one token per row and return its log-prob.
 
@@ -79,6 +81,10 @@ def sample_next_token(
         sampling: temperature / top-k / top-p (``temperature == 0``: greedy, ``argmax(logits)``).
         generator: RNG of the draw.
         logprob_mode: see the module docstring.
+        rows, batch: draws that do not depend on which rows of a batch are still computed: the
+            noise is drawn for all ``batch`` rows and row ``i`` of ``logits`` (batch row
+            ``rows[i]``) takes that of ``rows[i]`` (the exponential race ``argmax(w / E)``,
+            ``E ~ Exp(1)``: the same law as ``torch.multinomial``). ``None``: multinomial.
 
     Returns:
         tokens ``[B]`` (long) and their float32 log-probs ``[B]``.
@@ -98,12 +104,26 @@ def sample_next_token(
     if sampling.top_k == -1 and sampling.top_p == 1.0:
         top = scaled.amax(dim=-1, keepdim=True)
         weights = (scaled - top).exp_()
-        tokens = torch.multinomial(weights, 1, generator=generator)
+        tokens = _draw(weights, generator, rows, batch).unsqueeze(-1)
         log_z = top.squeeze(-1) + weights.sum(dim=-1).log()
         return tokens.squeeze(-1), scaled.gather(-1, tokens).squeeze(-1) - log_z
     log_probs = next_token_log_probs(logits, sampling)
-    tokens = torch.multinomial(log_probs.exp(), 1, generator=generator).squeeze(-1)
+    tokens = _draw(log_probs.exp(), generator, rows, batch)
     if logprob_mode == "temperature":  # the unfiltered T-scaled distribution
         picked = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         return tokens, picked - torch.logsumexp(scaled, dim=-1)
     return tokens, log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def _draw(
+    weights: torch.Tensor,
+    generator: torch.Generator | None,
+    rows: torch.Tensor | None,
+    batch: int | None,
+) -> torch.Tensor:
+    """One index per row of ``[B, V]`` non-negative weights, ``[B]`` (see ``sample_next_token``)."""
+    if rows is None:
+        return torch.multinomial(weights, 1, generator=generator).squeeze(-1)
+    noise = torch.empty((batch, weights.shape[-1]), device=weights.device, dtype=weights.dtype)
+    noise.exponential_(generator=generator).clamp_(min=torch.finfo(weights.dtype).tiny)
+    return (weights / noise.index_select(0, rows)).argmax(dim=-1)

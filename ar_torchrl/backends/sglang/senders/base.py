@@ -3,11 +3,15 @@
 A sender is given a *client* (the ``SGLangBackend`` satisfies :class:`SGLangClient`; a sender never
 imports it): its server URLs and JSON ``post``/``get`` with retries. Every request that changes
 weights goes to every server **in parallel** (:func:`on_each_server`); a failure on any server
-raises :class:`WeightSyncError` naming it. After a sync every server's cache is flushed
-(``POST /flush_cache``, :func:`flush_caches`: SGLang's radix cache would otherwise keep KV computed
-with the old weights) and every server must report ``weight_version == str(version)`` in
-``GET /model_info``; then, still inside the sync, the client's optional ``_weights_loaded()`` runs
-(the backend lets servers that resumed their released memory generate again).
+raises :class:`WeightSyncError` naming it. The last update call of a sync flushes each server's
+cache itself (``"flush_cache": true``, SGLang's update endpoints' own flag: its radix cache would
+otherwise keep KV computed with the old weights; :func:`post_update`), so no separate ``POST
+/flush_cache`` round trip follows; a server that refuses that flush (requests of another client
+still running: SGLang then fails the call but keeps the new weights) is flushed with ``POST
+/flush_cache?timeout=...`` once idle. Then every server must report ``weight_version ==
+str(version)`` in ``GET /model_info``; then, still inside the sync, the client's optional
+``_weights_loaded()`` runs (the backend lets servers that resumed their released memory generate
+again).
 
 Shapes: SGLang 0.5.23 does not survive a wrong-shaped update (its rollback re-reads the same bad
 files and the scheduler dies), so the senders refuse tensors whose shapes differ from the served
@@ -37,6 +41,7 @@ __all__ = [
     "flush_caches",
     "on_each_server",
     "post_checked",
+    "post_update",
     "weight_update_session",
 ]
 
@@ -98,6 +103,40 @@ def post_checked(client: SGLangClient, url: str, path: str, body: dict, **kw: An
     if isinstance(answer, dict) and answer.get("success") is False:
         raise WeightSyncError(f"SGLang {url}{path} failed: {answer.get('message')}")
     return answer
+
+
+#: SGLang 0.5.23's message when an update loaded the weights but its flush was refused
+NOT_FLUSHED = "the cache was not flushed"
+
+
+def post_update(client: SGLangClient, url: str, path: str, body: dict, **kw: Any) -> Any:
+    """POST a weight update (:func:`post_checked`); with ``"flush_cache": true`` the server flushes
+    its cache in the same call. SGLang refuses that flush while requests run (another client's)
+    and fails the call, the weights loaded and versioned; then the flush is retried with
+    ``POST /flush_cache?timeout=...``, which waits for the server to become idle.
+
+    Raises:
+        WeightSyncError: the update failed, or the server did not flush within the timeout.
+    """
+    try:
+        return post_checked(client, url, path, body, **kw)
+    except Exception as exc:
+        if not body.get("flush_cache") or NOT_FLUSHED not in str(exc):
+            raise
+        logger.warning(
+            "SGLang %s%s: the update's flush was refused (busy); flushing once idle", url, path
+        )
+    try:
+        client.post(
+            url, f"/flush_cache?timeout={FLUSH_TIMEOUT_S:g}", None, retry=False, decode=False
+        )
+    except Exception as exc:
+        raise WeightSyncError(
+            f"SGLang {url}: loaded the weights but did not flush its cache (busy for more than "
+            f"{FLUSH_TIMEOUT_S:g} s): {exc}",
+            partial=True,
+        ) from exc
+    return None
 
 
 def flush_caches(client: SGLangClient, timeout_s: float = FLUSH_TIMEOUT_S) -> None:
@@ -217,8 +256,7 @@ class SGLangSender(abc.ABC):
         """Ship the tensors to every server and tag them ``version``; ``WeightSyncError`` on failure."""
         self._partial = False
         try:
-            self._send(named_tensors, str(int(version)))
-            flush_caches(self.client)
+            self._send(named_tensors, str(int(version)))  # the last update flushes the cache
             self._check_versions(str(int(version)))
             loaded = getattr(self.client, "_weights_loaded", None)
             if loaded is not None:  # SGLangBackend: paused servers (memory resumed) continue

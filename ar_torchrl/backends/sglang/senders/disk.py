@@ -27,7 +27,7 @@ from ar_torchrl.backends.sglang.senders.base import (
     check_shapes,
     checkpoint_shapes,
     on_each_server,
-    post_checked,
+    post_update,
 )
 from ar_torchrl.weight_sync.base import DEFAULT_BUCKET_BYTES, NamedTensors, iter_buckets
 from ar_torchrl.weight_sync.errors import WeightSyncError
@@ -174,7 +174,7 @@ class DiskWeightSender(SGLangSender):
         return Path(self.client.get(url, "/model_info")["model_path"])
 
     def _load(self, url: str, body: dict) -> None:
-        post_checked(self.client, url, "/update_weights_from_disk", body)
+        post_update(self.client, url, "/update_weights_from_disk", body)
         self._applied()
 
 

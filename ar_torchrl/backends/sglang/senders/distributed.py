@@ -24,6 +24,7 @@ from ar_torchrl.backends.sglang.senders.base import (
     SGLangSender,
     on_each_server,
     post_checked,
+    post_update,
     weight_update_session,
 )
 from ar_torchrl.backends.sglang.senders.tensor import flatten_bucket
@@ -229,7 +230,7 @@ class DistributedWeightSender(SGLangSender):
         with ThreadPoolExecutor(len(self.client.urls)) as pool:
             futures = [
                 pool.submit(
-                    post_checked,
+                    post_update,
                     self.client,
                     u,
                     "/update_weights_from_distributed",

@@ -36,7 +36,7 @@ from ar_torchrl.backends.sglang.senders.base import (
     SGLangClient,
     SGLangSender,
     on_each_server,
-    post_checked,
+    post_update,
     weight_update_session,
 )
 from ar_torchrl.weight_sync.base import (
@@ -233,5 +233,5 @@ class TensorWeightSender(SGLangSender):
 
     def _post(self, url: str, *, ranks: dict[str, list[str]], body: dict) -> None:
         body = {**body, "serialized_named_tensors": ranks[url]}
-        post_checked(self.client, url, "/update_weights_from_tensor", body)
+        post_update(self.client, url, "/update_weights_from_tensor", body)
         self._applied()
