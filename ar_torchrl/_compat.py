@@ -39,6 +39,8 @@ MOVED: dict[str, str] = {
     "ar_torchrl.data.collate": "ar_torchrl.interop.collate",
     "ar_torchrl.recipes.checkpoint": "ar_torchrl.checkpoint.local",
     "ar_torchrl.distributed.checkpoint": "ar_torchrl.checkpoint.sharded",
+    # run management is the launch module (Run, run and runs read as three things)
+    "ar_torchrl.recipes.run": "ar_torchrl.recipes.launch",
 }
 
 #: the checkpoint functions of before the store -> ``<format module>.<store verb>``

@@ -2,7 +2,7 @@
 and everything else (the layout work), and the time to build the environment.
 
 What it measures (issue 17, item 6), side by side in one run, on the CPU default's shapes
-(``configs/dapo_ppo.yaml``: tiny Qwen3 h64, 2 layers, char tokenizer, warm-started as the recipe
+(``ar_torchrl/configs/dapo_ppo.yaml``: tiny Qwen3 h64, 2 layers, char tokenizer, warm-started as the recipe
 does, 16 prompts x 4 samples, ``max_new_tokens`` 12, trainside ``TransformersBackend``, 1 thread):
 
 * **collection**: one batch as the recipe collects it (a ``WeightSyncCollector`` in ``sync`` mode
@@ -215,15 +215,16 @@ class FixedCompletionsBackend(GenerationBackend):
 
 # ----------------------------------------------------------------------------- the setting
 def compose_config(overrides: list[str]):
-    """The recipe's typed config (``configs/dapo_ppo.yaml`` + overrides)."""
+    """The recipe's typed config (``ar_torchrl/configs/dapo_ppo.yaml`` + overrides)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.config_store import ConfigStore
 
+    from ar_torchrl.recipes.config import CONFIG_DIR
     from ar_torchrl.recipes.dapo_ppo import schemas, validate_config
 
     for group, schema_name, schema in schemas():  # as examples/dapo_ppo.py stores them
         ConfigStore.instance().store(group=group, name=schema_name, node=schema)
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         return validate_config(compose(config_name="dapo_ppo", overrides=overrides))
 
 

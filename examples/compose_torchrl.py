@@ -52,7 +52,7 @@ def main(iterations: int, epochs: int = 2, minibatch_rows: int = 32, seed: int =
     # Policy: the tiny Qwen3, warm-started on the answer format (cached), plus a value head.
     model, tok = warm_started_tiny_model(
         cache
-    )  # the CPU default's warm start (configs/model/tiny.yaml)
+    )  # the CPU default's warm start (ar_torchrl/configs/model/tiny.yaml)
     model = attach_value_head(model)
     actor_critic = LMActorCritic(model)
 

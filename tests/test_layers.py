@@ -141,5 +141,5 @@ def test_the_checker_sees_a_circle_and_an_upward_arrow():
     """The checks can fail: a planted circle and a planted upward import are found."""
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     graph = _graph()
-    graph["ar_torchrl.data.trajectory"].add("ar_torchrl.recipes.run")
-    assert _upward(graph) == ["ar_torchrl.data.trajectory -> ar_torchrl.recipes.run"]
+    graph["ar_torchrl.data.trajectory"].add("ar_torchrl.recipes.launch")
+    assert _upward(graph) == ["ar_torchrl.data.trajectory -> ar_torchrl.recipes.launch"]

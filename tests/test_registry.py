@@ -162,6 +162,7 @@ def test_a_sync_method_needs_its_engine():
     assert {n: sync_methods(n) for n in BACKENDS.names()} == {
         "trainside": ["copy", "share"],
         "sglang": ["disk", "tensor", "distributed"],
+        "torchrl": ["strategy", "double_buffer"],
     }
 
 
@@ -176,7 +177,8 @@ def test_registries_list_their_builtins_first_whatever_was_imported_first():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == (
-        "('trainside', 'sglang') ('copy', 'share', 'disk', 'tensor', 'distributed')"
+        "('trainside', 'sglang', 'torchrl') "
+        "('copy', 'share', 'disk', 'tensor', 'distributed', 'strategy', 'double_buffer')"
     )
 
 

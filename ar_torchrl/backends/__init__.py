@@ -1,7 +1,9 @@
 """Rollout engines behind one interface (:class:`GenerationBackend`), one folder per engine.
 
 - :mod:`.transformers`: the trainside engine (:class:`TransformersBackend`) and its senders;
-- :mod:`.sglang`: the SGLang HTTP client (:class:`SGLangBackend`), launcher, reaper and senders.
+- :mod:`.sglang`: the SGLang HTTP client (:class:`SGLangBackend`), launcher, reaper and senders;
+- :mod:`.torchrl`: a TorchRL user's engine (:class:`TorchRLBackend` over ``TransformersWrapper``,
+  ``vLLMWrapper`` or ``SGLangWrapper``) and the senders through TorchRL's weight-sync machinery.
 
 Names are imported on first use: this package imports neither torch nor ``requests`` by itself
 (``from ar_torchrl.backends import SGLangBackend`` works as usual), and each engine's torch-free
@@ -30,6 +32,7 @@ _EXPORTS = {
     "SGLangBackend": "sglang",
     "SGLangClientOptions": "sglang",
     "launch_sglang_server": "sglang",
+    "TorchRLBackend": "torchrl",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

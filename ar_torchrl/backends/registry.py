@@ -7,8 +7,9 @@ it) and returns a started :class:`~ar_torchrl.backends.GenerationBackend`; it ne
 engine's weights (the run decides its first weights, once). The registered names are also the
 ``engine`` of the weight-sync methods (:mod:`ar_torchrl.weight_sync.registry`). Built-ins are
 registered by the engines' torch-free config modules: ``trainside``
-(:mod:`ar_torchrl.backends.transformers.config`) and ``sglang``
-(:mod:`ar_torchrl.backends.sglang.config`). A new engine is at most three files: its
+(:mod:`ar_torchrl.backends.transformers.config`), ``sglang``
+(:mod:`ar_torchrl.backends.sglang.config`) and ``torchrl``, TorchRL's LLM wrappers
+(:mod:`ar_torchrl.backends.torchrl.config`). A new engine is at most three files: its
 ``GenerationBackend``, its config module (this schema and its senders' schemas) and its sender.
 """
 
@@ -76,7 +77,11 @@ class BackendConfig:
 
 BACKENDS = Registry(
     "rollout backend",
-    builtins=("ar_torchrl.backends.transformers.config", "ar_torchrl.backends.sglang.config"),
+    builtins=(
+        "ar_torchrl.backends.transformers.config",
+        "ar_torchrl.backends.sglang.config",
+        "ar_torchrl.backends.torchrl.config",
+    ),
     decorator="register_backend",
     build="build(self, context: BackendContext) -> GenerationBackend",
     base=BackendConfig,

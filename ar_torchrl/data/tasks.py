@@ -36,6 +36,8 @@ __all__ = [
     "critic_arithmetic_rows",
     "critic_arithmetic_split",
     "fewshot_rows",
+    "mixed_arithmetic_split",
+    "parse_level",
     "problem_space",
 ]
 
@@ -213,6 +215,155 @@ class FewshotArithmeticDataConfig:
             max_operand=self.max_operand,
             shots=self.shots,
             seed=self.seed,
+        )
+
+
+# --------------------------------------------------------------------------- mixed difficulty
+Level = tuple[Op, int, int]
+
+
+def parse_level(level: str) -> Level:
+    """``"OP LOW-HIGH"`` (e.g. ``"* 10-99"``: products of two operands in ``[10, 99]``) ->
+    ``(op, low, high)``.
+
+    Example:
+        >>> parse_level("* 10-99"), parse_level("+ 0-9")
+        (('*', 10, 99), ('+', 0, 9))
+    """
+    op, _, span = str(level).strip().partition(" ")
+    low, _, high = span.strip().partition("-")
+    if op not in OPS or not low.isdigit() or not high.isdigit() or int(low) > int(high):
+        raise ValueError(
+            f"level {level!r} must read 'OP LOW-HIGH' with OP one of {list(OPS)} and integers "
+            "0 <= LOW <= HIGH, e.g. '+ 0-9' or '* 10-99'"
+        )
+    return op, int(low), int(high)  # type: ignore[return-value]
+
+
+def _level_holdout(levels: Sequence[str], holdout: int) -> list[int]:
+    """Held-out problems per level: ``holdout`` spread evenly (the first levels take the rest)."""
+    return [holdout // len(levels) + (i < holdout % len(levels)) for i in range(len(levels))]
+
+
+def mixed_arithmetic_split(
+    num_rows: int,
+    holdout: int,
+    *,
+    levels: Sequence[str] = ("+ 0-9", "* 0-9", "+ 10-99"),
+    shots: int = 3,
+    seed: int = 0,
+) -> tuple[MathDataset, MathDataset]:
+    """Few-shot chat arithmetic whose difficulty varies by prompt: one problem family per level.
+
+    Each training row draws a level uniformly, then a problem of that level's training problems
+    (with replacement); its ``shots`` solved examples are other training problems of the *same*
+    level (the answer's size is part of the format copied). Each level's problem space
+    (:func:`problem_space`) is split as :func:`arithmetic_task_split` splits one: the held-out
+    problems, spread evenly over the levels, are never trained on, not even as a shot. Rows carry
+    ``extra_info["level"]`` (``benchmarks/critic_ceiling.py --group-by level``).
+
+    Args:
+        num_rows: training rows.
+        holdout: held-out problems (= evaluation rows), at most half of each level's problems.
+        levels: ``"OP LOW-HIGH"`` strings (:func:`parse_level`).
+        shots: solved examples before each question.
+        seed: split / sampling seed.
+
+    Example:
+        >>> train, test = mixed_arithmetic_split(60, 4, levels=["+ 0-9", "* 10-99"], shots=1)
+        >>> len(train), [r["extra_info"]["level"] for r in test]
+        (60, ['+ 0-9', '+ 0-9', '* 10-99', '* 10-99'])
+        >>> [m["content"] for m in test[2]["prompt"]]  # the shot: a product of the same level
+        ['What is 73 * 38?', 'Answer: 2774', 'What is 34 * 15?']
+    """
+    parsed = [parse_level(level) for level in levels]
+    if not parsed or len(set(parsed)) != len(parsed):
+        raise ValueError(f"mixed_arithmetic_split: levels must be distinct and non-empty: {levels}")
+    if num_rows < 1 or shots < 0:
+        raise ValueError(
+            f"mixed_arithmetic_split: need num_rows >= 1 and shots >= 0, got {num_rows}, {shots}"
+        )
+    rng = random.Random(seed)
+    train_pools, held = [], []
+    for level, (op, low, high), share in zip(levels, parsed, _level_holdout(levels, holdout)):
+        space = problem_space([op], low, high)
+        if holdout < 1 or 2 * share > len(space) or len(space) - share <= shots:
+            raise ValueError(
+                f"mixed_arithmetic_split: holdout={holdout} must be >= 1 and leave at least half of "
+                f"the {len(space)} problems of level {level!r} (and more than shots={shots}) to "
+                f"training ({share} held out)"
+            )
+        rng.shuffle(space)
+        held += [(level, p) for p in space[:share]]
+        train_pools.append(space[share:])
+    draw = []
+    for _ in range(num_rows):
+        i = rng.randrange(len(levels))
+        draw.append((levels[i], rng.choice(train_pools[i])))
+    pool_of = dict(zip(levels, train_pools))
+    train = _mixed_rows(draw, pool_of, shots, random.Random(seed + 1))
+    test = _mixed_rows(held, pool_of, shots, random.Random(seed + 2))
+    return MathDataset(train, name="train"), MathDataset(test, name="holdout")
+
+
+def _mixed_rows(
+    problems: Sequence[tuple[str, Problem]],
+    pools: dict[str, list[Problem]],
+    shots: int,
+    rng: random.Random,
+) -> list[dict]:
+    """:func:`fewshot_rows`' rows, each problem's shots drawn from its level's pool (redrawn
+    while they hold the problem itself: the pools are large, filtering them per row is not)."""
+    rows = []
+    for i, (level, problem) in enumerate(problems):
+        chosen = rng.sample(pools[level], shots)
+        while problem in chosen:
+            chosen = rng.sample(pools[level], shots)
+        row = fewshot_rows([problem], chosen, shots=shots, data_source="fewshot_arithmetic_mixed")
+        row[0]["extra_info"].update(index=i, level=level)
+        rows.append(row[0])
+    return rows
+
+
+@register_task(
+    "fewshot_arithmetic_mixed",
+    help="few-shot chat arithmetic mixing easy and hard problem families (value is learnable)",
+)
+@dataclass
+class MixedArithmeticDataConfig:
+    """``data=fewshot_arithmetic_mixed``: :func:`mixed_arithmetic_split` rows (train and held-out
+    rows over disjoint problems, difficulty varying by prompt)."""
+
+    num_rows: int = 4000  # training rows (a level drawn uniformly, then one of its problems)
+    levels: list[str] = field(default_factory=lambda: ["+ 0-9", "* 0-9", "+ 10-99"])
+    shots: int = 3  # solved user/assistant turns of the same level before the question
+    holdout: int = 64  # held-out problems, spread evenly over the levels
+    seed: int = 0  # problem split / sampling seed
+
+    def check(self, prefix: str) -> None:
+        check_generated_rows(prefix, self.num_rows)
+        key = prefix.rsplit(" ", 1)[-1]
+        for level in self.levels:
+            try:
+                parse_level(level)
+            except ValueError as err:
+                raise ValueError(f"{prefix}levels: {err}") from None
+        if not self.levels or len({parse_level(v) for v in self.levels}) != len(self.levels):
+            raise ValueError(f"{prefix}levels must be distinct and non-empty, got {self.levels}")
+        check_number(prefix, "shots", self.shots, ge=0, integer=True)
+        check_number(prefix, "holdout", self.holdout, ge=1, integer=True)
+        for level, share in zip(self.levels, _level_holdout(self.levels, self.holdout)):
+            op, low, high = parse_level(level)
+            problems = (high - low + 1) ** 2
+            if 2 * share > problems or problems - share <= self.shots:
+                raise ValueError(
+                    f"{prefix}holdout={self.holdout} holds out {share} of the {problems} problems "
+                    f"of level {level!r}: at most half (and fewer than all but {key}shots) may be"
+                )
+
+    def build(self) -> tuple[MathDataset, MathDataset]:
+        return mixed_arithmetic_split(
+            self.num_rows, self.holdout, levels=list(self.levels), shots=self.shots, seed=self.seed
         )
 
 

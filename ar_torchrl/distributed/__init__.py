@@ -6,7 +6,8 @@ One controller: rank 0 owns the collector; the batch reaches every rank
 (:func:`shard_actor_critic`); the weight push gathers full tensors one at a time
 (:func:`push_weights`); large models load shard by shard (:func:`build_meta_model`,
 :func:`load_pretrained_weights`); checkpoints use ``torch.distributed.checkpoint``
-(:mod:`ar_torchrl.checkpoint.sharded`).
+(:mod:`ar_torchrl.checkpoint.sharded`); the end of a run writes the trained policy (and a
+separate critic) as HF directories from rank 0 (:func:`export_trained`).
 
 Names are imported on first use, so ``ar_torchrl.training`` (which only needs
 :class:`ShardedPlan`) does not pay for FSDP, DCP and transformers imports.
@@ -25,6 +26,8 @@ _EXPORTS = {
     "close_distributed": "context",
     "distributed": "context",
     "init_distributed": "context",
+    "export_trained": "export",
+    "gather_full_state": "export",
     "checkpoint_decoder_layers": "fsdp",
     "decoder_layers": "fsdp",
     "reshard": "fsdp",

@@ -28,6 +28,7 @@ Two time scales:
 from __future__ import annotations
 
 import logging
+import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Literal
@@ -317,6 +318,34 @@ class LLMEnv(EnvBase):
         """A rollout ``[N, T]`` of whole episodes -> one row per episode ``[N]`` (its last step,
         with ``("next", "reward")`` the episode's return: here episodes are one step)."""
         return steps[..., -1]
+
+    def rollout(self, max_steps: int | None = None, *args, **kwargs) -> TensorDictBase:
+        """TorchRL's ``EnvBase.rollout``: ``max_steps`` steps of the env (``max_turns`` steps are
+        whole episodes), a ``[N, T]`` TensorDict of steps. The token trajectory is :meth:`collect`.
+
+        ``env.rollout()`` without ``max_steps`` returned the token trajectory in ar_torchrl 0.1; it
+        still does for one release, with a ``DeprecationWarning`` naming :meth:`collect`.
+
+        Raises:
+            TypeError: no ``max_steps`` but other arguments (TorchRL's rollout needs it).
+        """
+        if max_steps is None:
+            name = type(self).__name__
+            if args or kwargs:
+                raise TypeError(
+                    f"{name}.rollout() needs max_steps, as TorchRL's EnvBase.rollout: "
+                    f"env.rollout({self.max_turns}, ...) runs whole episodes; the token trajectory "
+                    "of a batch is env.collect()"
+                )
+            warnings.warn(
+                f"{name}.rollout() without max_steps returned the token trajectory in ar_torchrl "
+                "0.1: that is env.collect() now (env.rollout(max_steps) is TorchRL's rollout, the "
+                "[N, T] steps); the old call goes in ar_torchrl 0.2",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            return self.collect()
+        return super().rollout(max_steps, *args, **kwargs)
 
     def collect(self) -> TensorDict:
         """One batch as a token trajectory: ``rollout(max_turns)`` (reset + the episodes), rows

@@ -11,6 +11,7 @@ References:
     Turn-level GAE: AReaL's ``gae_timestep_unit: turn`` (areal/trainer/ppo/gae.py)
     PPO: Schulman et al. 2017, https://arxiv.org/abs/1707.06347
     GRPO: Shao et al. 2024, https://arxiv.org/abs/2402.03300
+    REINFORCE++: Hu et al. 2025, https://arxiv.org/abs/2501.03262
     DAPO (clip-higher, token-mean, dynamic sampling): Yu et al. 2025, https://arxiv.org/abs/2503.14476
     Dr.GRPO (no std scaling, constant length normaliser): Liu et al. 2025, https://arxiv.org/abs/2503.20783
     VAPO (decoupled / length-adaptive lambda): Yue et al. 2025, https://arxiv.org/abs/2504.05118
@@ -20,16 +21,23 @@ References:
     Rollout correction: verl's docs/algo/rollout_corr.md; IcePop (Ring-1T, 2025)
     PopArt: van Hasselt et al. 2016, https://arxiv.org/abs/1602.07714 (functional/popart.py)
     EV ceiling: the law of total variance over states of a frozen policy (functional/ceiling.py)
+    Critic health (out-of-sample EV): verl's critic/vf_explained_var (functional/critic_health.py)
 """
 
 from __future__ import annotations
 
 from ar_torchrl.functional._shapes import check_finite_reward
 from ar_torchrl.functional.ceiling import CeilingEstimate, ev_ceiling, prefix_state_ids
-from ar_torchrl.functional.gae import (
-    _check_gae_inputs as _check_gae_inputs,
+from ar_torchrl.functional.critic_health import (
+    explained_variance_or_nan,
+    monte_carlo_returns,
+    position_thirds,
 )
-from ar_torchrl.functional.gae import length_adaptive_lmbda, token_gae
+from ar_torchrl.functional.gae import (
+    check_gae_inputs,
+    length_adaptive_lmbda,
+    token_gae,
+)
 from ar_torchrl.functional.grpo import grpo_advantage, rloo_advantage
 from ar_torchrl.functional.kl import KL_ESTIMATORS, k3_kl, kl_penalty
 from ar_torchrl.functional.losses import aggregate_loss, clipped_value_loss, loss_normalizer
@@ -41,6 +49,7 @@ from ar_torchrl.functional.policy_losses import (
     masked_log_ratio,
 )
 from ar_torchrl.functional.reductions import explained_variance, masked_mean, masked_whiten
+from ar_torchrl.functional.reinforce import reinforce_pp_advantage
 from ar_torchrl.functional.rollout_correction import (
     ROLLOUT_IS_LEVELS,
     ROLLOUT_MASK_MODES,
@@ -66,18 +75,23 @@ __all__ = [
     "count_turns",
     "ev_ceiling",
     "explained_variance",
+    "explained_variance_or_nan",
     "grpo_advantage",
     "gspo_surrogate",
+    "reinforce_pp_advantage",
     "rloo_advantage",
     "k3_kl",
     "kl_penalty",
+    "check_gae_inputs",
     "length_adaptive_lmbda",
     "loss_normalizer",
     "masked_log_ratio",
     "masked_mean",
+    "monte_carlo_returns",
     "rollout_correction",
     "rollout_mismatch_metrics",
     "masked_whiten",
+    "position_thirds",
     "prefix_state_ids",
     "token_gae",
     "turn_gae",

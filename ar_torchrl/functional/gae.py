@@ -11,7 +11,7 @@ from torch import Tensor
 from ar_torchrl.functional._shapes import _check_mask, _check_same_shape, check_finite_reward
 from ar_torchrl.utils.checks import check_number
 
-__all__ = ["length_adaptive_lmbda", "token_gae"]
+__all__ = ["check_gae_inputs", "length_adaptive_lmbda", "token_gae"]
 
 
 # ----------------------------------------------------------------------------- GAE
@@ -35,12 +35,21 @@ def _as_row_coeff(
     return t.to(dtype).reshape(batch, 1)
 
 
-def _check_gae_inputs(
-    reward: Tensor, value: Tensor, mask: Tensor, owner: str = "token_gae"
-) -> bool:
-    """Check shapes and rewards; return whether every row's trained tokens form one run (the
-    usual prompt + response layout). Both answers come from one device sync. ``owner`` names the
-    caller in the messages."""
+def check_gae_inputs(reward: Tensor, value: Tensor, mask: Tensor, owner: str = "token_gae") -> bool:
+    """Check GAE's inputs (``reward``, ``value``: float ``[B, L]``; ``mask``: bool ``[B, L]``):
+    shapes, finite rewards, no reward on an untrained token. Returns whether every row's trained
+    tokens form one run (the usual prompt + response layout; multi-turn rows with tool spans do
+    not). Both answers come from one device sync. ``owner`` names the caller in the messages.
+
+    Example:
+        >>> m = torch.tensor([[False, True, True], [True, False, True]])
+        >>> check_gae_inputs(torch.zeros(2, 3), torch.zeros(2, 3), m)  # row 1 has a gap
+        False
+        >>> check_gae_inputs(torch.tensor([[1.0, 0, 0]]), torch.zeros(1, 3), m[:1])
+        Traceback (most recent call last):
+        ...
+        ValueError: token_gae: 1 non-zero reward(s) on masked tokens (first at row 0, position 0, reward 1). Put the task reward on the last generated token (loss_mask True) and shaping rewards on trained tokens only.
+    """
     if reward.ndim != 2:
         raise ValueError(
             f"{owner} expects [B, L] tensors, got reward of shape {tuple(reward.shape)}; "
@@ -135,7 +144,7 @@ def token_gae(
         >>> adv.tolist(), ret.tolist()
         ([[0.0, 0.5, 0.5, 0.5, 0.0]], [[0.0, 1.0, 1.0, 1.0, 0.0]])
     """
-    contiguous = _check_gae_inputs(reward, value, loss_mask)
+    contiguous = check_gae_inputs(reward, value, loss_mask)
     check_number("token_gae", "gamma", gamma, ge=0, le=1)
     batch, length = reward.shape
     if bootstrap_value is not None and bootstrap_value.shape != (batch,):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ar_torchrl.functional.gae import _check_gae_inputs, token_gae
+from ar_torchrl.functional.gae import check_gae_inputs, token_gae
 from ar_torchrl.utils.checks import check_number
 
 __all__ = ["count_turns", "turn_gae"]
@@ -162,7 +162,7 @@ def turn_gae(
         >>> adv.tolist(), ret.tolist()
         ([[0.0, 0.25, 0.25, 0.0, 0.5, 0.5]], [[0.0, 0.5, 0.5, 0.0, 1.0, 1.0]])
     """
-    _check_gae_inputs(reward, value, loss_mask, owner="turn_gae")
+    check_gae_inputs(reward, value, loss_mask, owner="turn_gae")
     check_number("turn_gae", "gamma", gamma, ge=0, le=1)
     step, start, count, turns = _turn_steps(loss_mask, turn_id, "turn_gae")
     batch = reward.shape[0]

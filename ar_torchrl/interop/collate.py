@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,7 @@ def completions_to_trajectory(
     pad_token_id: int,
     prompt_id: Sequence[int] | None = None,
     policy_version: int | None = None,
+    group_ids: Sequence[int] | None = None,
 ) -> TensorDict:
     """The token trajectory of backend completions: each completion with its prompt as a
     single-turn :class:`~ar_torchrl.data.samples.Sample`, built by
@@ -39,6 +41,8 @@ def completions_to_trajectory(
         prompt_id: the ``"prompt_id"`` of each prompt (its group for GRPO: e.g. a dataset index;
             default the prompt's index).
         policy_version: overrides the completions' own ``policy_version``.
+        group_ids: the 0.1 name of ``prompt_id`` (deprecated: a ``DeprecationWarning``; removed in
+            ar_torchrl 0.2).
 
     Example:
         >>> from ar_torchrl.backends import Completion
@@ -47,6 +51,19 @@ def completions_to_trajectory(
         >>> td.batch_size, td["tokens"].tolist()
         (torch.Size([2, 4]), [[4, 5, 7, 2], [0, 6, 9, 0]])
     """
+    if group_ids is not None:
+        if prompt_id is not None:
+            raise TypeError(
+                "completions_to_trajectory: pass prompt_id= only (group_ids= is its old name), "
+                "got both"
+            )
+        warnings.warn(
+            "completions_to_trajectory(group_ids=...) is now prompt_id=... (the trajectory's "
+            "'prompt_id' key); the old keyword goes in ar_torchrl 0.2",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        prompt_id = group_ids
     if prompt_id is not None and len(prompt_id) != len(prompts):
         raise ValueError(
             f"completions_to_trajectory: {len(prompt_id)} prompt_id for {len(prompts)} prompts"

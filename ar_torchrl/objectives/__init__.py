@@ -31,6 +31,7 @@ _LAZY = {
     "GRPOAdvantage": "grpo",
     "KLRewardShaping": "kl_reward",
     "RLOOAdvantage": "rloo",
+    "ReinforcePPAdvantage": "reinforce_pp",
     "TokenGAE": "gae",
     "TokenPPOLoss": "ppo",
 }

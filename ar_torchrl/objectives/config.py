@@ -11,12 +11,15 @@ called. A recipe reads the schemas from :data:`~ar_torchrl.objectives.registry.A
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Optional
 
 from ar_torchrl.objectives.registry import register_advantage
 from ar_torchrl.utils.checks import check_gae_args, check_grpo_args
 
-__all__ = ["GAEConfig", "GRPOConfig", "RLOOConfig"]
+# OmegaConf reads the annotations at run time: they must stay `Optional[...]`, not `X | None`.
+# ruff: noqa: UP045
+
+__all__ = ["GAEConfig", "GRPOConfig", "RLOOConfig", "ReinforcePPConfig"]
 
 
 @register_advantage("gae", needs_critic=True, help="token-level GAE over the value head")
@@ -25,6 +28,7 @@ class GAEConfig:
     """Options of :class:`~ar_torchrl.objectives.TokenGAE` besides ``gamma``."""
 
     lmbda: float = 0.95  # GAE lambda
+    critic_lmbda: Optional[float] = None  # lambda of the value target (None: lmbda; VAPO: 1.0)
     normalize_advantage: bool = True  # whiten advantages over trained tokens
     timestep: str = "token"  # GAE step: token | turn (one per turn of multi-turn rows)
 
@@ -70,3 +74,19 @@ class RLOOConfig:
         from ar_torchrl.objectives.rloo import RLOOAdvantage
 
         return RLOOAdvantage(critic_targets=critic, gamma=gamma)
+
+
+@register_advantage(
+    "reinforce_pp", help="REINFORCE++ returns whitened over the batch (no critic, no groups)"
+)
+@dataclass
+class ReinforcePPConfig:
+    """Options of :class:`~ar_torchrl.objectives.ReinforcePPAdvantage` besides ``gamma`` (none)."""
+
+    def build(self, *, critic: bool, gamma: float) -> Any:
+        """REINFORCE++ (:class:`~ar_torchrl.objectives.ReinforcePPAdvantage`): Monte-Carlo returns
+        discounted by ``gamma``, whitened over the batch; with a value head they are also its
+        targets (``critic_targets=True``), as under GRPO."""
+        from ar_torchrl.objectives.reinforce_pp import ReinforcePPAdvantage
+
+        return ReinforcePPAdvantage(critic_targets=critic, gamma=gamma)

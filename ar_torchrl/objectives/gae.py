@@ -66,7 +66,19 @@ class TokenGAE(ValueEstimatorBase):
             row's last real token (``attention_mask``): ``V`` of the state after everything the
             episode holds, the value the next turn's first token would have had. That is the last
             trained token itself unless a tool output follows it (always so for single-turn
-            rows). Off: every row ends with ``V = 0`` (terminal).
+            rows). Off (the default): every row ends with ``V = 0`` (terminal).
+
+            **This default differs from TorchRL's** ``GAE``, which bootstraps every step that is
+            done but not terminated with ``V`` of the next state: on a row cut by length the last
+            token's advantage is ``r - V`` here and ``r + gamma * V_next - V`` there, and the
+            difference ``gamma * lmbda^k * V_next`` reaches the ``k``-th token before the cut (up to
+            0.685 in advantage measured with a trained critic, issue 30;
+            ``tests/objectives/test_gae.py`` pins the two against each other). Why off: the
+            cut response is never continued (the next batch starts from new prompts), so no return
+            ever follows its last state; its reward (the verifier's score of the cut answer, plus
+            any overlong penalty) is its whole return, as DAPO and verl score truncated answers.
+            Bootstrapping credits it with the critic's value of finishing, which it never gets.
+            Set ``bootstrap_truncated=True`` for TorchRL's behaviour.
         timestep: ``"token"`` (one GAE step per trained token) or ``"turn"`` (one per turn of a
             multi-turn episode, read from ``turn_id``: AReaL's ``gae_timestep_unit: turn``;
             ``adaptive_lmbda_alpha`` then counts turns, not tokens).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass, fields
 
 import torch
@@ -42,6 +43,10 @@ class GRPOAdvantage(Transform):
     on the write side). Registered without ``invert=True`` it raises on the first ``extend``.
 
     Keys are TorchRL-style: declared once in :class:`_AcceptedKeys`, changed with :meth:`set_keys`.
+    The reward key is named as for :class:`TokenGAE` (and TorchRL's value estimators): ``reward``
+    is ``"reward"`` and is read under ``"next"``, so ``set_keys(reward="r")`` reads ``("next", "r")``
+    in every advantage module. (Until 0.1 this module took the full path, ``("next", "reward")``;
+    ``set_keys(reward=("next", ...))`` still works for one release, with a ``DeprecationWarning``.)
 
     Critic under GRPO: with ``critic_targets=True`` the module also writes ``value_target``
     ``[B, L, 1]``, the Monte-Carlo return (discounted reward-to-go over ``loss_mask`` tokens,
@@ -72,7 +77,7 @@ class GRPOAdvantage(Transform):
     class _AcceptedKeys:
         """Keys read and written (TorchRL names plus ``loss_mask`` and the group id ``prompt_id``)."""
 
-        reward: NestedKey = ("next", "reward")
+        reward: NestedKey = "reward"  # read under "next", as TokenGAE's
         loss_mask: NestedKey = "loss_mask"
         group: NestedKey = "prompt_id"
         advantage: NestedKey = "advantage"
@@ -107,20 +112,43 @@ class GRPOAdvantage(Transform):
         self.stats: dict[str, int] = {"groups": 0, "groups_zero_spread": 0}
 
     def set_keys(self, **keys: NestedKey) -> GRPOAdvantage:
-        """Rename keys: ``reward``, ``loss_mask``, ``group``, ``advantage``, ``value_target``."""
+        """Rename keys: ``reward`` (read under ``"next"``), ``loss_mask``, ``group``,
+        ``advantage``, ``value_target``."""
         names = [f.name for f in fields(self._AcceptedKeys)]
         for name, key in keys.items():
             if name not in names:
                 raise KeyError(
                     f"{self._owner}.set_keys: unknown key name {name!r}; expected one of {names}"
                 )
+            if name == "reward":
+                key = self._reward_name(key)
             setattr(self.tensor_keys, name, key)
         self._refresh_keys()
         return self
 
+    def _reward_name(self, key: NestedKey) -> NestedKey:
+        """The 0.1 spelling ``("next", name)`` -> ``name`` (one release, with a warning)."""
+        if isinstance(key, tuple) and len(key) > 1 and key[0] == "next":
+            new = key[1] if len(key) == 2 else key[1:]
+            warnings.warn(
+                f"{self._owner}.set_keys(reward={key!r}): the reward key is now read under "
+                f"'next', as TokenGAE's: write set_keys(reward={new!r}); the full path goes in "
+                "ar_torchrl 0.2",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            return new
+        return key
+
+    @property
+    def reward_key(self) -> NestedKey:
+        """The full path of the reward read: ``("next", tensor_keys.reward)``."""
+        reward = self.tensor_keys.reward
+        return ("next", *reward) if isinstance(reward, tuple) else ("next", reward)
+
     def _refresh_keys(self) -> None:
         k = self.tensor_keys
-        self.in_keys = [k.reward, k.loss_mask, k.group]
+        self.in_keys = [self.reward_key, k.loss_mask, k.group]
         self.out_keys = [k.advantage] + ([k.value_target] if self.critic_targets else [])
 
     def compute(self, td: TensorDictBase) -> TensorDictBase:
@@ -131,10 +159,11 @@ class GRPOAdvantage(Transform):
             )
         k, shape = self.tensor_keys, td.batch_size
         mask = require_key(td, k.loss_mask, self._owner, "bool [B, L]").bool()
+        key = self.reward_key
         reward = squeeze_feature(
-            require_key(td, k.reward, self._owner, "per-token reward"), k.reward, shape, self._owner
+            require_key(td, key, self._owner, "per-token reward"), key, shape, self._owner
         )
-        check_finite_reward(reward, self._owner, f"reward {k.reward!r}")
+        check_finite_reward(reward, self._owner, f"reward {key!r}")
         stray = (reward != 0) & ~mask
         if stray.any():
             raise ValueError(

@@ -120,15 +120,19 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 from tensordict import TensorDict, TensorDictBase
+from tensordict.utils import NestedKey
 from torch import Tensor
 
 from ar_torchrl import functional
+from ar_torchrl.objectives._keys import require_key, squeeze_feature
 
 __all__ = [
     "EV_EPS",
     "KINDS",
     "Statistics",
+    "CRITIC_HEALTH_KEYS",
     "combine",
+    "critic_health",
     "critic_statistics",
     "explained_variance_statistics",
     "finalize",
@@ -526,3 +530,104 @@ def _leaves(
         value = next(r[_name(key)] for r in reduced if _name(key) in r)
         out.setdefault((kind, name), {})[leaf] = -value if leaf == "min" else value
     return out
+
+
+# --------------------------------------------------------------------------- critic health
+#: What :func:`critic_health` logs (a key is absent where its value is undefined).
+CRITIC_HEALTH_KEYS = (
+    "critic/explained_variance",
+    "critic/explained_variance_early",
+    "critic/explained_variance_middle",
+    "critic/explained_variance_late",
+    "critic/value_mean",
+    "critic/value_std",
+    "critic/return_mean",
+    "critic/return_std",
+)
+
+
+def critic_health(
+    td: TensorDictBase,
+    gamma: float,
+    *,
+    value_key: NestedKey = "state_value",
+    reward_key: NestedKey = ("next", "reward"),
+    mask_key: NestedKey = "loss_mask",
+) -> dict[str, float]:
+    """Whether the critic *predicts*: its values of a fresh batch before training on it, against the
+    Monte-Carlo return of every trained token of the whole batch (verl's ``critic/vf_explained_var``,
+    out of sample; docs/design.md section 9).
+
+    ``td`` is the batch after :func:`~ar_torchrl.training.recompute_old_log_probs_and_values` (its
+    ``state_value`` are the anchors: with PopArt in return units, with a separate critic that
+    critic's) and before the update. With ``R`` the Monte-Carlo return (``gamma``, ``lambda = 1``,
+    along the trained tokens of each row, tool tokens consuming no step:
+    :func:`~ar_torchrl.functional.monte_carlo_returns`) and ``V`` the anchors, over the trained
+    tokens ``T`` (``loss_mask``, every row: critic-only rows included):
+
+    - ``critic/explained_variance``: ``1 - Var(R - V) / Var(R)`` (population variances), absent
+      when the returns do not vary (undefined; :func:`~ar_torchrl.functional.explained_variance_or_nan`);
+    - ``critic/explained_variance_early|middle|late``: the same over the first, middle and last
+      third of each row's trained tokens (:func:`~ar_torchrl.functional.position_thirds`, the thirds
+      of the ceiling tool's ``by_position``);
+    - ``critic/value_mean``, ``critic/value_std``, ``critic/return_mean``, ``critic/return_std``:
+      means and population standard deviations of ``V`` and ``R`` over ``T`` (absent over no token).
+
+    Args:
+        td: a ``[B, L]`` batch with ``value_key`` (``[B, L, 1]`` or ``[B, L]``), ``reward_key`` and
+            ``mask_key`` (bool ``[B, L]``).
+        gamma: the discount (the recipe's ``algo.gamma``).
+
+    Returns:
+        ``{key: float}`` with the defined keys of :data:`CRITIC_HEALTH_KEYS`.
+
+    Example:
+        >>> mask = torch.tensor([[True, True], [True, True]])
+        >>> td = TensorDict({"loss_mask": mask, "state_value": torch.tensor([[[0.5], [1.0]], [[0.0], [-1.0]]]),
+        ...                  "next": {"reward": torch.tensor([[[0.0], [1.0]], [[0.0], [-1.0]]])}}, [2, 2])
+        >>> out = critic_health(td, gamma=1.0)
+        >>> out["critic/explained_variance"], out["critic/return_mean"]
+        (0.703125, 0.0)
+    """
+    mask = require_key(td, mask_key, "critic_health", "bool [B, L], True on trained tokens")
+    if mask.dtype != torch.bool or mask.ndim != 2:
+        raise ValueError(
+            f"critic_health: {mask_key!r} must be a bool [B, L] tensor, got shape "
+            f"{tuple(mask.shape)} and dtype {mask.dtype}"
+        )
+    shape = mask.shape
+    value = squeeze_feature(
+        require_key(
+            td, value_key, "critic_health", "the anchors (recompute_old_log_probs_and_values)"
+        ),
+        value_key,
+        shape,
+        "critic_health",
+    )
+    reward = squeeze_feature(
+        require_key(td, reward_key, "critic_health", "per-token reward"),
+        reward_key,
+        shape,
+        "critic_health",
+    )
+    returns = functional.monte_carlo_returns(reward, mask, gamma=gamma)
+    thirds = functional.position_thirds(mask)
+    values = {
+        "critic/explained_variance": functional.explained_variance_or_nan(value, returns, mask)
+    }
+    for i, name in enumerate(("early", "middle", "late")):
+        values[f"critic/explained_variance_{name}"] = functional.explained_variance_or_nan(
+            value, returns, mask & (thirds == i)
+        )
+    if bool(mask.any()):
+        v, r = value.detach().double()[mask], returns.double()[mask]
+        values.update(
+            {
+                "critic/value_mean": v.mean(),
+                "critic/value_std": v.std(unbiased=False),
+                "critic/return_mean": r.mean(),
+                "critic/return_std": r.std(unbiased=False),
+            }
+        )
+    floats = dict(zip(values, torch.stack(list(values.values())).tolist()))  # one host read
+    return {k: v for k, v in floats.items() if v == v}  # nan: undefined, not logged

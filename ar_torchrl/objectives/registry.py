@@ -15,9 +15,9 @@ policy has a trained value head (its ``state_value`` is in the batch): an estima
 writes Monte-Carlo value targets so that the head keeps training). ``gamma`` is the recipe's shared
 ``algo.gamma``; the schema's fields are the ``algo.<name>.*`` keys.
 
-This module imports nothing heavy; the built-in estimators (``gae``, ``grpo``, ``rloo``) are
-registered in :mod:`ar_torchrl.objectives.config`, whose ``build`` methods import their class when
-called, so a recipe can list and check estimators before it imports torch.
+This module imports nothing heavy; the built-in estimators (``gae``, ``grpo``, ``rloo``,
+``reinforce_pp``) are registered in :mod:`ar_torchrl.objectives.config`, whose ``build`` methods
+import their class when called, so a recipe can list and check estimators before it imports torch.
 """
 
 from __future__ import annotations

@@ -5,12 +5,14 @@
 - :mod:`.strategy`: the execution strategy (one process, or FSDP2 under torchrun) a recipe runs on;
 - :mod:`.checkpoint`: single-process ``.pt`` checkpoints;
 - :mod:`.config`: typed configurations from the registries' schemas, validation, ``--help``;
-- :mod:`.dapo_ppo`: the DAPO-math PPO recipe (``examples/dapo_ppo.py`` runs it).
+- :mod:`.dapo_ppo`: the DAPO-math PPO recipe (its command line: ``ar-torchrl-dapo``, ``python -m
+  ar_torchrl.recipes.dapo_ppo`` or ``examples/dapo_ppo.py``).
 
-Hydra stays in ``examples/`` and ``configs/``: a recipe gets the composed configuration and a
-:class:`~ar_torchrl.recipes.run.Launch`. Importing this package imports no torch.
+Hydra stays in the YAML (``ar_torchrl/configs/``, shipped in the wheel) and in the command line
+(``dapo_ppo.main.cli`` imports it): a recipe gets the composed configuration and a
+:class:`~ar_torchrl.recipes.launch.Launch`. Importing this package imports neither torch nor Hydra.
 """
 
-from ar_torchrl.recipes.run import Launch, StopOnSignal
+from ar_torchrl.recipes.launch import Launch, StopOnSignal
 
 __all__ = ["Launch", "StopOnSignal"]

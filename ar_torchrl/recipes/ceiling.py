@@ -275,6 +275,7 @@ def ceiling_of_config(
             backend's sampling and the bootstrap (the global RNGs are not touched).
     """
     from ar_torchrl.backends import TransformersBackend
+    from ar_torchrl.backends.transformers.config import TrainsideBackendConfig
     from ar_torchrl.recipes.dapo_ppo import build
 
     if split not in ("train", "holdout"):
@@ -282,9 +283,9 @@ def ceiling_of_config(
     model, tokenizer = policy_for_ceiling(cfg, checkpoint)
     rows, held = cfg.data.build()
     chosen = rows if split == "train" else held
-    backend = TransformersBackend(
-        model, mode="share", max_batch_size=getattr(cfg.backend, "max_batch_size", None), seed=seed
-    )
+    trainside = isinstance(cfg.backend, TrainsideBackendConfig)  # else: all rows at once
+    batch = cfg.backend.max_batch_size if trainside else None
+    backend = TransformersBackend(model, mode="share", max_batch_size=batch, seed=seed)
     context = build.context_length(model, backend)
     chosen, _ = build.fit_prompts(cfg, (chosen, held), tokenizer, context)
     rollout = dataclasses.replace(

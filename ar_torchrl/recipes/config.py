@@ -32,7 +32,11 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ar_torchrl.registry import Registry, closest, resolve_component
 
+#: The shipped Hydra configurations (``ar_torchrl/configs/``: package data, in the wheel too).
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+
 __all__ = [
+    "CONFIG_DIR",
     "check_overrides",
     "component_imports",
     "group_schemas",
@@ -337,10 +341,17 @@ def _documented(text: str, indent: str = "  ") -> list[str]:
 
 
 def render_help(
-    config_dir: Path, config_name: str, *, app: str, header: str, overrides: Iterable[str] = ()
+    config_dir: Path,
+    config_name: str,
+    *,
+    app: str,
+    header: str,
+    overrides: Iterable[str] = (),
+    command: str | None = None,
 ) -> str:
     """``--help`` of a recipe: the groups and their options, then every key of the primary config
-    and of the selected group options, each with its comment from the YAML files."""
+    and of the selected group options, each with its comment from the YAML files; ``command``:
+    how the recipe was started (default ``python examples/<app>.py``)."""
     chosen = dict(_defaults((config_dir / f"{config_name}.yaml").read_text()))
     for override in overrides:  # `algo=grpo` picks another option of a group
         key, _, value = override.partition("=")
@@ -359,5 +370,6 @@ def render_help(
         if path.is_file():
             out += ["", f"Keys of {group}={option} (override with {group}.key=value):"]
             out += _documented(path.read_text())
-    out += ["", f"Run: python examples/{app}.py [group=option ...] [key=value ...]"]
+    command = command or f"python examples/{app}.py"
+    out += ["", f"Run: {command} [group=option ...] [key=value ...]"]
     return "\n".join(out) + "\n"

@@ -170,7 +170,7 @@ def run_tool(
     ``KeyboardInterrupt`` raised by the tool is a ``"raised"`` result like any exception (Python
     delivers signals to the main thread only, never to the worker). A signal to the process
     (Ctrl-C, SIGTERM) interrupts the caller's wait instead, and what its handler raises (the
-    recipe's :class:`~ar_torchrl.recipes.run.StopOnSignal`: ``KeyboardInterrupt``) propagates
+    recipe's :class:`~ar_torchrl.recipes.launch.StopOnSignal`: ``KeyboardInterrupt``) propagates
     from here, so it still stops the run; a handler that returns lets the wait go on.
 
     Args:

@@ -277,9 +277,18 @@ def plan_micro_batches(
         )
     if td.batch_dims < 2:
         raise ValueError(
-            f"plan_micro_batches expects a [B, L] TensorDict, got batch_size {tuple(td.batch_size)}"
+            f"plan_micro_batches expects a [B, L] TensorDict, got batch_size "
+            f"{tuple(td.batch_size)}{_convert_hint(td)}"
         )
-    mask = td.get(attention_mask_key).bool()
+    mask = td.get(attention_mask_key, None)
+    if mask is None:
+        held = sorted(str(k) for k in td.keys(include_nested=True, leaves_only=True))
+        raise _MissingLayoutKeyError(
+            f"plan_micro_batches: the batch has no {attention_mask_key!r} (bool [B, L], True on real "
+            f"tokens: a token trajectory's key, docs/design.md section 1); it holds "
+            f"{held[:8]}{' ...' if len(held) > 8 else ''}{_convert_hint(td)}"
+        )
+    mask = mask.bool()
     keys = (tokens_key, loss_mask_key)
     first, last = (x.tolist() for x in _row_spans(mask))
     lengths = mask.sum(-1).tolist()
@@ -320,6 +329,25 @@ def _shared_plan(td, mask, first, last, budget, max_rows, keys, mode) -> MicroBa
     tokens, loss_mask = td.get(keys[0]), td.get(keys[1]).bool()
     micro = _group_shared(_prefix_groups(tokens, mask, loss_mask), first, last, budget, max_rows)
     return MicroBatchPlan(micro, (mask.shape[0], mask.shape[1]), budget)
+
+
+class _MissingLayoutKeyError(KeyError):
+    """A key of the token-trajectory layout is missing (a ``KeyError`` whose message prints as
+    written)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def _convert_hint(td: TensorDictBase) -> str:
+    """How to convert a raw TorchRL LLM batch (it holds ``("tokens", "response")``)."""
+    if ("tokens", "response") not in td.keys(include_nested=True):  # ragged: never stacked
+        return ""
+    return (
+        ". This is a raw TorchRL LLM batch (('tokens', 'response') per step): convert it first, "
+        "with LLMCollector(..., postproc=TokenTrajectory.from_policy(policy)) or "
+        "ar_torchrl.interop.TokenTrajectory(tokenizer, max_new_tokens=...)(batch)"
+    )
 
 
 def _check_rows(lengths: list[int], spans: list[int], budget: int, key: NestedKey) -> None:

@@ -17,7 +17,8 @@ returns the :class:`~ar_torchrl.weight_sync.WeightSender`: the trainside senders
 in-process rollout model, the SGLang senders' target is the client (an ``SGLangBackend``). Backends
 build their sender from here by name; a recipe validates ``backend.weight_sync_options`` against the
 same schema before it imports torch. The built-in methods are registered beside their engines'
-schemas, in :mod:`ar_torchrl.backends.transformers.config` and :mod:`ar_torchrl.backends.sglang.config`.
+schemas, in :mod:`ar_torchrl.backends.transformers.config`, :mod:`ar_torchrl.backends.sglang.config`
+and :mod:`ar_torchrl.backends.torchrl.config`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,11 @@ __all__ = ["SYNC_METHODS", "make_sender", "register_sync_method", "sender_option
 
 SYNC_METHODS = Registry(
     "weight sync method",
-    builtins=("ar_torchrl.backends.transformers.config", "ar_torchrl.backends.sglang.config"),
+    builtins=(
+        "ar_torchrl.backends.transformers.config",
+        "ar_torchrl.backends.sglang.config",
+        "ar_torchrl.backends.torchrl.config",
+    ),
     decorator="register_sync_method",
     build="build(self, *, target) -> WeightSender",
     required=("engine",),
@@ -51,7 +56,7 @@ def sync_methods(engine: str) -> list[str]:
         >>> sync_methods("sglangg")
         Traceback (most recent call last):
         ...
-        ValueError: no weight sync method serves the rollout engine 'sglangg' (did you mean 'sglang'?); engines with sync methods: ['sglang', 'trainside']
+        ValueError: no weight sync method serves the rollout engine 'sglangg' (did you mean 'sglang'?); engines with sync methods: ['sglang', 'torchrl', 'trainside']
     """
     found = [e.name for e in SYNC_METHODS.entries() if e.engine == engine]
     if not found:

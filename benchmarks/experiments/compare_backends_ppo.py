@@ -35,7 +35,7 @@ def starting_policy(cache: Path, seed: int):
     """The recipe's warm-started tiny model (cached), a fresh value head and its tokenizer."""
     model, tok = warm_started_tiny_model(
         cache
-    )  # the CPU default's warm start (configs/model/tiny.yaml)
+    )  # the CPU default's warm start (ar_torchrl/configs/model/tiny.yaml)
     torch.manual_seed(seed)
     return attach_value_head(model), tok
 

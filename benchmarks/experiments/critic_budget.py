@@ -5,7 +5,7 @@
 Same prompts, samples, iterations and seeds for every variant (only the advantage estimator and
 where the values come from differ); per task:
 
-- ``cpu``: the CPU default (``configs/dapo_ppo.yaml``), ``--iterations`` (default 100, the CI
+- ``cpu``: the CPU default (``ar_torchrl/configs/dapo_ppo.yaml``), ``--iterations`` (default 100, the CI
   version) over 5 seeds;
 - ``smollm2``: SmolLM2-135M-Instruct on ``--config-name smollm2_arithmetic`` (10 iterations, held-out
   evaluation every 5) over 3 seeds.
@@ -68,6 +68,27 @@ VARIANT_SETS: dict[str, dict[str, tuple[str, ...]]] = {
         ),
     },
 }
+#: ``--variants matched``: the same samples (and so about the same generated tokens) per iteration,
+#: 256 = 64 prompts x 4 samples (critic_arithmetic's own batch), split into prompts x samples per
+#: prompt differently per estimator: a critic needs no group, a group baseline needs one.
+MATCHED_SAMPLES = 256
+
+
+def _matched(prompts: int, *overrides: str) -> tuple[str, ...]:
+    n = MATCHED_SAMPLES // prompts
+    return (f"rollout.prompts_per_iter={prompts}", f"rollout.samples_per_prompt={n}", *overrides)
+
+
+VARIANT_SETS["matched"] = {
+    "ppo_n1": _matched(256, "critic=shared"),
+    "ppo_n2": _matched(128, "critic=shared"),
+    "ppo_separate_n2": _matched(128, "critic=separate"),
+    "grpo_n4": _matched(64, "algo=grpo"),
+    "grpo_n8": _matched(32, "algo=grpo"),
+    "rloo_n4": _matched(64, "algo=rloo"),
+    "rloo_n8": _matched(32, "algo=rloo"),
+    "reinforce_pp_n1": _matched(256, "algo=reinforce_pp"),
+}
 VARIANTS = {name: o for variants in VARIANT_SETS.values() for name, o in variants.items()}
 COLORS = {
     "sync": "tab:blue",
@@ -77,12 +98,21 @@ COLORS = {
     "ppo_separate": "tab:green",
     "grpo": "tab:orange",
     "rloo": "tab:red",
+    "ppo_n1": "tab:blue",
+    "ppo_n2": "tab:cyan",
+    "ppo_separate_n2": "tab:green",
+    "grpo_n4": "tab:orange",
+    "grpo_n8": "gold",
+    "rloo_n4": "tab:red",
+    "rloo_n8": "tab:pink",
+    "reinforce_pp_n1": "tab:gray",
 }
 
 #: task -> (config overrides, seeds, iterations, evaluate every, checkpoint every)
 TASKS: dict[str, tuple[tuple[str, ...], int, int, int, int]] = {
     "cpu": ((), 5, 100, 100, 50),
     "smollm2": (("--config-name", "smollm2_arithmetic"), 3, 10, 5, 1),
+    "critic_arithmetic": (("--config-name", "critic_arithmetic"), 5, 100, 100, 50),
 }
 
 
@@ -97,6 +127,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runs", type=Path, default=ROOT / "outputs" / "critic_budget")
     p.add_argument("--quick", action="store_true", help="3 iterations, 1 seed, a temporary dir")
     p.add_argument("--report-only", action="store_true", help="summarise the runs there, run none")
+    p.add_argument(
+        "--ceilings",
+        action="store_true",
+        help="measure each finished run's EV ceiling at its last checkpoint (16 x 64, cached)",
+    )
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--png", type=Path, default=None)
     p.add_argument(
@@ -147,7 +182,22 @@ def one_run(args: argparse.Namespace, variant: str, seed: int, run_dir: Path, ca
     )
 
 
-def summarize(history: list[dict]) -> dict:
+def _late_mean(steps: list[dict], key: str) -> float | None:
+    """The mean of ``key`` over the last 20 % of ``steps`` where it is logged (``None``: nowhere)."""
+    late = steps[-max(1, len(steps) // 5) :]
+    values = [h[key] for h in late if h.get(key) is not None]
+    return sum(values) / len(values) if values else None
+
+
+def samples_per_prompt(overrides: tuple[str, ...] | list[str], default: int = 4) -> int:
+    """``rollout.samples_per_prompt`` of a variant's overrides (``default``: the config's)."""
+    for o in overrides:
+        if o.startswith("rollout.samples_per_prompt="):
+            return int(o.split("=", 1)[1])
+    return default
+
+
+def summarize(history: list[dict], samples_per_prompt: int = 4) -> dict:
     """One run: :func:`readme_figures.figures` plus the run-mean explained variance (``None``
     without a critic), seconds per iteration and the curves.
 
@@ -161,9 +211,26 @@ def summarize(history: list[dict]) -> dict:
     """
     steps = [h for h in history if "rollout/reward_mean" in h]
     ev = [h["train/explained_variance"] for h in steps if "train/explained_variance" in h]
+    tokens = [
+        h.get("rollout/response_length", 0.0)
+        * h.get("rollout/groups_generated", 0.0)
+        * samples_per_prompt
+        for h in steps
+    ]
     return {
         **figures(history),
         "explained_variance": sum(ev) / len(ev) if ev else None,
+        # out of sample (the critic's values of each fresh batch vs its Monte-Carlo returns)
+        "critic_explained_variance_late": _late_mean(steps, "critic/explained_variance"),
+        "generated_tokens": sum(tokens),
+        "reward_curve_tokens": [
+            (sum(tokens[: i + 1]) / 1e6, h["rollout/reward_mean"]) for i, h in enumerate(steps)
+        ],
+        "critic_ev_curve": [
+            (h["step"], h["critic/explained_variance"])
+            for h in steps
+            if h.get("critic/explained_variance") is not None
+        ],
         "seconds_per_iteration": sum(
             v for h in steps for k, v in h.items() if k.startswith("time/")
         )
@@ -177,6 +244,33 @@ def summarize(history: list[dict]) -> dict:
         "reward_curve": [(h["step"], h["rollout/reward_mean"]) for h in steps],
         "eval_curve": [(h["step"], h["eval/accuracy"]) for h in history if "eval/accuracy" in h],
     }
+
+
+#: ``--ceilings``: the ceiling of each run's final policy, written beside its history.
+CEILING_NAME = "ceiling_end.json"
+
+
+def end_ceiling(run_dir: Path) -> float | None:
+    """The token-level EV ceiling of ``run_dir``'s last checkpoint (K x P = 16 x 64 training
+    prompts, ``benchmarks/critic_ceiling.py``), measured once and cached in the run directory;
+    ``None`` without a checkpoint."""
+    import json
+    import subprocess
+
+    out = run_dir / CEILING_NAME
+    if not out.is_file():
+        if not any((run_dir / "checkpoints").glob("step_*")):
+            return None
+        cmd = [
+            sys.executable,
+            str(ROOT / "benchmarks" / "critic_ceiling.py"),
+            "--run",
+            str(run_dir),
+        ]
+        cmd += ["--samples", "16", "--prompts", "64", "--out", str(out)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, text=True)
+    return json.loads(out.read_text())["results"]["token"]["ceiling"]
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -203,7 +297,11 @@ def measure(args: argparse.Namespace) -> dict:
     for (name, seed), run_dir in dirs.items():
         history = read_history(run_dir)
         if _finished(history, args.iterations):
-            results.setdefault(name, []).append({"seed": seed, **summarize(history)})
+            n = samples_per_prompt(VARIANTS[name])
+            summary = {"seed": seed, **summarize(history, n)}
+            if args.ceilings or (run_dir / CEILING_NAME).is_file():
+                summary["ceiling_end"] = end_ceiling(run_dir)
+            results.setdefault(name, []).append(summary)
     if tmp:
         tmp.cleanup()
     return {
@@ -232,38 +330,103 @@ def table(result: dict) -> str:
     """A markdown table: one row per variant (mean and [min, max] over its seeds)."""
     lines = [
         "| variant | overrides | seeds | reward rise | held-out acc. start -> end | "
-        "`train/explained_variance` | s / iteration | finite |",
-        "|---|---|---|---|---|---|---|---|",
+        "`train/explained_variance` | `critic/explained_variance`, last 20 % | s / iteration | "
+        "finite |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, v in result["variants"].items():
         runs = v["runs"]
         ev = [r["explained_variance"] for r in runs if r["explained_variance"] is not None]
+        late = [  # absent from runs made before the metric existed
+            r["critic_explained_variance_late"]
+            for r in runs
+            if r.get("critic_explained_variance_late") is not None
+        ]
         acc0 = _span([r["eval_accuracy_start"] or 0.0 for r in runs], ".2f")
         acc1 = _span([r["eval_accuracy_end"] or 0.0 for r in runs], ".2f")
         lines.append(
             f"| {name} | {' '.join(f'`{o}`' for o in v['overrides'])} | {len(runs)} | "
             f"{_span([r['reward_rise'] for r in runs], '+.2f')} | {acc0} -> {acc1} | "
-            f"{_span(ev, '.3f')} | {_span([r['seconds_per_iteration'] for r in runs], '.2f')} | "
+            f"{_span(ev, '.3f')} | {_span(late, '.3f')} | "
+            f"{_span([r['seconds_per_iteration'] for r in runs], '.2f')} | "
             f"{'yes' if all(r['all_finite'] for r in runs) else 'NO'} |"
         )
     return "\n".join(lines)
 
 
+#: The critic's EV ceiling on critic_arithmetic's warm start (token level, K x P = 32 x 128;
+#: benchmarks/results/critic_ceiling_critic_arithmetic.json): what a perfect critic could explain.
+CEILING_FILE = ROOT / "benchmarks" / "results" / "critic_ceiling_{task}.json"
+
+
+def _ceiling(task: str) -> float | None:
+    path = Path(str(CEILING_FILE).format(task=task))
+    if not path.is_file():
+        return None
+    import json
+
+    return json.loads(path.read_text())["results"]["token"]["ceiling"]
+
+
+def matched_table(result: dict) -> str:
+    """The matched-token table: one row per arm (mean and [min, max] over its seeds), with the
+    generated tokens, the reward rise, the held-out greedy accuracy, the critic's out-of-sample EV
+    over the last 20 % of iterations against the task's token-level ceiling, and s / iteration."""
+    ceiling = _ceiling(result["task"])
+    lines = [
+        "| arm | overrides | seeds | generated tokens (M) | reward rise | "
+        "held-out acc. start -> end | `critic/explained_variance`, last 20 % | "
+        "token-level ceiling at the end | s / iteration |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, v in result["variants"].items():
+        runs = v["runs"]
+        ev = [
+            r["critic_explained_variance_late"]
+            for r in runs
+            if r.get("critic_explained_variance_late") is not None
+        ]
+        acc0 = _span([r["eval_accuracy_start"] or 0.0 for r in runs], ".2f")
+        acc1 = _span([r["eval_accuracy_end"] or 0.0 for r in runs], ".2f")
+        lines.append(
+            f"| {name} | {' '.join(f'`{o}`' for o in v['overrides'])} | {len(runs)} | "
+            f"{_span([r['generated_tokens'] / 1e6 for r in runs], '.2f')} | "
+            f"{_span([r['reward_rise'] for r in runs], '+.2f')} | {acc0} -> {acc1} | "
+            f"{_span(ev, '.3f')} | "
+            f"{_span([r['ceiling_end'] for r in runs if r.get('ceiling_end') is not None], '.2f')} | "
+            f"{_span([r['seconds_per_iteration'] for r in runs], '.2f')} |"
+        )
+    start = f"; the starting policy's ceiling is {ceiling:.2f}" if ceiling is not None else ""
+    return "\n".join(lines) + (
+        f"\n\nCeilings: what a perfect critic of the run's final policy could explain (16 x 64, "
+        f"`benchmarks/critic_ceiling.py --run <run dir>`){start}."
+    )
+
+
 def plot(result: dict, png: Path) -> None:
-    """Left: sampled reward per iteration (mean over seeds, each run thin); right: held-out
-    greedy accuracy per evaluation."""
+    """Left: sampled reward per iteration (``--variants matched``: against the generated tokens;
+    mean over seeds, each run thin); middle: held-out greedy accuracy per evaluation; right
+    (matched): the critic's out-of-sample ``critic/explained_variance`` against the ceiling."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    matched = result.get("variant_set") == "matched"
+    fig, axes = plt.subplots(1, 3 if matched else 2, figsize=(15 if matched else 10, 3.6))
+    left, right = axes[0], axes[1]
+    curve = "reward_curve_tokens" if matched else "reward_curve"
     for name, v in result["variants"].items():
         color, runs = COLORS.get(name), v["runs"]
         for r in runs:
-            left.plot(*zip(*r["reward_curve"]), color=color, alpha=0.15, lw=0.6)
+            left.plot(*zip(*r[curve]), color=color, alpha=0.15, lw=0.6)
         label = f"{name} ({len(runs)} seeds)"
-        left.plot(*seed_mean([r["reward_curve"] for r in runs]), color=color, lw=1.6, label=label)
+        if not matched:
+            left.plot(*seed_mean([r[curve] for r in runs]), color=color, lw=1.6, label=label)
+        else:  # token counts differ between seeds: the mean over seeds per iteration
+            mean_x = seed_mean([[(i, x) for i, (x, _) in enumerate(r[curve])] for r in runs])[1]
+            mean_y = seed_mean([[(i, y) for i, (_, y) in enumerate(r[curve])] for r in runs])[1]
+            left.plot(mean_x, mean_y, color=color, lw=1.6, label=label)
         right.plot(
             *seed_mean([r["eval_curve"] for r in runs]),
             color=color,
@@ -271,15 +434,40 @@ def plot(result: dict, png: Path) -> None:
             marker="o",
             label=label,
         )
-    left.set(title=f"sampled reward ({result['task']})", xlabel="iteration", ylim=(-1.05, 1.05))
+        if matched and any(r.get("critic_ev_curve") for r in runs):
+            axes[2].plot(
+                *seed_mean([r["critic_ev_curve"] for r in runs if r.get("critic_ev_curve")]),
+                color=color,
+                lw=1.2,
+                label=name,
+            )
+    left.set(
+        title=f"sampled reward ({result['task']})",
+        xlabel="generated tokens (M)" if matched else "iteration",
+        ylim=(-1.05, 1.05),
+    )
     right.set(title="greedy held-out accuracy", xlabel="iteration", ylim=(0, 1.02))
-    for ax in (left, right):
+    if matched:
+        ceiling = _ceiling(result["task"])
+        if ceiling is not None:
+            axes[2].axhline(ceiling, color="k", ls="--", lw=0.8, label="token-level ceiling")
+        axes[2].set(
+            title="critic/explained_variance (out of sample)",
+            xlabel="iteration",
+            ylim=(-0.5, 1.0),
+        )
+    for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=80)
     plt.close(fig)
+
+
+def render(result: dict) -> str:
+    """The table of ``result``'s variant set."""
+    return matched_table(result) if result.get("variant_set") == "matched" else table(result)
 
 
 def _stem(variants: str, task: str) -> str:
@@ -294,10 +482,14 @@ def docs_block(result: dict) -> str:
     """The block of docs/evidence.md for ``result``: the table and where it comes from."""
     stem = _stem(result.get("variant_set", "critic"), result["task"])
     m, (begin, end) = result["machine"], begin_end(stem)
+    runs = [r for v in result["variants"].values() for r in v["runs"]]
+    seeds = max((len(v["runs"]) for v in result["variants"].values()), default=0)
+    flags = "" if seeds == TASKS[result["task"]][1] else f"--seeds {seeds} "
+    flags += "--ceilings " if any(r.get("ceiling_end") is not None for r in runs) else ""
     return (
-        f"{begin}\n{table(result)}\n\n{result['iterations']} iterations per run, mean [min, max] over "
+        f"{begin}\n{render(result)}\n\n{result['iterations']} iterations per run, mean [min, max] over "
         f"the seeds; written by `OMP_NUM_THREADS=1 .venv/bin/python benchmarks/experiments/critic_budget.py "
-        f"--task {result['task']} --variants {result.get('variant_set', 'critic')} --jobs 2 "
+        f"--task {result['task']} --variants {result.get('variant_set', 'critic')} {flags}--jobs 2 "
         f"--write-docs` (`benchmarks/results/{stem}.json`; torch {m['torch']}, "
         f"{m['cpu_count']} cores).\n{end}"
     )
@@ -315,7 +507,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"no finished run under {args.runs / args.task}")
     write_json(result, args.out)
     plot(result, args.png)
-    print(table(result))
+    print(render(result))
     if args.write_docs:
         write_docs(docs_block(result), _stem(args.variants, args.task))
     print(f"\nwrote {args.out} and {args.png}", file=sys.stderr)

@@ -1,7 +1,7 @@
 """How pretrained SmolLM2-135M-Instruct answers arithmetic under different prompts, before any RL.
 
 For each prompt format, greedy decoding (and sampling at T = 1, what PPO sees) on the same
-*training* problems of ``configs/smollm2_arithmetic.yaml`` (never the held-out ones): the fraction
+*training* problems of ``ar_torchrl/configs/smollm2_arithmetic.yaml`` (never the held-out ones): the fraction
 of responses with an ``Answer:`` line (format rate), the DAPO accuracy (+1 rewards), the mean
 response length. Formats: ``dapo`` (DAPO-Math-17k's prompt), ``short`` (the tiny model's short DAPO
 prompt), ``plain`` (the bare question), ``oneshot`` (one solved user/assistant turn first, the

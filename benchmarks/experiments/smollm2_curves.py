@@ -1,6 +1,6 @@
 """Learning curves of SmolLM2-135M-Instruct runs of the recipe: PPO and GRPO over seeds, one figure.
 
-Reads the ``metrics.jsonl`` of finished runs of ``configs/smollm2_arithmetic.yaml`` (one run
+Reads the ``metrics.jsonl`` of finished runs of ``ar_torchrl/configs/smollm2_arithmetic.yaml`` (one run
 directory per seed and algorithm), plots the sampled training reward (mean over the 32 samples of
 each iteration) and the greedy held-out accuracy, per seed and averaged over seeds, and writes a
 JSON summary: per run, its curves (reward per iteration, held-out accuracy per evaluation), the mean

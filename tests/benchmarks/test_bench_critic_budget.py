@@ -52,15 +52,22 @@ def test_runs_are_summarised_resumed_and_tabled(tmp_path, monkeypatch):
     assert (
         "| ppo_separate | `critic=separate` | 2 | +0.45 [+0.30, +0.60] | 0.50 [0.50, 0.50]" in table
     )
-    assert "| -0.250 [-0.250, -0.250] | 2.00 [2.00, 2.00] | yes |" in table  # EV, s / iteration
-    assert "| grpo | `algo=grpo` | 2 |" in table and "| - | 2.00" in table  # no critic: no EV
+    # EV (in sample; out of sample absent from these histories), s / iteration
+    assert "| -0.250 [-0.250, -0.250] | - | 2.00 [2.00, 2.00] | yes |" in table
+    assert "| grpo | `algo=grpo` | 2 |" in table and "| - | - | 2.00" in table  # no critic: no EV
     block = m.docs_block(result)
     assert block.startswith("<!-- critic_budget_cpu:begin -->")
     page = tmp_path / "evidence.md"
     page.write_text("a\n<!-- critic_budget_cpu:begin -->\nold\n<!-- critic_budget_cpu:end -->\nb\n")
     m.write_docs(block, "critic_budget_cpu", page)
     assert "old" not in page.read_text() and table in page.read_text()
-    for stem in ("critic_budget_cpu", "critic_budget_smollm2", "staleness_cpu"):  # the real page
+    real = (
+        "critic_budget_cpu",
+        "critic_budget_smollm2",
+        "staleness_cpu",
+        "matched_critic_arithmetic",
+    )
+    for stem in real:  # the real page
         assert all(marker in m.DOCS_PAGE.read_text() for marker in m.begin_end(stem))
     m.plot(result, tmp_path / "curves.png")
     assert (tmp_path / "curves.png").stat().st_size > 1000
@@ -73,3 +80,46 @@ def test_summary_of_one_run():
     s = m.summarize(h)
     assert s["explained_variance"] is None and s["reward_rise"] == pytest.approx(1.0)
     assert s["reward_curve"] == [(1, 1.0), (2, 2.0)] and s["eval_curve"] == [(0, 0.25)]
+
+
+def test_matched_arms_share_the_samples_per_iteration_and_table_the_critic_against_its_ceiling(
+    tmp_path, monkeypatch
+):
+    m = load_benchmark("critic_budget")
+    arms = m.VARIANT_SETS["matched"]
+    for name, overrides in arms.items():  # every arm generates the same samples per iteration
+        prompts = next(int(o.split("=")[1]) for o in overrides if "prompts_per_iter" in o)
+        assert prompts * m.samples_per_prompt(overrides) == m.MATCHED_SAMPLES, name
+    assert m.samples_per_prompt(arms["grpo_n8"]) == 8 and m.samples_per_prompt(()) == 4
+    calls = []
+    monkeypatch.setattr(m, "run_recipe", lambda run_dir, cache, *o: calls.append(o))
+    args = m.parse_args(
+        ["--task", "critic_arithmetic", "--variants", "matched", "--runs", str(tmp_path / "r")]
+        + ["--seeds", "1", "--iterations", "5"]
+    )
+    runs = tmp_path / "matched" / "critic_arithmetic"
+    for name in arms:
+        write_run(runs / f"{name}_it5_s0", 5, 0.1, critic=False)
+        path = runs / f"{name}_it5_s0" / "metrics.jsonl"
+        rows = [json.loads(x) for x in path.read_text().splitlines()]
+        for row in rows[1:]:
+            row.update({"rollout/response_length": 10.0, "rollout/groups_generated": 256.0})
+            row["rollout/groups_generated"] /= m.samples_per_prompt(arms[name])
+            if name.startswith("ppo"):
+                row["critic/explained_variance"] = 0.1 * row["step"]
+        path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    result = m.measure(args)
+    assert calls == [] and list(result["variants"]) == list(arms)
+    run = result["variants"]["ppo_n1"]["runs"][0]
+    assert run["generated_tokens"] == pytest.approx(5 * 256 * 10.0)
+    assert run["critic_explained_variance_late"] == pytest.approx(0.5)  # the last 20 %: step 5
+    assert run["reward_curve_tokens"][0] == (pytest.approx(256 * 10 / 1e6), pytest.approx(-0.4))
+    assert result["variants"]["grpo_n4"]["runs"][0]["critic_explained_variance_late"] is None
+    table = m.render(result)
+    assert "the starting policy's ceiling is 0.70" in table  # the shipped measurement
+    assert "| ppo_n1 | `rollout.prompts_per_iter=256` `rollout.samples_per_prompt=1`" in table
+    assert "| 1 | 0.01 | +0.40 | 0.50 -> 0.75 | 0.500 | - | 2.00 |" in table  # no checkpoint
+    assert "| grpo_n8 |" in table and "| 0.50 -> 0.75 | - | - | 2.00 |" in table
+    assert m.docs_block(result).startswith("<!-- matched_critic_arithmetic:begin -->")
+    m.plot(result, tmp_path / "matched.png")
+    assert (tmp_path / "matched.png").stat().st_size > 1000

@@ -88,7 +88,12 @@ def test_the_docs_blocks_are_what_the_committed_results_give():
         f"{figures.BEGIN}\n{figures.docs_block(json.loads((results / 'readme_figures.json').read_text()))}\n{figures.END}",
         algo.docs_block(json.loads((results / "algo_options.json").read_text())),
     ]
-    for stem in ("critic_budget_cpu", "critic_budget_smollm2", "staleness_cpu"):
+    for stem in (
+        "critic_budget_cpu",
+        "critic_budget_smollm2",
+        "staleness_cpu",
+        "matched_critic_arithmetic",
+    ):
         blocks.append(budget.docs_block(json.loads((results / f"{stem}.json").read_text())))
     for block in blocks:
         assert block in text, block.splitlines()[0]

@@ -535,7 +535,7 @@ class HoldingBackend(TransformersBackend):
         self.hold_at, self.forwards = hold_at, 0
         self.reached, self.release = threading.Event(), threading.Event()
 
-    def _forward(self, ids, mask, positions, cache):
+    def _forward(self, ids, mask, positions, cache, *args, **kwargs):
         self.forwards += 1
         if self.forwards == self.hold_at:
             self.reached.set()
@@ -543,7 +543,7 @@ class HoldingBackend(TransformersBackend):
             while not (self.interrupted or self.release.is_set()):
                 assert time.monotonic() < deadline, "the held generation was never let go"
                 threading.Event().wait(0.001)
-        return super()._forward(ids, mask, positions, cache)
+        return super()._forward(ids, mask, positions, cache, *args, **kwargs)
 
 
 #: 8 tokens per response, never EOS: every generation is 8 forwards (a prefill and 7 decodes)

@@ -194,3 +194,95 @@ def test_critic_arithmetic_functions_reject_bad_input():
         critic_arithmetic_split(10, 200, digits=[1])
     with pytest.raises(ValueError, match="num_rows must be >= 1, got 0"):
         critic_arithmetic_split(0, 3)
+
+
+# --------------------------------------------------------------------------- mixed difficulty
+def test_mixed_split_levels_shots_and_disjoint_problems():
+    from collections import Counter
+
+    from ar_torchrl.data.tasks import MixedArithmeticDataConfig
+
+    levels = ["+ 0-9", "+ 10-99", "* 10-99"]
+    train, test = MixedArithmeticDataConfig(num_rows=3000, levels=levels, holdout=64).build()
+    assert (len(train), len(test)) == (3000, 64)
+    assert Counter(r["extra_info"]["level"] for r in test) == {
+        "+ 0-9": 22,
+        "+ 10-99": 21,
+        "* 10-99": 21,
+    }
+    drawn = Counter(r["extra_info"]["level"] for r in train)
+    assert set(drawn) == set(levels) and min(drawn.values()) > 900  # drawn uniformly
+    held_questions = {r["prompt"][-1]["content"] for r in test}
+    for ds in (train, test):
+        for i, r in enumerate(ds):
+            a, op, b = r["extra_info"]["problem"].split()
+            low, high = (0, 9) if r["extra_info"]["level"] == "+ 0-9" else (10, 99)
+            assert op == r["extra_info"]["level"][0] and low <= int(a) <= high >= int(b) >= low
+            value = int(a) + int(b) if op == "+" else int(a) * int(b)
+            assert r["reward_model"]["ground_truth"] == str(value) and r["extra_info"]["index"] == i
+            assert dapo_math_reward(f"Answer: {value}", r["reward_model"]["ground_truth"]) == 1.0
+            messages = r["prompt"]
+            assert len(messages) == 7 and messages[-1]["content"] == f"What is {a} {op} {b}?"
+            for question, answer in zip(messages[:-1:2], messages[1:-1:2]):
+                x, shot_op, y = question["content"][len("What is ") : -1].split()
+                assert shot_op == op and low <= int(x) <= high  # a shot of the row's own level
+                assert question["content"] != messages[-1]["content"]
+                assert (
+                    answer["content"]
+                    == f"Answer: {int(x) + int(y) if op == '+' else int(x) * int(y)}"
+                )
+                assert question["content"] not in held_questions  # held out: not even a shot
+    train_problems = {r["extra_info"]["problem"] for r in train}
+    assert train_problems.isdisjoint(r["extra_info"]["problem"] for r in test)
+    again, _ = MixedArithmeticDataConfig(num_rows=3000, levels=levels, holdout=64).build()
+    assert list(again) == list(train)  # seeded
+
+
+def test_parse_level_and_bad_mixed_input():
+    from ar_torchrl.data.tasks import mixed_arithmetic_split, parse_level
+
+    assert parse_level(" - 3-12 ") == ("-", 3, 12)
+    for bad in ["/ 0-9", "+ 9-0", "+0-9", "+ 0-x", "+ 5"]:
+        with pytest.raises(ValueError, match=r"must read 'OP LOW-HIGH' with OP one of"):
+            parse_level(bad)
+    with pytest.raises(ValueError, match=r"levels must be distinct and non-empty"):
+        mixed_arithmetic_split(10, 2, levels=["+ 0-9", "+ 0-9"])
+    with pytest.raises(
+        ValueError, match=r"leave at least half of the 4 problems of level '\+ 0-1'"
+    ):
+        mixed_arithmetic_split(10, 6, levels=["+ 0-1", "* 10-99"])
+    with pytest.raises(ValueError, match=r"need num_rows >= 1 and shots >= 0, got 0, 3"):
+        mixed_arithmetic_split(0, 2)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"levels": ["+ 0-9", "x 1-2"]}, r"config: data.levels: level 'x 1-2' must read 'OP LOW"),
+        ({"levels": []}, r"config: data.levels must be distinct and non-empty, got \[\]"),
+        ({"levels": ["+ 0-9", "+ 0-9"]}, r"levels must be distinct and non-empty"),
+        ({"holdout": 0}, "holdout"),
+        ({"shots": -1}, "shots"),
+        ({"num_rows": 0}, "num_rows"),
+        (
+            {"levels": ["+ 0-3", "* 10-99"], "holdout": 40},
+            r"holdout=40 holds out 20 of the 16 problems of level '\+ 0-3': at most half",
+        ),
+    ],
+)
+def test_mixed_config_rejects_bad_values(options, message):
+    from ar_torchrl.data.tasks import MixedArithmeticDataConfig
+
+    with pytest.raises(ValueError, match=message):
+        MixedArithmeticDataConfig(**options).check("config: data.")
+
+
+def test_smollm2_arithmetic_mixed_config_is_smollm2_arithmetic_with_the_mixed_task():
+    from support.recipe_helpers import typed
+
+    from ar_torchrl.data.tasks import MixedArithmeticDataConfig
+
+    mixed, plain = typed(name="smollm2_arithmetic_mixed"), typed(name="smollm2_arithmetic")
+    assert isinstance(mixed.data, MixedArithmeticDataConfig) and mixed.data.shots == 3
+    assert (mixed.model, mixed.algo, mixed.rollout) == (plain.model, plain.algo, plain.rollout)
+    assert mixed.logger.exp_name == "smollm2_arithmetic_mixed"

@@ -199,3 +199,21 @@ def test_two_ranks_with_a_separate_critic_resume_exactly_and_warm_start_the_crit
     assert info["same_params"], "resumed policy and critic differ from the uninterrupted run"
     assert info["resumed"] == info["straight"][1:]  # every metric of steps 2-3, exactly
     assert info["warm_start_equal"] and info["warm_start_what"] == "the separate critic of step_1"
+
+
+@pytest.mark.slow
+def test_two_ranks_export_the_full_models_from_rank_0(two_ranks, tmp_path):
+    """FSDP2 on 2 ranks: rank 0 writes policy/ and critic/, equal to the unsharded models' export."""
+    from ar_torchrl.distributed import DistContext, export_trained
+
+    assert _json(two_ranks, "export")["per_rank"] == [["critic", "policy"], []]
+    actor, critic = actor_and_critic(seed=12)
+    plain = export_trained(DistContext(), tmp_path, policy=actor, critic=critic)
+    for name in ("policy", "critic"):
+        want = load_file(str(plain[name] / "model.safetensors"))
+        got = load_file(str(two_ranks / "export" / name / "model.safetensors"))
+        assert want.keys() == got.keys() and not any(k.startswith("value_head") for k in got)
+        for k in want:
+            assert torch.equal(got[k], want[k]), (name, k)
+    head = load_file(str(two_ranks / "export" / "critic" / "value_head.safetensors"))
+    assert torch.equal(head["value_head.weight"], critic.model.value_head.weight)

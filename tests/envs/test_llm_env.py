@@ -121,6 +121,27 @@ def test_rollout_returns_the_token_trajectory(tok, model):
     assert (td["policy_version"] == 5).all()
 
 
+def test_rollout_without_max_steps_is_the_deprecated_collect(tok):
+    """0.1's ``env.rollout()`` returned the token trajectory; 0.2 dropped it for TorchRL's bare
+    ``rollout() missing 1 required positional argument: 'max_steps'``. It warns and collects."""
+    env = make_env(tok, ScriptedBackend(tok))
+    with pytest.warns(
+        DeprecationWarning, match=r"LLMEnv.rollout\(\) without max_steps .*env\.collect\(\)"
+    ):
+        td = env.rollout()
+    assert td.batch_dims == 2 and td.shape[0] == 6 and "loss_mask" in td.keys()
+    again = make_env(tok, ScriptedBackend(tok)).collect()
+    assert all(
+        torch.equal(td[k], again[k]) for k in again.keys(True, True)
+    )  # same seeds, same batch
+    with pytest.raises(
+        TypeError,
+        match=r"LLMEnv.rollout\(\) needs max_steps.*env.rollout\(1, \.\.\.\).*env\.collect\(\)",
+    ):
+        env.rollout(policy=None, break_when_any_done=False)
+    assert env.rollout(1).batch_size == torch.Size([6, 1])  # TorchRL's rollout, unchanged
+
+
 def test_scripted_rewards_and_overlong_penalty(tok):
     env = make_env(tok, ScriptedBackend(tok), sampling=SamplingParams(max_new_tokens=12))
     td = env.collect()

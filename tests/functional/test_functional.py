@@ -147,7 +147,7 @@ def test_token_gae_blocked_path_contiguous_rows(dtype, length, gamma, lmbda):
     matmuls, a padded last block for ragged lengths, weights below eps**2 dropped for small c."""
     reward, value, mask = _ragged(5, B=6, L=length, gaps=False, dtype=dtype)
     boot = torch.randn(6, dtype=dtype, generator=torch.Generator().manual_seed(1))
-    assert functional._check_gae_inputs(reward, value, mask)  # contiguous: the layout is used as is
+    assert functional.check_gae_inputs(reward, value, mask)  # contiguous: the layout is used as is
     reward_t = reward.T.contiguous().T  # a non-contiguous layout
     adv, tgt = functional.token_gae(
         reward_t, value, mask, gamma=gamma, lmbda=lmbda, bootstrap_value=boot

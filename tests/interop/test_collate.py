@@ -104,3 +104,21 @@ def test_errors_name_the_problem():
         )
     with pytest.raises(ValueError, match="1 prompt_id for 2 prompts"):
         completions_to_trajectory(prompts, completions, [0.0] * 4, pad_token_id=PAD, prompt_id=[1])
+
+
+def test_group_ids_is_the_deprecated_name_of_prompt_id():
+    prompts, completions = make_batch()
+    rewards = [1.0, -1.0, 0.5, -0.5]
+    new = completions_to_trajectory(
+        prompts, completions, rewards, pad_token_id=PAD, prompt_id=[7, 9]
+    )
+    with pytest.warns(DeprecationWarning, match=r"group_ids=\.\.\.\) is now prompt_id="):
+        old = completions_to_trajectory(
+            prompts, completions, rewards, pad_token_id=PAD, group_ids=[7, 9]
+        )
+    assert old["prompt_id"][:, 0].tolist() == [7, 7, 9, 9]
+    assert all(torch.equal(old[k], new[k]) for k in new.keys(True, True))
+    with pytest.raises(TypeError, match=r"pass prompt_id= only \(group_ids= is its old name\)"):
+        completions_to_trajectory(
+            prompts, completions, rewards, pad_token_id=PAD, prompt_id=[7, 9], group_ids=[7, 9]
+        )

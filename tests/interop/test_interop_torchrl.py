@@ -191,6 +191,47 @@ def test_sampled_pad_ids_are_refused():
         TokenTrajectory.from_policy(policy)
 
 
+def test_plan_micro_batches_names_the_missing_key_of_a_raw_torchrl_batch(finished_batch):
+    """Issue 30: a raw LLMCollector batch gave a bare AttributeError ('NoneType' ... 'bool')."""
+    data, policy = finished_batch
+    assert data.batch_dims == 2  # LLMCollector's [B, 1]
+    with pytest.raises(
+        KeyError,
+        match=r"^plan_micro_batches: the batch has no 'attention_mask' .* raw TorchRL LLM batch .*"
+        r"postproc=TokenTrajectory.from_policy\(policy\)",
+    ):
+        plan_micro_batches(data, token_budget=512)
+    with pytest.raises(
+        ValueError, match=r"expects a \[B, L\] TensorDict, got batch_size \(8,\)\. This is a raw"
+    ):
+        plan_micro_batches(data.reshape(-1), token_budget=512)
+    plan_micro_batches(TokenTrajectory.from_policy(policy)(data), token_budget=512)
+
+
+def test_from_policy_accepts_an_sglang_wrapper():
+    """SGLang keeps every sampled token (no bad_words_ids needed); its generate_kwargs are SGLang's
+    sampling params. The wrapper is built without a server (AsyncSGLang() connects lazily)."""
+    from torchrl.modules.llm import SGLangWrapper
+    from torchrl.modules.llm.backends.sglang import AsyncSGLang
+
+    tok = build_char_tokenizer()
+    policy = SGLangWrapper(
+        AsyncSGLang(),
+        tokenizer=tok,
+        input_mode="history",
+        generate_kwargs={"max_new_tokens": 5, "temperature": 0.7},
+    )
+    conv = TokenTrajectory.from_policy(policy, rollout_log_prob="raise")
+    assert (conv.max_new_tokens, conv.temperature, conv.vocab_size) == (5, 0.7, VOCAB_CHAR)
+    assert sorted(conv.eos_token_ids) == [EOS] and conv.rollout_log_prob == "raise"
+    greedy = SGLangWrapper(
+        AsyncSGLang(), tokenizer=tok, generate_kwargs={"max_new_tokens": 3, "do_sample": False}
+    )
+    assert TokenTrajectory.from_policy(greedy).temperature == 1.0  # greedy log-probs: T = 1
+    with pytest.raises(ValueError, match=r"SGLangWrapper.generate_kwargs has no max_new_tokens"):
+        TokenTrajectory.from_policy(SGLangWrapper(AsyncSGLang(), tokenizer=tok))
+
+
 def row(prompt, response, *, reward=1.0, done=True, version=0, log_probs=None) -> TensorDict:
     """One row as TorchRL's LLMCollector writes it (1-D tensors, ``[1, 1]`` reward)."""
     td = TensorDict(
@@ -562,6 +603,23 @@ def test_replay_buffer_of_several_batches():
     first_update_has_ratio_one(ac, sample, plan)
 
 
+def test_the_converters_collate_fn_pads_with_its_pad_id():
+    """Item 1's second half: the pad id from the converter, not inferred from the batches."""
+    tok = build_char_tokenizer()
+    conv = TokenTrajectory(tok, max_new_tokens=4)
+    a = conv(lazy_stack([row([1, 9], [5, EOS]), row([1, 9, 9], [6, 7, 8, 9])]))
+    b = conv(lazy_stack([row([1], [5, 6, 7, 8])]))  # no padding at all
+    buffer = ReplayBuffer(storage=LazyStackStorage(8), batch_size=3, collate_fn=conv.collate_fn)
+    buffer.extend(a)
+    buffer.extend(b)
+    sample = buffer.sample()
+    assert sample.batch_size[0] == 3
+    assert (sample["tokens"][~sample["attention_mask"]] == conv.pad_token_id).all()
+    assert torch.equal(
+        conv.collate_fn([a, b])["tokens"], pad_trajectories([a, b], pad_token_id=0)["tokens"]
+    )
+
+
 def test_llm_collector_fills_a_replay_buffer_of_token_trajectories():
     """sota grpo's pattern: the collector extends a LazyStackStorage buffer, the trainer samples.
     The second batch's prompts are longer, so the two batches have different widths."""
@@ -608,6 +666,33 @@ def test_llm_collector_fills_a_replay_buffer_of_token_trajectories():
 
 # -- the example ----------------------------------------------------------------------------------
 
+#: names of this library that main() calls; every line that uses one carries a marker
+LIBRARY_CALLS = re.compile(
+    r"\b(attach_value_head|TokenTrajectory|LMActorCritic|TokenGAE|TokenPPOLoss|plan_micro_batches|"
+    r"recompute_old_log_probs_and_values|ppo_update|TorchRLBackend|named_policy_tensors|gae)[.(]"
+)
+
+
+def test_the_example_adds_the_critic_in_five_lines_beyond_torchrls_loop():
+    """The Must-show count: with either engine, at most 5 added lines ([ar_torchrl +]) beyond
+    TorchRL's own loop plus the converter; every other use of the library replaces a TorchRL line
+    ([ar_torchrl ~]) and says which."""
+    import inspect
+
+    source = inspect.getsource(EXAMPLE.main).splitlines()
+    added = [x for x in source if "# [ar_torchrl +]" in x]
+    converter = [x for x in source if "# [ar_torchrl converter]" in x]
+    replaced = [x for x in source if "# [ar_torchrl ~]" in x]
+    assert len(added) == 5 and len(converter) == 1, added
+    assert len(replaced) == 5  # actor, loss, update; SGLang's sync scheme and its sync
+    calls = [x for x in source if LIBRARY_CALLS.search(x.split("#")[0])]
+    unmarked = [x for x in calls if "# [ar_torchrl" not in x]
+    assert not unmarked, unmarked
+    assert len(calls) == len(added) + len(converter) + len(replaced)
+    sglang_only = [x for x in replaced if "sync" in x]
+    assert len(sglang_only) == 2  # the transformers engine samples with the trained model itself
+
+
 LINE = re.compile(
     r"iter +(\d+) .*first-minibatch ratio min (\S+) max (\S+) \((\d+) micro-batches\)"
     r"  value-head grad (\S+)"
@@ -633,3 +718,63 @@ def test_example_runs_torchrl_loop_with_the_critic():
         assert match[2] == match[3] == "1.0", match[0]  # min_ratio == max_ratio == 1.0 exactly
         assert int(match[4]) >= 2  # the first mini-batch accumulated several micro-batches
         assert float(match[5]) > 0, match[0]  # the value head got a gradient
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+def test_example_runs_torchrl_loop_with_an_sglang_wrapper(
+    sglang_server, sglang_api_key, monkeypatch
+):
+    """The same loop with ``SGLangWrapper`` against the real server: first ratio exactly 1, the
+    value head trained, the server's log-probs equal to the trainer's (1e-4) in every iteration,
+    also after the weight sync of the first update."""
+    from support.torchrl_sglang import authorized
+    from torchrl.modules.llm import SGLangWrapper
+    from torchrl.modules.llm.backends.sglang import AsyncSGLang
+
+    from ar_torchrl.backends.torchrl import TorchRLBackend
+    from ar_torchrl.weight_sync import named_policy_tensors
+
+    authorized(monkeypatch, sglang_server.url, sglang_api_key)
+    tok = build_char_tokenizer()
+    # the server serves the example's starting policy (--no-warm-start: the seed-0 tiny Qwen3)
+    with TorchRLBackend(SGLangWrapper(AsyncSGLang.connect(sglang_server.url), tokenizer=tok)) as e:
+        e.sync_weights(named_policy_tensors(build_tiny_qwen3(len(tok))), version=0)
+    history = EXAMPLE.main(
+        2,
+        engine="sglang",
+        url=sglang_server.url,
+        warm_start=False,
+        prompts_per_batch=2,
+        group_size=2,
+        max_new_tokens=6,
+        num_minibatches=1,  # 4 rows: one micro-batch of the 512-token budget
+    )
+    assert len(history) == 2
+    for row in history:
+        assert row["first_min_ratio"] == row["first_max_ratio"] == 1.0
+        assert row["value_head_grad_norm"] > 0
+        assert row["engine_log_prob_max_abs_diff"] <= 1e-4
+
+
+def test_torchrls_log_prob_key_name_through_set_keys():
+    """docs/torchrl.md's key table: TorchRL 0.14's ClipPPOLoss calls the old log-prob
+    "action_log_prob"; TokenPPOLoss keeps "sample_log_prob" and takes TorchRL's through set_keys,
+    which the anchors and the update read from the loss."""
+    from torchrl.objectives import ClipPPOLoss
+
+    from ar_torchrl.objectives import TokenGAE, TokenPPOLoss
+    from ar_torchrl.training import ppo_update, recompute_old_log_probs_and_values
+
+    assert ClipPPOLoss._AcceptedKeys().sample_log_prob == "action_log_prob"
+    td = make_trajectory([3, 4], [5, 3])
+    ac = tiny_actor_critic(0)
+    loss = TokenPPOLoss(ac)
+    assert loss.tensor_keys.sample_log_prob == "sample_log_prob"
+    loss.set_keys(sample_log_prob="action_log_prob")
+    plan = plan_micro_batches(td, token_budget=200)
+    recompute_old_log_probs_and_values(ac, td, plan, loss=loss)
+    assert "action_log_prob" in td.keys() and "sample_log_prob" not in td.keys()
+    TokenGAE()(td)
+    out = ppo_update(loss, torch.optim.SGD(loss.parameters(), lr=0.0), td, plan)
+    assert out["train/min_ratio"] == out["train/max_ratio"] == 1.0

@@ -21,7 +21,7 @@ from ar_torchrl.objectives import (
     needs_critic,
     register_advantage,
 )
-from ar_torchrl.objectives import registry as R
+from ar_torchrl.objectives import registry as advantage_registry
 from ar_torchrl.objectives.config import RLOOConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,10 +30,10 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def scratch_registry():
     """Names registered by a test are removed afterwards."""
-    before = dict(R.ADVANTAGES._entries)
+    before = dict(advantage_registry.ADVANTAGES._entries)
     yield
-    R.ADVANTAGES._entries.clear()
-    R.ADVANTAGES._entries.update(before)
+    advantage_registry.ADVANTAGES._entries.clear()
+    advantage_registry.ADVANTAGES._entries.update(before)
 
 
 def test_builtin_estimators_and_their_arguments():
@@ -47,13 +47,14 @@ def test_builtin_estimators_and_their_arguments():
     rloo = make_advantage("rloo", critic=True, gamma=0.5)
     assert isinstance(rloo, RLOOAdvantage) and rloo.critic_targets and rloo.gamma == 0.5
     # each entry carries its torch-free schema, with the library's own range checks
-    assert [f.name for f in dataclasses.fields(R.ADVANTAGES["gae"].config)] == [
+    assert [f.name for f in dataclasses.fields(advantage_registry.ADVANTAGES["gae"].config)] == [
         "lmbda",
+        "critic_lmbda",
         "normalize_advantage",
         "timestep",
     ]
     with pytest.raises(ValueError, match=r"config: algo.gae.lmbda must be >= 0 and <= 1, got 2"):
-        R.ADVANTAGES.options("gae", {"lmbda": 2}, prefix="config: algo.gae.")
+        advantage_registry.ADVANTAGES.options("gae", {"lmbda": 2}, prefix="config: algo.gae.")
 
 
 def trajectory():
@@ -63,7 +64,7 @@ def trajectory():
 
 
 def test_registered_estimators_run_on_a_trajectory():
-    for name in ("gae", "grpo", "rloo"):
+    for name in ("gae", "grpo", "rloo", "reinforce_pp"):
         td = trajectory()
         out = make_advantage(name, critic=True)(td)
         assert out["advantage"].shape == out["value_target"].shape == (*td.shape, 1)
@@ -129,4 +130,4 @@ def test_recipe_accepts_exactly_the_registered_names(scratch_registry):
 def test_registry_imports_no_torch():
     code = "import sys, ar_torchrl.objectives.registry as r; print(r.advantage_names(), 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "('gae', 'grpo', 'rloo') False"
+    assert out.stdout.strip() == "('gae', 'grpo', 'rloo', 'reinforce_pp') False"

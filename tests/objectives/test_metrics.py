@@ -177,3 +177,92 @@ def test_ranks_combine_to_the_single_process_metrics(seed):
     assert set(results[0]) == set(want)
     for key, value_ in want.items():
         assert results[0][key] == pytest.approx(value_, rel=1e-12, abs=1e-12), key
+
+
+# ----------------------------------------------------------------------------- critic health
+def _critic_batch(seed: int, gamma_rewards: bool = True):
+    """A [B, L] batch: prompts, responses with tool-token gaps, per-token shaping and outcomes."""
+    from tensordict import TensorDict
+
+    g = torch.Generator().manual_seed(seed)
+    rows, width = 7, 12
+    mask = torch.zeros(rows, width, dtype=torch.bool)
+    for b in range(rows):
+        start, stop = 2 + b % 3, width - b % 4
+        mask[b, start:stop] = torch.rand(stop - start, generator=g) < 0.8
+    reward = torch.where(mask, 0.1 * torch.randn(rows, width, generator=g), 0.0)
+    last = torch.where(mask, torch.arange(width), -1).amax(-1)
+    outcome = torch.randint(0, 2, (rows,), generator=g).float() * 2 - 1
+    for b in range(rows):
+        reward[b, last[b]] += outcome[b]
+    value = torch.randn(rows, width, 1, generator=g) * 0.5
+    td = TensorDict(
+        {"loss_mask": mask, "state_value": value, "next": {"reward": reward.unsqueeze(-1)}},
+        [rows, width],
+    )
+    return td
+
+
+def _health_loop(td, gamma):
+    """critic_health's definitions, in Python floats."""
+    mask, reward = td["loss_mask"], td["next", "reward"].squeeze(-1)
+    value = td["state_value"].squeeze(-1)
+    items = []  # (third, value, return) per trained token
+    for b in range(mask.shape[0]):
+        trained = [t for t in range(mask.shape[1]) if mask[b, t]]
+        ret, returns = 0.0, {}
+        for t in reversed(trained):
+            ret = float(reward[b, t]) + gamma * ret
+            returns[t] = ret
+        for i, t in enumerate(trained):
+            items.append((3 * i // len(trained), float(value[b, t]), returns[t]))
+
+    def stats(sel):
+        v, r = [x[1] for x in sel], [x[2] for x in sel]
+        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+        var = lambda xs: mean([(x - mean(xs)) ** 2 for x in xs])  # noqa: E731
+        return v, r, 1 - var([a - b for a, b in zip(r, v)]) / var(r), var
+
+    v, r, ev, var = stats(items)
+    out = {
+        "critic/explained_variance": ev,
+        "critic/value_mean": sum(v) / len(v),
+        "critic/value_std": math.sqrt(var(v)),
+        "critic/return_mean": sum(r) / len(r),
+        "critic/return_std": math.sqrt(var(r)),
+    }
+    for i, name in enumerate(("early", "middle", "late")):
+        out[f"critic/explained_variance_{name}"] = stats([x for x in items if x[0] == i])[2]
+    return out
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("gamma", [1.0, 0.95])
+def test_critic_health_is_a_plain_loop_over_anchors_and_monte_carlo_returns(seed, gamma):
+    td = _critic_batch(seed)
+    got = metrics.critic_health(td, gamma)
+    want = _health_loop(td, gamma)
+    assert set(got) == set(metrics.CRITIC_HEALTH_KEYS) == set(want)
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, abs=1e-6), key
+
+
+def test_critic_health_leaves_out_what_is_undefined_and_names_a_missing_key():
+    td = _critic_batch(0)
+    mask = td["loss_mask"]
+    flat = td.clone()
+    last = torch.where(mask, torch.arange(mask.shape[1]), -1).amax(-1)
+    reward = torch.zeros(mask.shape)
+    reward[torch.arange(mask.shape[0]), last] = -1.0  # every row failed: the returns do not vary
+    flat["next", "reward"] = reward.unsqueeze(-1)
+    got = metrics.critic_health(flat, 1.0)
+    assert not any(k.startswith("critic/explained_variance") for k in got)
+    assert got["critic/return_mean"] == -1.0 and got["critic/return_std"] == 0.0
+    none = td.clone()
+    none["loss_mask"] = torch.zeros_like(mask)
+    none["next", "reward"] = torch.zeros_like(td["next", "reward"])
+    assert metrics.critic_health(none, 1.0) == {}
+    with pytest.raises(KeyError, match=r"critic_health: missing key 'state_value' \(the anchors"):
+        metrics.critic_health(td.exclude("state_value"), 1.0)
+    with pytest.raises(ValueError, match=r"'loss_mask' must be a bool \[B, L\] tensor"):
+        metrics.critic_health(td.set("loss_mask", mask.float()), 1.0)

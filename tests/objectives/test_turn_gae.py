@@ -188,7 +188,7 @@ HYPER = [
 def test_token_gae_over_tool_spans_matches_the_loop(seed, gamma, lmbda, critic_lmbda, dtype):
     ep = _episodes(seed, dtype=dtype)
     boot = _bootstrap_loop(ep)
-    assert not functional._check_gae_inputs(
+    assert not functional.check_gae_inputs(
         ep["reward"], ep["value"], ep["mask"]
     )  # the compacted path
     for bootstrap in (None, boot):

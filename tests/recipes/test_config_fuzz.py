@@ -18,7 +18,7 @@ from support.recipe_helpers import load
 
 from ar_torchrl.recipes.dapo_ppo import Config, validate_config
 
-#: Typed keys of configs/dapo_ppo.yaml (the timeouts are checked by their own tests).
+#: Typed keys of ar_torchrl/configs/dapo_ppo.yaml (the timeouts are checked by their own tests).
 KEYS = [
     "algo.lr",
     "algo.gamma",

@@ -19,7 +19,7 @@ from ar_torchrl.backends.sglang.config import SGLangBackendConfig
 from ar_torchrl.backends.transformers.config import TrainsideBackendConfig
 from ar_torchrl.data.datasets import ArithmeticDataConfig, DapoMathDataConfig
 from ar_torchrl.models.config import PretrainedModelConfig, SmolLM2ModelConfig, TinyModelConfig
-from ar_torchrl.recipes.dapo_ppo import config as C
+from ar_torchrl.recipes.dapo_ppo import config as recipe_config
 
 
 def recipe_module():
@@ -109,7 +109,12 @@ def test_groups_carry_only_their_own_keys():
     assert "path" not in load().data and "num_rows" not in load(overrides=["data=dapo_math"]).data
     assert {"hidden_size", "path"} & set(load(overrides=["model=smollm2_135m"]).model) == set()
     grpo = load(overrides=["algo=grpo"]).algo
-    assert grpo.gae == {"lmbda": 0.95, "normalize_advantage": True, "timestep": "token"}  # defaults
+    assert grpo.gae == {  # defaults
+        "lmbda": 0.95,
+        "critic_lmbda": None,
+        "normalize_advantage": True,
+        "timestep": "token",
+    }
     assert "grpo" not in OmegaConf.load(CONFIGS / "algo" / "ppo_gae.yaml")
     assert not {"gae", "clip_value", "value_lr"} & set(
         OmegaConf.load(CONFIGS / "algo" / "grpo.yaml")
@@ -330,7 +335,7 @@ def test_config_check_never_imports_torch():
 def test_resumable_changes_exist_in_the_schema():
     from ar_torchrl.recipes import dapo_ppo
 
-    cfg = OmegaConf.structured(C.Config)
+    cfg = OmegaConf.structured(recipe_config.Config)
     for key in dapo_ppo.RESUMABLE_CHANGES:
         section, leaf = key.split(".")
         assert leaf in cfg[section].keys(), key
@@ -341,7 +346,7 @@ def test_dist_group_and_when_the_recipe_shards(monkeypatch):
     default stays one plain process (same code path, same numbers)."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     cfg = typed()
-    assert cfg.dist == C.DistConfig(
+    assert cfg.dist == recipe_config.DistConfig(
         backend="auto", fsdp="auto", reshard_after_forward=True, timeout_s=1800.0
     )
     assert (cfg.model.dtype, cfg.model.gradient_checkpointing, cfg.sharded) == (

@@ -30,9 +30,9 @@ from ar_torchrl.checkpoint import LocalStore, local
 from ar_torchrl.data.datasets import make_row
 from ar_torchrl.models.tiny import save_tiny_model
 from ar_torchrl.recipes import dapo_ppo
-from ar_torchrl.recipes import run as runs
 from ar_torchrl.recipes.dapo_ppo import build as recipe
-from ar_torchrl.recipes.dapo_ppo import config as C
+from ar_torchrl.recipes.dapo_ppo import config as recipe_config
+from ar_torchrl.recipes.launch import find_checkpoint, prepare_run_dir
 from ar_torchrl.recipes.strategy import LocalStrategy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -250,21 +250,37 @@ def test_a_checkpoint_of_the_previous_layout_resumes_exactly(tmp_path, cache_dir
     assert [h["step"] for h in from_today] == [7, 8]
     same_runs(resumed[7:], from_today)  # the steps trained after resuming: exactly equal
     written = torch.load(tmp_path / "today" / "checkpoints" / "step_8.pt", weights_only=True)
-    assert_same_tree(written, raw, values=False)  # the layout today's recipe writes
+    # the layout today's recipe writes: the legacy one plus the keys added since (read as their
+    # defaults when absent)
+    assert_same_tree(written, raw, values=False, added=ADDED_SINCE_LEGACY)
 
 
-def assert_same_tree(a, b, *, values: bool, where: str = "checkpoint") -> None:
+#: Checkpoint entries written since the legacy layout, each read as a default when absent.
+ADDED_SINCE_LEGACY = {
+    "checkpoint['extra']['collector']": {"interruptions"},
+    # the value head's own gradient-clip group (build.critic_clip_groups re-applies it on resume)
+    "checkpoint['optimizer']['param_groups'][1]": {"clip_group"},
+}
+
+
+def assert_same_tree(
+    a, b, *, values: bool, where: str = "checkpoint", added: dict[str, set] | None = None
+) -> None:
     """``a`` and ``b`` have the same keys, containers, tensor dtypes and shapes (``values``: and
-    the same tensors, bit for bit, and the same plain values)."""
+    the same tensors, bit for bit, and the same plain values); ``added`` names, per place, the keys
+    ``a`` may hold that ``b`` lacks."""
+    added = added or {}
     assert type(a) is type(b), f"{where}: {type(a).__name__} vs {type(b).__name__}"
     if isinstance(a, dict):
-        assert a.keys() == b.keys(), f"{where}: keys {sorted(a)} vs {sorted(b)}"
+        extra = added.get(where, set())
+        assert a.keys() - extra == b.keys(), f"{where}: keys {sorted(a)} vs {sorted(b)}"
+        a = {k: v for k, v in a.items() if k not in extra}
         for k in a:
-            assert_same_tree(a[k], b[k], values=values, where=f"{where}[{k!r}]")
+            assert_same_tree(a[k], b[k], values=values, where=f"{where}[{k!r}]", added=added)
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), f"{where}: {len(a)} vs {len(b)} items"
         for i, (x, y) in enumerate(zip(a, b)):
-            assert_same_tree(x, y, values=values, where=f"{where}[{i}]")
+            assert_same_tree(x, y, values=values, where=f"{where}[{i}]", added=added)
     elif isinstance(a, torch.Tensor):
         assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{where}: {a.dtype}{list(a.shape)}"
         assert not values or torch.equal(a, b), f"{where}: other values"
@@ -313,7 +329,7 @@ def imported_modules(stderr: str) -> set[str]:
         (
             ["algo.advantage_mode=ppo"],
             1,
-            "algo.advantage_mode='ppo' is not one of ['gae', 'grpo', 'rloo']",
+            "algo.advantage_mode='ppo' is not one of ['gae', 'grpo', 'rloo', 'reinforce_pp']",
         ),
         (["+algo.lrr=1e-4"], 1, "no schema has the key(s) algo.lrr (did you mean 'algo.lr'?)"),
         (["backend=sglang", "backend.url=notaurl"], 1, "backend.url='notaurl' is not a server URL"),
@@ -360,7 +376,7 @@ def test_rerun_before_the_first_checkpoint_starts_a_clean_history(tmp_path):
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"step": 3, "rollout/rew')  # killed while writing
     (tmp_path / "checkpoints" / ".step_3.pt-x8k2.tmp").write_bytes(b"half")
-    runs.prepare_run_dir(tmp_path, None)
+    prepare_run_dir(tmp_path, None)
     assert (tmp_path / "metrics.jsonl").read_text() == ""
     assert (
         tmp_path / "logs" / "dapo_ppo" / "scalars" / "rollout" / "reward_mean.csv"
@@ -372,7 +388,7 @@ def test_resume_from_another_run_copies_its_history_up_to_the_checkpoint(tmp_pat
     old, new = tmp_path / "old", tmp_path / "new"
     fake_run(old, 5, checkpoint_steps=(2, 4))
     new.mkdir()
-    runs.prepare_run_dir(new, old / "checkpoints" / "step_2.pt")
+    prepare_run_dir(new, old / "checkpoints" / "step_2.pt")
     assert [h["step"] for h in read_history(new)] == [0, 1, 2]
     assert (
         new / "logs" / "dapo_ppo" / "scalars" / "rollout" / "reward_mean.csv"
@@ -383,7 +399,7 @@ def test_resume_from_another_run_copies_its_history_up_to_the_checkpoint(tmp_pat
 def test_find_checkpoint(tmp_path):
     runs, here = tmp_path / "runs", tmp_path / "runs" / "now"
     raw = load([f"runs_dir={runs}", "train.resume_from=auto"])
-    cfg = C.validate_config(raw)
+    cfg = recipe_config.validate_config(raw)
     with pytest.raises(
         FileNotFoundError, match="train.resume_from=auto: no run directory under runs_dir="
     ):
@@ -398,28 +414,33 @@ def test_find_checkpoint(tmp_path):
     explicit = load([f"train.resume_from={runs / 'b'}"])
     assert (
         dapo_ppo.checkpoint_to_resume(
-            C.validate_config(explicit), explicit, here, LocalStore()
+            recipe_config.validate_config(explicit), explicit, here, LocalStore()
         ).name
         == "step_6.pt"
     )
     done = load([f"train.resume_from={runs / 'b'}", "train.iterations=6"])
     with pytest.raises(ValueError, match="is at step 6, train.iterations=6: nothing left to do"):
-        dapo_ppo.checkpoint_to_resume(C.validate_config(done), done, here, LocalStore())
+        dapo_ppo.checkpoint_to_resume(recipe_config.validate_config(done), done, here, LocalStore())
     missing = load([f"train.resume_from={tmp_path / 'nope'}"])
     with pytest.raises(
         FileNotFoundError,
         match=r"neither a checkpoint nor a run directory with checkpoints/step_<N>\.pt ",
     ):
-        dapo_ppo.checkpoint_to_resume(C.validate_config(missing), missing, here, LocalStore())
+        dapo_ppo.checkpoint_to_resume(
+            recipe_config.validate_config(missing), missing, here, LocalStore()
+        )
     plain = load()  # no resume_from: the run directory's own checkpoints (hydra.run.dir=<it>)
     assert (
         dapo_ppo.checkpoint_to_resume(
-            C.validate_config(plain), plain, runs / "a", LocalStore()
+            recipe_config.validate_config(plain), plain, runs / "a", LocalStore()
         ).name
         == "step_4.pt"
     )
     assert (
-        dapo_ppo.checkpoint_to_resume(C.validate_config(plain), plain, here, LocalStore()) is None
+        dapo_ppo.checkpoint_to_resume(
+            recipe_config.validate_config(plain), plain, here, LocalStore()
+        )
+        is None
     )
 
 
@@ -429,11 +450,13 @@ def test_find_checkpoint_of_before_the_store_still_works_with_a_warning(tmp_path
     fake_run(tmp_path / "a", 4, (2, 4))
     raw = load([f"train.resume_from={tmp_path / 'a'}"])
     with pytest.warns(DeprecationWarning, match=r"dapo_ppo.checkpoint_to_resume\(cfg, raw, run_"):
-        found = dapo_ppo.find_checkpoint(C.validate_config(raw), raw, tmp_path, LocalStrategy())
+        found = dapo_ppo.find_checkpoint(
+            recipe_config.validate_config(raw), raw, tmp_path, LocalStrategy()
+        )
     assert found == tmp_path / "a" / "checkpoints" / "step_4.pt"
     store = LocalStore()
     with pytest.warns(DeprecationWarning, match=r"is now find_checkpoint\(store=\)"):
-        found = runs.find_checkpoint(
+        found = find_checkpoint(
             str(tmp_path / "a"),
             run_dir=tmp_path,
             runs_dir=tmp_path,
@@ -452,7 +475,9 @@ def test_failed_sglang_launch_leaves_no_model_copy(tmp_path):
     from ar_torchrl.models import build_tiny_model
     from ar_torchrl.modules import attach_value_head
 
-    cfg = C.validate_config(load(["backend=sglang", "backend.python=/nonexistent/python"]))
+    cfg = recipe_config.validate_config(
+        load(["backend=sglang", "backend.python=/nonexistent/python"])
+    )
     model, tok = build_tiny_model()
     model = attach_value_head(model)
     with pytest.raises(FileNotFoundError, match="SGLang server python /nonexistent/python"):
@@ -463,7 +488,9 @@ def test_failed_sglang_launch_leaves_no_model_copy(tmp_path):
 
 # ----------------------------------------------------------------------------- bad input
 def test_missing_dataset_file():
-    cfg = C.validate_config(load(["data=dapo_math", "data.path=/nonexistent/dapo.parquet"]))
+    cfg = recipe_config.validate_config(
+        load(["data=dapo_math", "data.path=/nonexistent/dapo.parquet"])
+    )
     with pytest.raises(FileNotFoundError, match="no file at /nonexistent/dapo.parquet"):
         recipe.build_datasets(cfg)
 
@@ -477,9 +504,9 @@ def test_malformed_dataset_rows_fail_or_are_skipped_and_counted(tmp_path):
     with pytest.raises(
         ValueError, match=r"bad.jsonl: line 4: field 'reward_model.ground_truth' is missing"
     ):
-        recipe.build_datasets(C.validate_config(load(data)))
+        recipe.build_datasets(recipe_config.validate_config(load(data)))
     train, held_out = recipe.build_datasets(
-        C.validate_config(load([*data, "data.skip_invalid=true"]))
+        recipe_config.validate_config(load([*data, "data.skip_invalid=true"]))
     )
     assert len(train) + len(held_out) == 19  # the bad row is skipped and counted, nothing else lost
 
@@ -495,10 +522,10 @@ def test_an_over_long_prompt_is_named_by_its_line_at_load_or_skipped_and_counted
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     data = ["data=dapo_math", f"data.path={path}", "data.holdout=4", "train.eval_prompts=4"]
     tok = build_char_tokenizer()
-    cfg = C.validate_config(load(data))
+    cfg = recipe_config.validate_config(load(data))
     with pytest.raises(ValueError, match=r"long.jsonl line 7 has \d+ tokens, more than the 500 "):
         recipe.fit_prompts(cfg, recipe.build_datasets(cfg), tok, context=512)
-    cfg = C.validate_config(load([*data, "data.skip_invalid=true"]))
+    cfg = recipe_config.validate_config(load([*data, "data.skip_invalid=true"]))
     train, held_out = recipe.fit_prompts(cfg, recipe.build_datasets(cfg), tok, context=512)
     assert len(train) + len(held_out) == 19  # the long row skipped, nothing else lost
     assert "skipped 1 prompt(s) longer than the 500 tokens" in caplog.text
@@ -550,7 +577,7 @@ def test_a_reward_of_the_wrong_type_names_the_function_and_the_row(value):
 def test_tokenizer_without_chat_template(tmp_path):
     model_dir = save_tiny_model(tmp_path / "m")
     (model_dir / "chat_template.jinja").unlink()
-    cfg = C.validate_config(
+    cfg = recipe_config.validate_config(
         load(
             [
                 "model=qwen3_4b_base",

@@ -223,7 +223,10 @@ def test_two_ranks_with_a_separate_critic_match_one_process_and_resume_exactly(
     rank 0 plays the episodes, both ranks train, rank 0's rollout copy gets every update): the same
     samples and, up to float rounding, the same losses as one process (tests/recipes/test_recipe_critic.py's
     run); the 2-rank checkpoint of both models resumes to the same metrics."""
+    from support.hf_export import weight_names
     from support.recipe_runs import SEPARATE, TOOL_CONFIG
+
+    from ar_torchrl.models.export import load_critic
 
     one_dir, one = separate_run
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
@@ -240,6 +243,9 @@ def test_two_ranks_with_a_separate_critic_match_one_process_and_resume_exactly(
             assert b[f"train/{key}"] == pytest.approx(a[f"train/{key}"], rel=1e-4, abs=1e-6), key
     assert {"eval/accuracy", "eval/tool_call_rate"} <= set(two[-1])
     assert {p.name for p in (straight / "checkpoints").iterdir()} == {"step_1", "step_2", "step_3"}
+    # the end-of-run export from 2 ranks (rank 0 writes): an HF policy, the critic with its head
+    assert not any(n.startswith("value_head") for n in weight_names(straight / "policy"))
+    assert load_critic(straight / "critic").model.value_head.weight.abs().sum() > 0
     resume = f"train.resume_from={straight / 'checkpoints' / 'step_2'}"
     with torchrun(resumed, cache_dir, *SEPARATE, resume, config_name=TOOL_CONFIG) as proc:
         out = finish(proc)

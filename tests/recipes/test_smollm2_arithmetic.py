@@ -1,4 +1,4 @@
-"""The real-model configuration (configs/smollm2_arithmetic.yaml): it composes to the typed schema,
+"""The real-model configuration (ar_torchrl/configs/smollm2_arithmetic.yaml): it composes to the typed schema,
 bad task values are rejected naming the key, its data split is disjoint, and two iterations of it
 run end to end on SmolLM2-135M-Instruct (CI smoke run; the learning curves in the README are a
 benchmark run, not a test)."""
@@ -17,7 +17,7 @@ from support.recipe_helpers import load as _load
 
 from ar_torchrl.data.tasks import FewshotArithmeticDataConfig
 from ar_torchrl.models.config import SmolLM2ModelConfig
-from ar_torchrl.recipes.dapo_ppo import config as C
+from ar_torchrl.recipes.dapo_ppo import config as recipe_config
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "dapo_ppo.py"
@@ -30,7 +30,7 @@ def load(overrides=(), name: str = CONFIG):
 
 @pytest.mark.parametrize("overrides", [[], ["algo=grpo"], ["backend=sglang"]])
 def test_config_composes_and_validates(overrides):
-    cfg = C.validate_config(load(overrides))
+    cfg = recipe_config.validate_config(load(overrides))
     assert isinstance(cfg.model, SmolLM2ModelConfig)
     assert isinstance(cfg.data, FewshotArithmeticDataConfig)
     assert cfg.algo.lr == 1e-5 and cfg.algo.kl_coeff == 0.0  # kl 0: no frozen reference copy
@@ -40,7 +40,7 @@ def test_config_composes_and_validates(overrides):
 def test_split_is_disjoint_and_evaluation_uses_every_held_out_problem():
     from ar_torchrl.recipes.dapo_ppo import build  # torch, transformers, TorchRL
 
-    cfg = C.validate_config(load())
+    cfg = recipe_config.validate_config(load())
     train, held_out = build.build_datasets(cfg)
     assert (len(train), len(held_out)) == (cfg.data.num_rows, cfg.data.holdout)
     seen = {m["content"] for r in train for m in r["prompt"]}
@@ -59,11 +59,11 @@ def test_split_is_disjoint_and_evaluation_uses_every_held_out_problem():
 )
 def test_bad_task_values_name_the_key(override, message):
     with pytest.raises(ValueError, match=message):
-        C.validate_config(load([override]))
+        recipe_config.validate_config(load([override]))
 
 
 def test_fewshot_task_is_a_data_option_of_the_default_recipe():
-    cfg = C.validate_config(load(["data=fewshot_arithmetic"], name="dapo_ppo"))
+    cfg = recipe_config.validate_config(load(["data=fewshot_arithmetic"], name="dapo_ppo"))
     assert isinstance(cfg.data, FewshotArithmeticDataConfig) and cfg.data.holdout == 64
 
 

@@ -141,6 +141,10 @@ def _entry(rank: int, fn, world_size: int, out: str, parent: int) -> None:
     ctx = init_distributed("cpu", init_method=f"file://{out}/store", timeout_s=300)
     try:
         fn(ctx, Path(out))
+        # every rank past its last collective before any rank tears the group down (one CI run
+        # saw rank 1 abort in teardown, "terminate called without an active exception", after
+        # the last check's writes while rank 0 was still finishing them; not reproduced here)
+        torch.distributed.barrier()
     finally:
         close_distributed(ctx)
 
@@ -465,9 +469,24 @@ def separate_critic_checks(ctx, out: Path) -> None:
     )
 
 
+def export_checks(ctx, out: Path) -> None:
+    """The end-of-run export from 2 FSDP2 ranks (bf16 compute): every rank gathers, rank 0 writes
+    ``out/export/{policy,critic}``; what each rank got back."""
+    from ar_torchrl.distributed import export_trained
+
+    actor, critic = (
+        shard_actor_critic(m, ctx, compute_dtype="bfloat16") for m in actor_and_critic(seed=12)
+    )
+    written = export_trained(ctx, out / "export", policy=actor, critic=critic)
+    per_rank = [None] * ctx.world_size
+    torch.distributed.all_gather_object(per_rank, sorted(written))
+    _save(ctx, out, "export", data={"per_rank": per_rank})
+
+
 def all_checks(ctx, out: Path) -> None:
     """Every multi-process check in one spawn (each spawn costs seconds of imports per rank)."""
     train_checks(ctx, out)
     load_checks(ctx, out)
     resume_checks(ctx, out)
     separate_critic_checks(ctx, out)
+    export_checks(ctx, out)

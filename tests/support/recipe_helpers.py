@@ -12,9 +12,10 @@ from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 
 from ar_torchrl.recipes import dapo_ppo
+from ar_torchrl.recipes.config import CONFIG_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIGS = ROOT / "configs"
+CONFIGS = CONFIG_DIR  # ar_torchrl/configs/, shipped in the wheel
 
 
 def store_schemas() -> None:

@@ -301,7 +301,7 @@ def test_a_tool_raising_a_base_exception_is_a_raised_result_not_a_timeout(error,
 def test_a_signal_to_the_process_still_stops_the_run_during_a_tool_call(timeout_s):
     """A SIGTERM (or Ctrl-C) to the trainer while a tool runs: the recipe's handler raises
     KeyboardInterrupt in the main thread, which waits for the tool, and it comes through."""
-    from ar_torchrl.recipes.run import StopOnSignal
+    from ar_torchrl.recipes.launch import StopOnSignal
 
     release = threading.Event()
     box = Toolbox([Blocking(release)], TagParser(), timeout_s=timeout_s)
@@ -321,7 +321,7 @@ def test_a_signal_to_the_process_still_stops_the_run_during_a_tool_call(timeout_
 def test_a_graceful_signal_lets_the_tool_call_finish():
     """With the loop running (graceful), the first signal only asks to stop after the iteration:
     the wait for the tool goes on and its answer comes back."""
-    from ar_torchrl.recipes.run import StopOnSignal
+    from ar_torchrl.recipes.launch import StopOnSignal
 
     release = threading.Event()
     box = Toolbox([Blocking(release)], TagParser(), timeout_s=None)

@@ -79,9 +79,10 @@ def test_registry_builds_every_method_and_rejects_the_wrong_engine():
     assert sync_methods("sglang") == ["disk", "tensor", "distributed"]
     rollout = build_tiny_qwen3(99)
     for method in SYNC_METHODS.entries():
-        target = rollout if method.engine == "trainside" else None
+        target = rollout if method.engine in ("trainside", "torchrl") else None
         sender = make_sender(method.name, target, engine=method.engine)
         assert isinstance(sender, WeightSender), method.name
+        sender.close()
     with pytest.raises(
         ValueError, match=r"'ftp' is unknown; choose one of \['disk', 'tensor', 'distributed'\]"
     ):

@@ -1,8 +1,9 @@
 """The DAPO-math PPO recipe as library code: config schemas, builders, the loop, the entry.
 
 - :mod:`.config`: the typed configuration (the recipe's sections; group options from registries);
-- :mod:`.main`: :func:`run`, from a composed configuration to a finished run (what
-  ``examples/dapo_ppo.py`` calls);
+- :mod:`.main`: :func:`run`, from a composed configuration to a finished run, and ``cli``, the
+  command line (``ar-torchrl-dapo``, ``python -m ar_torchrl.recipes.dapo_ppo``,
+  ``examples/dapo_ppo.py``);
 - :mod:`.build` and :mod:`.loop`: the pieces and the PPO loop (torch, transformers, TorchRL).
 
 Importing this package imports neither torch nor Hydra.

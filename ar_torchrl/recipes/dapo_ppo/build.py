@@ -39,6 +39,7 @@ __all__ = [
     "build_loss",
     "build_optimizer",
     "build_reward",
+    "critic_clip_groups",
     "seed_everything",
 ]
 
@@ -253,23 +254,40 @@ def use_popart(model: torch.nn.Module, beta: float) -> None:
 CRITIC_GROUPS = ("value_head", "critic")
 
 
+#: The gradient-clip group of the critic's param group (:func:`~ar_torchrl.training.ppo_update`
+#: clips it on its own and reports ``train/grad_norm_critic``).
+CRITIC_CLIP_GROUP = "critic"
+
+
 def build_optimizer(
     cfg: Config, model: torch.nn.Module, critic: torch.nn.Module | None = None
 ) -> torch.optim.Optimizer:
-    """AdamW with its own param group (learning rate) for the critic: the policy's value head, or
-    the whole separate ``critic``, whose gradient is then also clipped on its own
-    (``clip_group``; :func:`~ar_torchrl.training.ppo_update`)."""
+    """AdamW with its own param group for the critic (the policy's value head, or the whole
+    separate ``critic``): its own learning rate, and its gradient clipped on its own
+    (``clip_group``, :func:`~ar_torchrl.training.ppo_update`; ``train/grad_norm_critic``), so the
+    value loss's gradient never shrinks the policy's step (verl clips actor and critic apart)."""
     a = cfg.algo
     value_lr = a.lr if a.value_lr is None else a.value_lr  # 0: a frozen critic
     if critic is not None:
         policy = {"params": list(model.parameters()), "lr": a.lr, "name": "policy"}
         critic_group = {"params": list(critic.parameters()), "lr": value_lr, "name": "critic"}
-        critic_group["clip_group"] = "critic"
-        return torch.optim.AdamW([policy, critic_group], weight_decay=a.weight_decay)
-    head = list(model.value_head.parameters())
-    head_ids = {id(p) for p in head}
-    policy = [p for p in model.parameters() if id(p) not in head_ids]
-    groups = [{"params": policy, "lr": a.lr, "name": "policy"}]
-    if a.critic_coeff > 0:
-        groups.append({"params": head, "lr": value_lr, "name": "value_head"})
-    return torch.optim.AdamW(groups, weight_decay=a.weight_decay)
+        groups = [policy, critic_group]
+    else:
+        head = list(model.value_head.parameters())
+        head_ids = {id(p) for p in head}
+        policy = [p for p in model.parameters() if id(p) not in head_ids]
+        groups = [{"params": policy, "lr": a.lr, "name": "policy"}]
+        if a.critic_coeff > 0:
+            groups.append({"params": head, "lr": value_lr, "name": "value_head"})
+    optimizer = torch.optim.AdamW(groups, weight_decay=a.weight_decay)
+    critic_clip_groups(optimizer)
+    return optimizer
+
+
+def critic_clip_groups(optimizer: torch.optim.Optimizer) -> None:
+    """Give the critic's param group (:data:`CRITIC_GROUPS`) its own gradient-clip group, in place:
+    also after ``optimizer.load_state_dict`` of a checkpoint saved before the value head had one
+    (loading replaces the group's options with the saved ones)."""
+    for group in optimizer.param_groups:
+        if group.get("name") in CRITIC_GROUPS:
+            group["clip_group"] = CRITIC_CLIP_GROUP

@@ -1,6 +1,6 @@
 """The DAPO-PPO recipe's configuration: its own sections, and the registries' group options.
 
-The values live in ``configs/`` (every key commented there). Group options come from the component
+The values live in ``ar_torchrl/configs/`` (every key commented there). Group options come from the component
 registries, each with its schema (:func:`schemas`): ``model`` (:data:`ar_torchrl.models.config.MODELS`),
 ``backend`` (:data:`ar_torchrl.backends.registry.BACKENDS`), ``data``
 (:data:`ar_torchrl.data.registry.TASKS`), ``reward`` (:data:`ar_torchrl.rewards.REWARDS`); the
@@ -28,7 +28,7 @@ from ar_torchrl.models.config import MODELS
 from ar_torchrl.objectives.policy_loss import POLICY_LOSSES, RolloutCorrection
 from ar_torchrl.objectives.registry import ADVANTAGES, needs_critic
 from ar_torchrl.recipes import config as recipe_config
-from ar_torchrl.recipes.run import world_size
+from ar_torchrl.recipes.launch import world_size
 from ar_torchrl.rewards.registry import REWARDS
 from ar_torchrl.tools.config import ToolConfig
 from ar_torchrl.utils.checks import (
@@ -106,6 +106,7 @@ class _AlgoKeys:
     weight_decay: float = 0.0
     grad_clip: Optional[float] = 1.0
     critic_warmup_iters: int = 0
+    critic_warmup_until_ev: Optional[float] = None
     value_norm: str = "none"
     popart_beta: float = 0.1
     critic_epochs: int = 1
@@ -185,6 +186,9 @@ class _AlgoKeys:
                 f"algo.critic_coeff={self.critic_coeff} trains no value head: set critic_coeff > 0 "
                 "or value_norm=none"
             )
+        check_number(
+            p, "critic_warmup_until_ev", self.critic_warmup_until_ev, le=1, allow_none=True
+        )
         if self.critic_warmup_iters and not self.critic_coeff > 0:
             raise ValueError(
                 f"config: algo.critic_warmup_iters={self.critic_warmup_iters} trains only the value "
@@ -245,15 +249,18 @@ class CriticConfig:
     kind: str = "shared"
     model_path: Optional[str] = None  # separate: a local HF causal LM with the policy's tokenizer
     init_from: Optional[str] = None  # an earlier run's checkpoint (or run directory)
+    pretrain_from: Optional[str] = None  # an earlier run dir whose saved rollouts train the critic
+    pretrain_epochs: int = 10  # passes over those rollouts at most (the cap)
 
     def check(self, prefix: str) -> None:
         check_choice(prefix, "kind", self.kind, CRITIC_KINDS)
+        _count(prefix, "pretrain_epochs", self.pretrain_epochs)
         if self.model_path is not None and self.kind != "separate":
             raise ValueError(
                 f"{prefix}model_path={self.model_path!r} is the separate critic's model: it needs "
                 f"critic=separate (got {prefix.rsplit(' ', 1)[-1]}kind={self.kind})"
             )
-        for key in ("model_path", "init_from"):
+        for key in ("model_path", "init_from", "pretrain_from"):
             value = getattr(self, key)
             if value is not None and not str(value).strip():
                 raise ValueError(f"{prefix}{key} must be null or a path, got ''")
@@ -362,9 +369,13 @@ class TrainConfig:
     keep_checkpoints: Optional[int] = 2
     resume_from: Optional[str] = None
     plot: bool = True
+    export: bool = True
+    critic_warn_iters: int = 20  # warn when critic/explained_variance <= 0 this long (0 = off)
+    save_rollouts: bool = False  # <run_dir>/rollouts/: each trained batch (critic.pretrain_from)
 
     def check(self, prefix: str) -> None:
         _count(prefix, "iterations", self.iterations)
+        _count(prefix, "critic_warn_iters", self.critic_warn_iters, ge=0)
         check_choice(prefix, "mode", self.mode, ("sync", "async"))
         check_choice(prefix, "async_correction", self.async_correction, ("decoupled", "none"))
         _count(prefix, "max_policy_lag", self.max_policy_lag)
@@ -421,7 +432,7 @@ class CheckpointConfig:
 # --------------------------------------------------------------------------- the whole config
 @dataclass
 class Config:
-    """The recipe's configuration (configs/dapo_ppo.yaml and its groups)."""
+    """The recipe's configuration (ar_torchrl/configs/dapo_ppo.yaml and its groups)."""
 
     model: Any = MISSING
     backend: Any = MISSING
@@ -476,6 +487,20 @@ class Config:
             raise ValueError(
                 f"config: critic.init_from={self.critic.init_from!r} loads a critic, but "
                 f"algo.critic_coeff={self.algo.critic_coeff} trains none: set algo.critic_coeff > 0"
+            )
+        a = self.algo
+        if self.critic.pretrain_from is not None and not a.critic_coeff > 0:
+            raise ValueError(
+                f"config: critic.pretrain_from={self.critic.pretrain_from!r} trains a critic, but "
+                f"algo.critic_coeff={a.critic_coeff} trains none: set algo.critic_coeff > 0"
+            )
+        if a.critic_warmup_until_ev is not None and not (
+            a.critic_warmup_iters > 0 or self.critic.pretrain_from is not None
+        ):
+            raise ValueError(
+                f"config: algo.critic_warmup_until_ev={a.critic_warmup_until_ev} is the critic's "
+                "target for a warm-up, and none is set: add algo.critic_warmup_iters=N (the most "
+                "critic-only iterations) and/or critic.pretrain_from=<run dir> (offline)"
             )
         if self.rollout.critic_flat_groups and not (
             self.rollout.dynamic_sampling and self.algo.critic_coeff > 0

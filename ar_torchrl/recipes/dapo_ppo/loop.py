@@ -25,18 +25,110 @@ from ar_torchrl.checkpoint import CheckpointStore, checkpoint_store
 from ar_torchrl.collectors import WeightSyncCollector
 from ar_torchrl.collectors.sampling import episode_stats
 from ar_torchrl.envs import LLMEnv
-from ar_torchrl.functional import masked_mean
+from ar_torchrl.functional import explained_variance_or_nan, masked_mean, monte_carlo_returns
 from ar_torchrl.modules import LMActorCritic, LMCritic
 from ar_torchrl.objectives import TokenPPOLoss
-from ar_torchrl.recipes.dapo_ppo import build
+from ar_torchrl.objectives.metrics import critic_health
+from ar_torchrl.recipes.dapo_ppo import build, rollouts
 from ar_torchrl.recipes.dapo_ppo.config import Config
 from ar_torchrl.recipes.strategy import ExecutionStrategy
 from ar_torchrl.training import lr_schedule_factor, plan_micro_batches, ppo_update
 from ar_torchrl.utils import StageTimer, append_jsonl, log_metrics, make_logger
 
-__all__ = ["Run", "setup", "train"]
+__all__ = ["CriticWarmup", "CriticWatch", "Run", "export", "pretrain_critic", "setup", "train"]
 
 logger = logging.getLogger(__name__)
+
+
+#: How to measure what a critic could know (the warning of :class:`CriticWatch`).
+CEILING_HINT = "python benchmarks/critic_ceiling.py --run {run_dir}"
+
+
+class CriticWatch:
+    """``train.critic_warn_iters``: warn once per streak when ``critic/explained_variance`` stays
+    ``<= 0`` for ``iters`` consecutive iterations that define it (an iteration where it is
+    undefined, every return equal, neither counts nor breaks the streak); ``0``: never.
+
+    Example:
+        >>> watch = CriticWatch(2, run_dir="runs/x")
+        >>> [watch.update(ev) for ev in (-0.1, None, 0.0, -0.3, 0.2, -0.1, -0.1)]
+        [False, False, True, False, False, False, True]
+    """
+
+    def __init__(self, iters: int, *, run_dir: str | Path) -> None:
+        self.iters, self.run_dir = int(iters), run_dir
+        self.streak = 0
+
+    def update(self, ev: float | None, step: int | None = None) -> bool:
+        """Count this iteration's EV (``None``: undefined); ``True`` (and a logged warning) when a
+        streak reaches ``iters``."""
+        if not self.iters or ev is None:
+            return False
+        self.streak = self.streak + 1 if ev <= 0 else 0
+        if self.streak != self.iters:
+            return False
+        logger.warning(
+            "%scritic/explained_variance has been <= 0 for %d iterations: the critic predicts "
+            "nothing (its values of each fresh batch explain none of the returns' variance). That "
+            "is the optimum when the prompt and the response prefix carry no information about the "
+            "outcome; check how much they carry with `%s` (the EV ceiling of this run's policy): "
+            "an EV near 0 under a ceiling near 0 is right, under a high ceiling the critic is not "
+            "learning (docs/critic.md)",
+            "" if step is None else f"step {step}: ",
+            self.iters,
+            CEILING_HINT.format(run_dir=self.run_dir),
+        )
+        return True
+
+
+class CriticWarmup:
+    """``algo.critic_warmup_iters`` and ``algo.critic_warmup_until_ev``: which iterations train
+    only the critic (the policy's weights stay bit-identical).
+
+    Without a target the first ``iters`` iterations do. With ``until_ev = x`` the warm-up ends at
+    the first iteration whose batch the critic already predicts, ``critic/explained_variance >= x``
+    (measured on the batch's old values, before the update: that iteration trains the policy
+    too), and at the latest after ``iters`` iterations (the cap; a warning says the target was
+    not reached). Once ended it stays ended (:attr:`done` is saved in checkpoints).
+
+    Example:
+        >>> w = CriticWarmup(3, until_ev=0.5)
+        >>> [w.critic_only(step, ev) for step, ev in ((1, 0.1), (2, 0.6), (3, 0.1))]
+        [True, False, False]
+        >>> [CriticWarmup(2).critic_only(step, None) for step in (1, 2, 3)]
+        [True, True, False]
+    """
+
+    def __init__(self, iters: int, *, until_ev: float | None = None, done: bool = False) -> None:
+        self.iters, self.until_ev, self.done = int(iters), until_ev, bool(done)
+
+    def critic_only(self, step: int, ev: float | None) -> bool:
+        """Whether iteration ``step`` (1-based) trains only the critic, given its batch's
+        ``critic/explained_variance`` (``None``: undefined)."""
+        if self.done or step > self.iters:
+            if not self.done and self.until_ev is not None and step == self.iters + 1:
+                logger.warning(
+                    "critic warm-up: %d critic-only iterations (algo.critic_warmup_iters) without "
+                    "reaching algo.critic_warmup_until_ev=%g (critic/explained_variance %s); the "
+                    "policy trains from step %d on",
+                    self.iters,
+                    self.until_ev,
+                    "undefined" if ev is None else f"{ev:.3f}",
+                    step,
+                )
+            self.done = self.done or self.until_ev is not None
+            return False
+        if self.until_ev is not None and ev is not None and ev >= self.until_ev:
+            logger.info(
+                "critic warm-up: critic/explained_variance %.3f >= %g at step %d; the policy "
+                "trains from this step on",
+                ev,
+                self.until_ev,
+                step,
+            )
+            self.done = True
+            return False
+        return True
 
 
 @dataclass
@@ -68,6 +160,9 @@ class Run:
     kl_reward: Any = None  # KLRewardShaping when algo.kl_in_reward > 0 (before the advantage)
     critic: LMCritic | None = None
     store: CheckpointStore | None = None
+    tokenizer: Any = None  # the policy's, written with the exported models
+    warmup: CriticWarmup | None = None  # algo.critic_warmup_iters / critic_warmup_until_ev
+    watch: CriticWatch | None = None  # train.critic_warn_iters
 
     @property
     def is_main(self) -> bool:
@@ -175,11 +270,16 @@ def setup(
         ctx.broadcast_object(backend.weight_dtype if backend is not None else None),
         critic=critic,
         store=store,
+        tokenizer=tokenizer,
     )
     if cfg.algo.kl_in_reward > 0:  # the KL as a per-token reward (k1), before GAE
         from ar_torchrl.objectives import KLRewardShaping
 
         run.kl_reward = KLRewardShaping(cfg.algo.kl_in_reward)
+    run.warmup = CriticWarmup(
+        cfg.algo.critic_warmup_iters, until_ev=cfg.algo.critic_warmup_until_ev
+    )
+    run.watch = CriticWatch(cfg.train.critic_warn_iters, run_dir=run_dir)
     # 6. The engine's first weights (the one place that decides them): a checkpoint's, or the
     #    trainer's when the engine does not start with them (servers that were already running).
     starts_with_ours = ctx.broadcast_object(
@@ -211,6 +311,8 @@ def restore(run: Run, checkpoint: Path) -> int:
     if run.collector is not None:  # data position, policy version
         run.collector.load_state_dict(state["extra"]["collector"])
     run.shuffle_rng.set_state(state["extra"]["shuffle_rng"])
+    run.warmup.done = bool(state["extra"].get("critic_warmup_done", False))
+    build.critic_clip_groups(run.optimizer)  # a checkpoint saved before they had their own
     logger.info("resumed from %s (step %d)", checkpoint, state["step"])
     return state["step"]
 
@@ -222,6 +324,12 @@ def train(run: Run, stop: Any) -> int:
     ``stop.requested`` (SIGINT/SIGTERM) ends it after the current step, with a checkpoint.
     """
     cfg, t = run.cfg, run.cfg.train
+    if cfg.critic.pretrain_from is not None and run.start == 0:  # offline, before the first batch
+        engine_memory(run, release=True)
+        pretrain_critic(run, Path(cfg.critic.pretrain_from))
+        engine_memory(run, release=False)
+        if cfg.backend.releases_memory_during_update():
+            push_policy(run, resync=True)  # the same weights again: the engine generates
     if t.eval_every and run.start == 0:  # baseline: the starting policy, logged as step 0
         record(run, 0, evaluate(run, announce=True))
     batches, step = iter(run.collector) if run.collector else None, run.start
@@ -249,24 +357,25 @@ def train(run: Run, stop: Any) -> int:
             engine_memory(run, release=True)
             with run.timer("old_log_probs"):
                 plan = old_log_probs_and_values(run, td)
-            # 3. Advantages (GAE, GRPO or RLOO), identical on every rank.
+            # 3. Advantages (GAE, GRPO or RLOO), identical on every rank; the critic's health:
+            #    its old values (before the update) against the Monte-Carlo returns.
             with run.timer("advantage"):
-                if run.kl_reward is not None:  # -beta * k1 on every trained token, before GAE
-                    td = run.kl_reward(td)
-                    losses["train/kl_in_reward"] = run.kl_reward.last_kl
-                td = run.advantage(td)
-                if cfg.algo.value_norm == "popart":  # the same full batch on every rank
-                    head = run.value_model.value_head
-                    head.update_statistics(td["value_target"][td["loss_mask"]])
-                    losses["train/value_norm_mu"] = float(head.mu)
-                    losses["train/value_norm_sigma"] = float(head.sigma)
+                td = advantages(run, td, losses)
+            health = critic_metrics(run, td)
+            losses.update(health)
+            ev = health.get("critic/explained_variance")
+            if run.is_main:
+                run.watch.update(ev, step)
+                if t.save_rollouts:  # the batch as trained on (critic.pretrain_from)
+                    rollouts.save_rollout(run.run_dir, step, td)
             # 4. PPO epochs over mini-batches of micro-batches (critic warm-up: the critic only),
             #    the critic's learning rate on its schedule.
             losses["train/critic_lr"] = set_critic_lr(run, step)
+            critic_only = run.warmup.critic_only(step, ev)
+            if cfg.algo.critic_warmup_iters:
+                losses["train/critic_warmup"] = float(critic_only)
             with run.timer("update"):
-                losses.update(
-                    update(run, td, plan, critic_only=step <= cfg.algo.critic_warmup_iters)
-                )
+                losses.update(update(run, td, plan, critic_only=critic_only))
             engine_memory(run, release=False)  # resumed; the push below lets it generate again
             # 5. Push the new weights (never the value head) to the rollout backend.
             with run.timer("sync"):
@@ -289,10 +398,65 @@ def train(run: Run, stop: Any) -> int:
     return step
 
 
+def export(run: Run) -> dict[str, Path]:
+    """The trained models as HF directories (``train.export``): ``run_dir/policy/`` (safetensors,
+    tokenizer, no ``value_head.*``) and, with a separate critic, ``run_dir/critic/``; under FSDP2
+    every rank gathers, rank 0 writes (:func:`~ar_torchrl.distributed.export_trained`). Returns
+    what rank 0 wrote."""
+    if not run.cfg.train.export:
+        return {}
+    from ar_torchrl.distributed.export import export_trained
+
+    started = time.perf_counter()
+    written = export_trained(
+        run.strategy.ctx, run.run_dir, policy=run.model, tokenizer=run.tokenizer, critic=run.critic
+    )
+    for name, path in written.items():
+        logger.info("exported the %s to %s (%.1f s)", name, path, time.perf_counter() - started)
+    return written
+
+
 def progress_fields(metrics: dict[str, float]) -> dict[str, str]:
-    """What the progress bar shows: reward, accuracy and (when evaluated) held-out accuracy."""
-    shown = {"reward": "rollout/reward_mean", "acc": "rollout/accuracy", "eval": "eval/accuracy"}
+    """What the progress bar shows: reward, accuracy, (when evaluated) held-out accuracy, and (with
+    a critic, when defined) the critic's out-of-sample ``critic/explained_variance``."""
+    shown = {
+        "reward": "rollout/reward_mean",
+        "acc": "rollout/accuracy",
+        "eval": "eval/accuracy",
+        "ev": "critic/explained_variance",
+    }
     return {k: f"{metrics[v]:.2f}" for k, v in shown.items() if metrics.get(v) is not None}
+
+
+def advantages(run: Run, td, losses: dict[str, float]):
+    """The KL reward shaping (``algo.kl_in_reward``), the advantage estimator and the PopArt
+    statistics (``algo.value_norm=popart``) on a batch with its anchors; their metrics go to
+    ``losses``. The same full batch on every rank."""
+    if run.kl_reward is not None:  # -beta * k1 on every trained token, before GAE
+        td = run.kl_reward(td)
+        losses["train/kl_in_reward"] = run.kl_reward.last_kl
+    td = run.advantage(td)
+    if run.cfg.algo.value_norm == "popart":
+        head = run.value_model.value_head
+        head.update_statistics(td["value_target"][td["loss_mask"]])
+        losses["train/value_norm_mu"] = float(head.mu)
+        losses["train/value_norm_sigma"] = float(head.sigma)
+    return td
+
+
+def critic_metrics(run: Run, td) -> dict[str, float]:
+    """:func:`~ar_torchrl.objectives.metrics.critic_health` of the batch (its old values against
+    its Monte-Carlo returns at ``algo.gamma``) when the run has a critic, else nothing."""
+    if not run.cfg.algo.critic_coeff > 0:
+        return {}
+    keys = run.loss_fn.tensor_keys
+    return critic_health(
+        td,
+        run.cfg.algo.gamma,
+        value_key=keys.value,
+        reward_key=("next", keys.reward),
+        mask_key=keys.loss_mask,
+    )
 
 
 def old_log_probs_and_values(run: Run, td):
@@ -379,6 +543,113 @@ def update(run: Run, td, plan, *, critic_only: bool) -> dict[str, float]:
     return out
 
 
+#: ``critic.pretrain_from``: every HOLDOUT_EVERY-th saved batch is held out (never trained on) to
+#: measure the critic's out-of-sample ``critic/explained_variance`` after each epoch.
+HOLDOUT_EVERY = 10
+
+#: The file in the run directory where :func:`pretrain_critic` records each epoch.
+PRETRAIN_LOG = "critic_pretrain.jsonl"
+
+
+def pretrain_critic(run: Run, source: Path) -> list[dict[str, float]]:
+    """``critic.pretrain_from``: train the critic offline on the batches an earlier run saved
+    (``train.save_rollouts=true``) before this run generates anything; the policy's weights stay
+    bit-identical (critic-only steps, as in the warm-up).
+
+    Every :data:`HOLDOUT_EVERY`-th saved batch (the last one when there are fewer) is held out; the
+    others are the training set. One epoch treats each training batch exactly like an online
+    critic-only iteration without the generation: anchors (old values) from the *current* critic,
+    the run's own advantage estimator for the value targets (``algo.gae.critic_lmbda = 1``:
+    Monte-Carlo returns; below 1 they bootstrap from the current critic, so they are recomputed
+    as it learns, as online), then ``algo.ppo_epochs`` critic-only passes at ``algo.value_lr``.
+    After each epoch the held-out batches' ``critic/explained_variance`` (old values against
+    Monte-Carlo returns, pooled over their trained tokens) is measured; pretraining stops when it
+    reaches ``algo.critic_warmup_until_ev`` or after ``critic.pretrain_epochs`` epochs. Each
+    epoch is logged and appended to ``<run_dir>/critic_pretrain.jsonl``; returns those records.
+    """
+    cfg, a = run.cfg, run.cfg.algo
+    files = run.strategy.ctx.broadcast_object(
+        rollouts.rollout_files(source) if run.is_main else None
+    )
+    if len(files) < 2:
+        raise ValueError(
+            f"critic.pretrain_from={str(source)!r}: {len(files)} saved batch; pretraining holds "
+            "one out to measure the critic, so it needs at least 2 (a longer earlier run)"
+        )
+    held = files[HOLDOUT_EVERY - 1 :: HOLDOUT_EVERY] or files[-1:]
+    trained = [f for f in files if f not in held]
+    base = a.lr if a.value_lr is None else a.value_lr
+    for group in run.optimizer.param_groups:
+        if group.get("name") in build.CRITIC_GROUPS:
+            group["lr"] = base
+    target = a.critic_warmup_until_ev
+    logger.info(
+        "critic.pretrain_from: %d saved batches of %s (%d held out), at most %d epochs%s",
+        len(files),
+        source,
+        len(held),
+        cfg.critic.pretrain_epochs,
+        "" if target is None else f", until critic/explained_variance >= {target:g}",
+    )
+    records, started = [], time.perf_counter()
+    for epoch in range(1, cfg.critic.pretrain_epochs + 1):
+        totals: dict[str, float] = {}
+        for path in trained:
+            td, plan = _saved_batch(run, path)
+            td = advantages(run, td, {})
+            out = update(run, td, plan, critic_only=True)
+            for key in ("train/loss_critic", "train/explained_variance"):
+                if key in out:
+                    totals[key] = totals.get(key, 0.0) + out[key] / len(trained)
+        ev = _held_out_ev(run, held)
+        record = {"epoch": epoch, **totals}
+        if ev is not None:
+            record["critic/explained_variance"] = ev
+        records.append(record)
+        if run.is_main:
+            append_jsonl(run.run_dir / PRETRAIN_LOG, record)
+        logger.info(
+            "critic.pretrain_from: epoch %d: held-out critic/explained_variance %s, value loss "
+            "%.4f (%.1f s)",
+            epoch,
+            "undefined" if ev is None else f"{ev:.3f}",
+            totals.get("train/loss_critic", float("nan")),
+            time.perf_counter() - started,
+        )
+        if target is not None and ev is not None and ev >= target:
+            break
+    else:
+        if target is not None:
+            logger.warning(
+                "critic.pretrain_from: %d epochs (critic.pretrain_epochs) without reaching "
+                "algo.critic_warmup_until_ev=%g",
+                cfg.critic.pretrain_epochs,
+                target,
+            )
+    return records
+
+
+def _saved_batch(run: Run, path: Path):
+    """A saved batch on every rank, with the current anchors and the plan they were computed with."""
+    td = run.strategy.broadcast_batch(rollouts.load_rollout(path) if run.is_main else None)
+    return td, old_log_probs_and_values(run, td)
+
+
+def _held_out_ev(run: Run, paths: list[Path]) -> float | None:
+    """``critic/explained_variance`` pooled over the trained tokens of the held-out batches."""
+    keys = run.loss_fn.tensor_keys
+    values, returns = [], []
+    for path in paths:
+        td, _ = _saved_batch(run, path)
+        mask = td.get(keys.loss_mask)
+        reward = td.get(("next", keys.reward)).reshape(mask.shape)
+        values.append(td.get(keys.value).reshape(mask.shape)[mask])
+        returns.append(monte_carlo_returns(reward, mask, gamma=run.cfg.algo.gamma)[mask])
+    value, ret = torch.cat(values), torch.cat(returns)
+    ev = float(explained_variance_or_nan(value, ret, torch.ones_like(ret, dtype=torch.bool)))
+    return None if ev != ev else ev
+
+
 def rollout_metrics(run: Run, td) -> dict[str, float]:
     """Reward and accuracy over EVERY generated sample (the collector's stats: unbiased when
     dynamic sampling dropped groups), groups generated / zero-spread / kept / dropped, and the
@@ -452,6 +723,8 @@ def save(run: Run, step: int) -> Path:
     states, rank 0 the metadata (the collector state included).
     """
     extra = {"shuffle_rng": run.shuffle_rng.get_state()}
+    if run.warmup is not None and run.warmup.until_ev is not None:
+        extra["critic_warmup_done"] = run.warmup.done
     if run.collector is not None:
         extra["collector"] = run.collector.state_dict(include_pending=True)
     return run.store.save(

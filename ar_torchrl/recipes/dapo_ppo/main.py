@@ -1,10 +1,14 @@
 """The DAPO-PPO recipe from a composed configuration to a finished (or stopped) run.
 
-:func:`run` is what ``examples/dapo_ppo.py`` calls inside ``@hydra.main``: it validates the
+:func:`cli` is the command line (the console script ``ar-torchrl-dapo``, ``python -m
+ar_torchrl.recipes.dapo_ppo`` and ``examples/dapo_ppo.py``): ``--help`` and a typo'd key are
+answered before Hydra, then Hydra composes the shipped configs (:data:`~ar_torchrl.recipes.config.
+CONFIG_DIR`, whatever the working directory) and calls :func:`run`. :func:`run` validates the
 configuration (before torch is imported), opens the execution strategy, finds the checkpoint to
 continue from, prepares the run directory, handles signals, builds and trains
-(:mod:`ar_torchrl.recipes.dapo_ppo.loop`, the slow imports), plots the curves and returns what the
-entry point prints and its exit status.
+(:mod:`ar_torchrl.recipes.dapo_ppo.loop`, the slow imports), exports the trained policy as an HF
+directory (``train.export``), plots the curves and returns what the entry point prints and its exit
+status. Hydra is imported by :func:`cli` only.
 """
 
 from __future__ import annotations
@@ -13,27 +17,48 @@ import contextlib
 import dataclasses
 import logging
 import os
+import shlex
 import signal
+import sys
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from ar_torchrl.recipes import run as runs
+from ar_torchrl.recipes import launch as run_management
 from ar_torchrl.recipes.config import (
+    CONFIG_DIR,
     check_overrides,
     component_imports,
     import_components,
     render_help,
 )
-from ar_torchrl.recipes.dapo_ppo.config import GROUPS, Config, config_schema, validate_config
+from ar_torchrl.recipes.dapo_ppo.config import (
+    GROUPS,
+    Config,
+    config_schema,
+    schemas,
+    validate_config,
+)
+from ar_torchrl.recipes.launch import (
+    Launch,
+    StopOnSignal,
+    make_private,
+    named_checkpoint,
+    prepare_run_dir,
+    remove_empty_run_dir,
+    report_lines,
+    without_keys,
+)
 
 __all__ = [
     "PROG",
     "RESUMABLE_CHANGES",
     "Result",
     "checkpoint_to_resume",
+    "cli",
     "help_text",
     "hydra_argv",
     "launch_argv",
@@ -51,6 +76,9 @@ RESUMABLE_CHANGES = (
     "train.checkpoint_every",
     "train.keep_checkpoints",
     "train.plot",
+    "train.export",
+    "train.critic_warn_iters",
+    "train.save_rollouts",
     "dist.timeout_s",
 )
 
@@ -61,6 +89,12 @@ ADDED_KEYS = {
     "rollout.env": None,
     "rollout.env_options": {},
     "checkpoint.hmac_key_env": None,
+    "algo.gae.critic_lmbda": None,
+    "algo.critic_warmup_until_ev": None,
+    "critic.pretrain_from": None,
+    "critic.pretrain_epochs": 10,
+    "train.critic_warn_iters": 20,
+    "train.save_rollouts": False,
 }
 
 #: What ``--help`` says above the groups and keys.
@@ -107,10 +141,9 @@ def launch_argv(config_dir: Path, argv: list[str]) -> list[str]:
 
     Example:
         >>> from pathlib import Path
-        >>> configs = Path(__file__).resolve().parents[3] / "configs"
-        >>> launch_argv(configs, ["dapo_ppo.py", "algo.lr=1e-4"])
+        >>> launch_argv(CONFIG_DIR, ["dapo_ppo.py", "algo.lr=1e-4"])
         ['dapo_ppo.py', 'algo.lr=1e-4']
-        >>> launch_argv(configs, ["dapo_ppo.py", "algo.lrr=1e-4"])
+        >>> launch_argv(CONFIG_DIR, ["dapo_ppo.py", "algo.lrr=1e-4"])
         Traceback (most recent call last):
         ...
         ValueError: config: no key 'algo.lrr' (did you mean 'algo.lr'?); `--help` lists every key
@@ -126,13 +159,14 @@ def launch_argv(config_dir: Path, argv: list[str]) -> list[str]:
     return hydra_argv(argv)
 
 
-def help_text(config_dir: Path, argv: list[str]) -> str:
-    """``--help``: config groups, and every key of the chosen configuration with its comment."""
-    name = "dapo_ppo"
-    if "--config-name" in argv and argv.index("--config-name") + 1 < len(argv):
-        name = argv[argv.index("--config-name") + 1]
+def help_text(config_dir: Path, argv: list[str], command: str | None = None) -> str:
+    """``--help``: config groups, and every key of the chosen configuration with its comment;
+    ``command`` (how the recipe was started) ends it."""
+    name = (_flag(argv[1:], ("--config-name", "-cn")) or ["dapo_ppo"])[-1]
     overrides = [a for a in argv[1:] if "=" in a and not a.startswith("-")]
-    return render_help(config_dir, name, app=PROG, header=HELP_HEADER, overrides=overrides)
+    return render_help(
+        config_dir, name, app=PROG, header=HELP_HEADER, overrides=overrides, command=command
+    )
 
 
 def _with_added_keys(container: dict) -> dict:
@@ -148,20 +182,20 @@ def _with_added_keys(container: dict) -> dict:
 
 
 def _matches(raw: DictConfig):
-    want = runs.without_keys(OmegaConf.to_container(raw, resolve=False), RESUMABLE_CHANGES)
+    want = without_keys(OmegaConf.to_container(raw, resolve=False), RESUMABLE_CHANGES)
 
     def matches(saved: Path) -> bool:
         other = _with_added_keys(OmegaConf.to_container(OmegaConf.load(saved), resolve=False))
-        return runs.without_keys(other, RESUMABLE_CHANGES) == want
+        return without_keys(other, RESUMABLE_CHANGES) == want
 
     return matches
 
 
 def checkpoint_to_resume(cfg: Config, raw: DictConfig, run_dir: Path, store) -> Path | None:
     """The checkpoint to continue from (``train.resume_from``, see
-    :func:`ar_torchrl.recipes.run.find_checkpoint`), or ``None`` for a fresh start; ``store`` is the
+    :func:`ar_torchrl.recipes.launch.find_checkpoint`), or ``None`` for a fresh start; ``store`` is the
     run's :class:`~ar_torchrl.checkpoint.CheckpointStore`."""
-    return runs.find_checkpoint(
+    return run_management.find_checkpoint(
         cfg.train.resume_from,
         store=store,
         run_dir=run_dir,
@@ -197,17 +231,27 @@ def find_critic_source(cfg: Config, store) -> Path | None:
     one), checked by the run's checkpoint store; ``None`` without a warm start."""
     if cfg.critic.init_from is None:
         return None
-    return runs.named_checkpoint(cfg.critic.init_from, store, key="critic.init_from")
+    return named_checkpoint(cfg.critic.init_from, store, key="critic.init_from")
 
 
-def run(raw: DictConfig, launch: runs.Launch) -> Result:
+def check_pretrain_source(cfg: Config) -> None:
+    """``critic.pretrain_from`` names a run directory with saved rollouts (FileNotFoundError
+    otherwise, naming the key and how to save them)."""
+    if cfg.critic.pretrain_from is not None:
+        from ar_torchrl.recipes.dapo_ppo.rollouts import rollout_files
+
+        rollout_files(cfg.critic.pretrain_from)
+
+
+def run(raw: DictConfig, launch: Launch) -> Result:
     """Validate, resume or start, train, report. A user error (bad value, nothing to resume) is a
     status-1 :class:`Result` naming it; SIGINT/SIGTERM give 130/143 with a checkpoint."""
     try:  # what a user can get wrong is checked here, before the slow imports
         cfg = validate_config(raw)
     except (TypeError, ValueError) as err:
-        runs.remove_empty_run_dir(launch.run_dir)
+        remove_empty_run_dir(launch.run_dir)
         return Result(1, [f"{PROG}: {err}"])
+    plot = cfg.train.plot and _can_plot()
     logger.info("loading torch, transformers and TorchRL, then building the run")
     from ar_torchrl.checkpoint import checkpoint_store
     from ar_torchrl.recipes.strategy import open_strategy  # torch
@@ -230,12 +274,13 @@ def run(raw: DictConfig, launch: runs.Launch) -> Result:
             )
             checkpoint = strategy.on_main(checkpoint_to_resume, cfg, raw, run_dir, store)
             critic_source = strategy.on_main(find_critic_source, cfg, store)
+            strategy.on_main(check_pretrain_source, cfg)
         except (TypeError, ValueError, FileNotFoundError) as err:
             return Result(1, [f"{PROG}: {err}"] if main else [])
         if main:
-            runs.make_private(run_dir)
-            runs.prepare_run_dir(run_dir, checkpoint)
-        ended, stop = None, runs.StopOnSignal()
+            make_private(run_dir)
+            prepare_run_dir(run_dir, checkpoint)
+        ended, stop, exported = None, StopOnSignal(), {}
         try:
             # The stack stops a launched SGLang server and closes clients, also on errors.
             with stop, contextlib.ExitStack() as stack:
@@ -248,6 +293,8 @@ def run(raw: DictConfig, launch: runs.Launch) -> Result:
                     True  # from now on the first signal ends the run after its iteration
                 )
                 step = loop.train(state, stop)
+                if not stop.requested and step == cfg.train.iterations:
+                    exported = loop.export(state)
             if stop.requested:
                 ended = f"stopped by {stop.name} after iteration {step}"
         except KeyboardInterrupt:
@@ -257,12 +304,74 @@ def run(raw: DictConfig, launch: runs.Launch) -> Result:
     status = 128 + stop.signum if stop.requested else 0
     if not main:
         return Result(status)
-    if cfg.train.plot and ended is None:
+    if plot and ended is None:
         _plot(run_dir)
-    lines = runs.report_lines(
+    lines = report_lines(
         launch, iterations=cfg.train.iterations, stopped=ended, checkpoint=last, prog=PROG
     )
+    at = 1 + next(i for i, line in enumerate(lines) if line.startswith("run directory:"))
+    lines[at:at] = [f"exported {name}: {path}" for name, path in exported.items()]
     return Result(status, lines)
+
+
+def _command(argv0: str, script: str | Sequence[str] | None) -> str:
+    """How the user started the recipe, for ``--help``'s last line."""
+    if script is not None and not isinstance(script, str):
+        return shlex.join(["python", *script])
+    entry = argv0 if script is None else script
+    return f"python {entry}" if entry.endswith(".py") else Path(entry).name
+
+
+def cli(script: str | Sequence[str] | None = None) -> None:
+    """The recipe's command line: ``sys.argv`` holds Hydra's overrides (``key=value``,
+    ``group=option``, ``--config-name``, ``--config-dir``) or ``--help``; exits with the run's
+    status. ``script``: how the resume command names this entry point (default ``sys.argv[0]``;
+    ``("-m", "ar_torchrl.recipes.dapo_ppo")`` for ``python -m``)."""
+    argv = list(sys.argv)
+    if "--help" in argv[1:] or "-h" in argv[1:]:
+        sys.exit(print(help_text(CONFIG_DIR, argv, _command(argv[0], script)), end=""))
+    try:  # the config's `imports:` (your own components), then a typo'd key, before Hydra
+        sys.argv = launch_argv(CONFIG_DIR, argv)
+    except ValueError as err:
+        sys.exit(print(f"{PROG}: {err}", file=sys.stderr) or 1)
+    import hydra
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.hydra_config import HydraConfig
+
+    for group, name, schema in schemas():  # typed keys of every config group option
+        ConfigStore.instance().store(group=group, name=name, node=schema)
+
+    def task(raw: DictConfig) -> None:
+        hydra_cfg = HydraConfig.get()
+        launch = Launch(
+            run_dir=Path(hydra_cfg.runtime.output_dir),
+            config_name=hydra_cfg.job.config_name,
+            default_config_name="dapo_ppo",
+            overrides=list(hydra_cfg.overrides.task),
+            script=argv[0] if script is None else script,
+        )
+        result = run(raw, launch)
+        print(*result.lines, sep="\n", file=sys.stderr if result.status == 1 else sys.stdout)
+        sys.exit(result.status)
+
+    # Hydra names the job after the task's module: the run's log is <run_dir>/dapo_ppo.log.
+    task.__module__ = "ar_torchrl.recipes.dapo_ppo"
+    main = hydra.main(config_path=str(CONFIG_DIR), config_name="dapo_ppo", version_base="1.3")
+    main(task)()
+
+
+def _can_plot() -> bool:
+    """Whether ``train.plot`` can draw (matplotlib, the ``[plot]`` extra, is installed); warns
+    once, at the start, when it cannot (the run goes on without ``curves.png``)."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is not None:
+        return True
+    logger.warning(
+        "train.plot=true but matplotlib is not installed: no curves.png at the end "
+        "(pip install 'ar_torchrl[plot]', or train.plot=false)"
+    )
+    return False
 
 
 def _plot(run_dir: Path) -> None:

@@ -74,14 +74,15 @@ class Launch:
         config_name: the primary config's name (``--config-name``).
         default_config_name: the entry point's default config name (not repeated in commands).
         overrides: the command-line overrides, as typed.
-        script: the entry point's path (``sys.argv[0]``).
+        script: the entry point's path (``sys.argv[0]``), or the arguments that name it
+            (``("-m", "ar_torchrl.recipes.dapo_ppo")``).
     """
 
     run_dir: Path
     config_name: str
     default_config_name: str
     overrides: Sequence[str] = field(default_factory=tuple)
-    script: str = ""
+    script: str | Sequence[str] = ""
 
 
 # --------------------------------------------------------------------------- the launch
@@ -122,7 +123,8 @@ def resume_command(launch: Launch, *extra: str) -> str:
     if launch.config_name != launch.default_config_name:
         config = ["--config-name", launch.config_name]
     resume = f"train.resume_from={launch.run_dir}"
-    return shlex.join([*launcher_command(), launch.script, *config, *args, resume, *extra])
+    entry = [launch.script] if isinstance(launch.script, str) else list(launch.script)
+    return shlex.join([*launcher_command(), *entry, *config, *args, resume, *extra])
 
 
 # --------------------------------------------------------------------------- resuming
