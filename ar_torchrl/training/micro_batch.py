@@ -430,7 +430,7 @@ def _prefix_groups(
     trained = loss_mask & mask
     split = torch.where(trained.any(-1), trained.int().argmax(-1), -1).tolist()
     keys: dict[object, list[int]] = {}
-    real = (tokens * mask).tolist()
+    real = torch.where(mask, tokens, -1).tolist()  # padding apart from any token (holes too)
     for row, cut in enumerate(split):
         shareable = cut > first[row]
         key = (cut, tuple(real[row][first[row] : cut]), first[row]) if shareable else ("own", row)

@@ -144,3 +144,50 @@ def test_a_model_that_cannot_share_refuses_a_shared_prefix_crop(checkpointing):
             module(module.select_inputs(crop))
     plain = plan_micro_batches(td, 10_000)  # without sharing: as before
     first_update_has_ratio_one(ac, td, plain)
+
+
+@pytest.mark.parametrize("separate", [False, True])
+def test_ppo_update_on_a_shared_prefix_plan_matches_the_padded_plan(separate):
+    """recompute_old_log_probs_and_values + ppo_update: on the shared-prefix plan the first update's
+    ratio is exactly 1 and values unclipped, and its losses, gradient norm and updated weights
+    are those of the same update on the padded plan."""
+    from ar_torchrl.training import ppo_update
+
+    def run(plan_kwargs):
+        torch.manual_seed(0)
+        if separate:
+            policy = build_tiny_qwen3(99, seed=6)
+            actor, critic = LMActorCritic(policy, critic=False), build_separate_critic(policy)
+            with torch.no_grad():
+                gen = torch.Generator().manual_seed(1)
+                critic.model.value_head.weight.normal_(0, 0.1, generator=gen)
+            loss = TokenPPOLoss(actor, critic, clip_value=0.2, entropy_coeff=0.01)
+            modules = [actor, critic]
+        else:
+            actor = actor_critic(seed=6)
+            loss = TokenPPOLoss(actor, clip_value=0.2, entropy_coeff=0.01)
+            modules = [actor]
+        td = shared_prompt_batch(groups=4, n=4, seed=6)
+        plan = plan_micro_batches(td, 64, **plan_kwargs)
+        recompute_old_log_probs_and_values(actor, td, plan, loss=loss)
+        td = TokenGAE(gamma=1.0, lmbda=0.95)(td)
+        named = {f"{i}.{n}": p for i, m in enumerate(modules) for n, p in m.named_parameters()}
+        before = {n: p.detach().clone() for n, p in named.items()}
+        opt = torch.optim.SGD(named.values(), lr=0.5)
+        out = ppo_update(loss, opt, td, plan, epochs=1, num_minibatches=1, grad_clip=None)
+        return plan, out, before, {n: p.detach().clone() for n, p in named.items()}
+
+    plan_s, out_s, before, w_s = run({"shared_prefix": True})
+    plan_p, out_p, _, w_p = run({})
+    assert len(plan_s) > 1 and all(mb.shared for mb in plan_s.micro_batches)
+    assert plan_s.num_tokens < plan_p.num_tokens
+    assert out_s["train/min_ratio"] == out_s["train/max_ratio"] == 1.0
+    assert out_s["train/value_clip_fraction"] == 0.0 and out_s["train/optimizer_steps"] == 1.0
+    for key in ("train/loss_objective", "train/loss_critic", "train/loss_entropy"):
+        assert out_s[key] == pytest.approx(out_p[key], abs=1e-6), key
+    assert out_s["train/grad_norm"] == pytest.approx(out_p["train/grad_norm"], rel=1e-5)
+    for name in w_s:
+        torch.testing.assert_close(w_s[name], w_p[name], atol=1e-5, rtol=1e-5, msg=name)
+    # the step moved the trunk, whose gradient came through the shared prefixes
+    trunk = [n for n in w_s if "layers.0.self_attn.q_proj" in n]
+    assert trunk and all((w_s[n] - before[n]).abs().max() > 1e-4 for n in trunk)

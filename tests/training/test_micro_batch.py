@@ -160,3 +160,17 @@ def test_shared_prefix_needs_tokens_and_loss_mask():
     assert plan_micro_batches(td, 10_000, shared_prefix="auto") == plan_micro_batches(td, 10_000)
     with pytest.raises(ValueError, match=r"the batch has no \['loss_mask'\]"):
         plan_micro_batches(td, 10_000, shared_prefix=True)
+
+
+def test_rows_whose_masks_differ_before_the_split_are_not_one_group():
+    """Two samples of a prompt whose prompts differ only in the mask (a real token 0 in one row,
+    a masked hole holding 0 in the other) compute different prefixes: not one group."""
+    td = shared_prompt_batch(groups=1, n=3, seed=4)
+    col = int(td["loss_mask"].int().argmax(-1).min()) - 2  # a prompt column of every row
+    assert bool(td["attention_mask"][:, col].all())
+    td["tokens"][:, col] = 0
+    td["attention_mask"][1, col] = False
+    (mb,) = plan_micro_batches(td, 10_000, shared_prefix=True).micro_batches
+    groups = mb.shared[1]
+    row_group = dict(zip(mb.rows, groups))
+    assert row_group[0] == row_group[2] != row_group[1]
