@@ -115,3 +115,22 @@ def test_rollout_shared_prefix_is_the_plan_of_the_old_log_prob_pass_and_the_upda
         r"once per group: it runs activation checkpointing; set rollout.shared_prefix=false",
     ):
         loop.shared_prefix_mode(true, tiny_actor_critic(), None, checkpointed)
+
+
+@pytest.mark.slow
+def test_a_run_with_shared_prefixes_trains_as_the_padded_run(tmp_path, cache_dir):
+    """Two iterations with ``rollout.shared_prefix=true`` (16 prompts x 4 samples): the first
+    iteration's rollouts are the padded run's, its update the same to float rounding."""
+    args = ["train.iterations=2", *QUIET]
+    _, shared = run_recipe(tmp_path / "shared", cache_dir, "rollout.shared_prefix=true", *args)
+    _, padded = run_recipe(tmp_path / "padded", cache_dir, "rollout.shared_prefix=false", *args)
+    assert [h["step"] for h in shared] == [h["step"] for h in padded] == [1, 2]
+    for h in shared:
+        assert h["train/skipped_steps"] == 0.0 and math.isfinite(h["train/loss_objective"])
+    first, want = shared[0], padded[0]
+    drift = "rollout/logprob_drift"  # the trainer's old log-probs against the engine's
+    sampled = {k for k in want if k.startswith("rollout/")} - {drift}
+    assert {k: first[k] for k in sampled} == {k: want[k] for k in sampled}
+    assert first[drift] == pytest.approx(want[drift], abs=1e-8)
+    for key in ("train/loss_objective", "train/loss_critic", "train/mean_ratio", "train/grad_norm"):
+        assert first[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
