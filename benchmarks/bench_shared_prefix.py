@@ -22,8 +22,9 @@ timing, the script checks that the shared plan gives the padded plan's log-probs
 float32) on every position with a real previous token.
 
 Data: the CPU default (``--model tiny``: the recipe's tiny Qwen3, hidden 64, 2 layers, the char
-tokenizer, the arithmetic prompts in the recipe's template, 16 prompts, responses uniform in 1-12
-tokens, token budget 2048, as ``configs/dapo_ppo.yaml``) or ``--model smollm2`` (a random init of
+tokenizer, the arithmetic prompts chat-templated as the recipe does (86 tokens), 16 prompts,
+responses uniform in 1-``--max-new`` tokens (default 12: ``rollout.max_new_tokens``), token budget
+2048, as ``configs/dapo_ppo.yaml``) or ``--model smollm2`` (a random init of
 the SmolLM2-135M shape, vocabulary 49,152, hidden 576, ``--layers`` of its 30 (default 30), random
 prompts of 150-250 tokens, responses 1-32 tokens, 2 prompts, token budget 8192).
 
@@ -66,6 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ns", default="1,4,8", help="samples per prompt, comma-separated")
     p.add_argument("--prompts", type=int, default=None, help="default 16 (tiny), 2 (smollm2)")
     p.add_argument("--token-budget", type=int, default=None, help="default 2048 / 8192")
+    p.add_argument(
+        "--max-new", type=int, default=None, help="responses uniform in 1..N (default 12 / 32)"
+    )
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
@@ -76,11 +80,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     tiny = args.model == "tiny"
     args.prompts = args.prompts or (16 if tiny else 2)
     args.token_budget = args.token_budget or (2048 if tiny else 8192)
+    args.max_new = args.max_new or (12 if tiny else 32)
     if args.quick:
         args.ns, args.prompts, args.reps = [1, 4], 4, 1
-    if min(args.ns) < 1 or args.reps < 1:
-        p.error(f"--ns must be >= 1 and --reps >= 1, got {args.ns} and {args.reps}")
+    if min(args.ns) < 1 or args.reps < 1 or args.max_new < 1:
+        p.error(
+            f"--ns, --reps and --max-new must be >= 1, got {args.ns}, {args.reps}, {args.max_new}"
+        )
     suffix = ("" if tiny else f"_{args.model}") + ("_quick" if args.quick else "")
+    suffix += "" if args.max_new == (12 if tiny else 32) else f"_new{args.max_new}"
     args.out = args.out or RESULTS / f"bench_shared_prefix{suffix}.json"
     return args
 
@@ -126,7 +134,7 @@ def make_batch(args, n: int, vocab: int) -> TensorDict:
     """``prompts x n`` rows, prompt-major: left-padded prompts, right-padded responses."""
     g = torch.Generator().manual_seed(args.seed)
     prompts = prompt_ids(args, vocab, g)
-    max_new = 12 if args.model == "tiny" else 32
+    max_new = args.max_new
     width = max(len(p) for p in prompts)
     rows = len(prompts) * n
     responses = torch.randint(1, max_new + 1, (rows,), generator=g).tolist()
@@ -209,14 +217,26 @@ def bench_n(args, ac, vocab: int, n: int) -> dict:
                 ratios = sorted(r["padded"][stage][i] / r[name][stage][i] for r in rounds)
                 row[f"{stage}_{which}_speedup"] = [ratios[0], statistics.median(ratios), ratios[-1]]
         rows[name] = row
-    return {"n": n, "rows": td.shape[0], "width": td.shape[1], "max_abs_diff": diff, **rows}
+    lengths = td["attention_mask"].sum(-1).float()
+    responses = td["loss_mask"].sum(-1).float()
+    return {
+        "n": n,
+        "rows": td.shape[0],
+        "width": td.shape[1],
+        "prompt_tokens_mean": float((lengths - responses).mean()),
+        "response_tokens_mean": float(responses.mean()),
+        "max_abs_diff": diff,
+        **rows,
+    }
 
 
 def report(results: list[dict], args, load: list[float]) -> str:
+    first = results[0]
     lines = [
-        f"model {args.model}, {args.prompts} prompts x n, token budget {args.token_budget}, "
-        f"{args.reps} rounds (median [min, max]; speed-up = padded / shared per round), load "
-        f"average {load[0]:.1f} -> {load[1]:.1f}",
+        f"model {args.model}, {args.prompts} prompts x n, prompts {first['prompt_tokens_mean']:.0f}"
+        f" tokens, responses 1-{args.max_new} (mean {first['response_tokens_mean']:.1f}), token "
+        f"budget {args.token_budget}, {args.reps} rounds (seconds: median; speed-up = padded / "
+        f"shared per round, median [min, max]), load average {load[0]:.1f} -> {load[1]:.1f}",
         f"  {'n':>2} {'path':<7} {'tokens':>7} {'anchor s':>9} {'train s':>9} {'total s':>9} "
         f"{'x anchor':>20} {'x train':>20} {'x total':>20} {'x total (CPU)':>20}",
     ]
@@ -250,6 +270,7 @@ def main(argv: list[str] | None = None) -> None:
         ns=args.ns,
         prompts=args.prompts,
         token_budget=args.token_budget,
+        max_new=args.max_new,
         reps=args.reps,
         threads=args.threads,
         quick=args.quick,
