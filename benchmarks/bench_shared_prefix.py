@@ -231,10 +231,12 @@ def bench_n(args, ac, vocab: int, n: int) -> dict:
 
 
 def report(results: list[dict], args, load: list[float]) -> str:
-    first = results[0]
+    prompt = [r["prompt_tokens_mean"] for r in results]
+    response = [r["response_tokens_mean"] for r in results]
     lines = [
-        f"model {args.model}, {args.prompts} prompts x n, prompts {first['prompt_tokens_mean']:.0f}"
-        f" tokens, responses 1-{args.max_new} (mean {first['response_tokens_mean']:.1f}), token "
+        f"model {args.model}, {args.prompts} prompts x n, prompts {min(prompt):.0f}-"
+        f"{max(prompt):.0f} tokens (mean per n), responses 1-{args.max_new} (mean per n "
+        f"{min(response):.1f}-{max(response):.1f}), token "
         f"budget {args.token_budget}, {args.reps} rounds (seconds: median; speed-up = padded / "
         f"shared per round, median [min, max]), load average {load[0]:.1f} -> {load[1]:.1f}",
         f"  {'n':>2} {'path':<7} {'tokens':>7} {'anchor s':>9} {'train s':>9} {'total s':>9} "
