@@ -246,6 +246,10 @@ RANGE_ERRORS = [
         ["rollout.packing=sometimes"],
         r"config: rollout.packing='sometimes' must be false, true or auto",
     ),
+    (  # an interpolation to a number: the check names the key (was a bare TypeError)
+        ["algo.clip_epsilon=${seed}"],
+        r"config: algo.clip_epsilon must be a float in \(0, 1\) or \(low, high\) .*got 0",
+    ),
     (
         ["rollout.shared_prefix=sometimes"],
         r"config: rollout.shared_prefix='sometimes' must be false, true or auto",

@@ -16,6 +16,7 @@ second, before it loads the training stack.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any, Optional
 
@@ -146,9 +147,12 @@ class _AlgoKeys:
                 ADVANTAGES.options(
                     entry.name, getattr(self, entry.name, None), prefix=f"{p}{entry.name}."
                 )
+        clip = self.clip_epsilon  # a list; an interpolation may give a number (checked there)
         check_ppo_loss_args(
             p,
-            clip_epsilon=list(self.clip_epsilon),
+            clip_epsilon=list(clip)
+            if isinstance(clip, Iterable) and not isinstance(clip, str)
+            else clip,
             clip_value=self.clip_value,
             entropy_coeff=self.entropy_coeff,
             critic_coeff=self.critic_coeff,
