@@ -442,6 +442,8 @@ def report(result: dict, args) -> str:
         ratio = f"{r['ratio']:.2f} [{min(r['ratio_reps']):.2f}, {max(r['ratio_reps']):.2f}]"
         lo, hi = r["cpu_ratio_range"]
         cpu = f"{r['cpu_ratio']:.2f} [{lo:.2f}, {hi:.2f}]"
+        if r["backend"] == "sglang":  # this process's CPU: the client, not the server's compute
+            cpu = "-"
         prefill = "-" if r["prefill_seconds"] is None else f"{r['prefill_seconds']:.3f}"
         lines.append(
             f"  {r['backend']:<17} {r['turns']:>2} {r['max_new_tokens_per_turn']:>8} "

@@ -14,6 +14,13 @@ from ar_torchrl.modules.packing import (
     pack_rows,
     packed_layout,
 )
+from ar_torchrl.modules.shared_prefix import (
+    SHARED_KEY,
+    SharedPrefix,
+    shared_hidden_states,
+    supports_shared_prefix,
+    why_not_shared,
+)
 from ar_torchrl.modules.value_head import (
     VALUE_HEAD_FILE,
     PopArtValueHead,
@@ -27,11 +34,13 @@ from ar_torchrl.modules.value_head import (
 __all__ = [
     "LOGITS_MEMORY_BUDGET",
     "PACKED_KEY",
+    "SHARED_KEY",
     "VALUE_HEAD_FILE",
     "LMActorCritic",
     "LMCritic",
     "PackedLayout",
     "PopArtValueHead",
+    "SharedPrefix",
     "ValueHead",
     "attach_value_head",
     "build_separate_critic",
@@ -43,5 +52,8 @@ __all__ = [
     "packed_layout",
     "save_policy",
     "save_value_head",
+    "shared_hidden_states",
+    "supports_shared_prefix",
     "token_log_probs",
+    "why_not_shared",
 ]

@@ -10,7 +10,9 @@ log-softmax run over chunks sized by a memory budget (:mod:`ar_torchrl.modules.l
 A micro-batch crop carrying ``PACKED_KEY = True`` (set by a packing
 :class:`~ar_torchrl.data.MicroBatchPlan`) runs padding-free: its rows' real tokens share backbone
 sequences (:mod:`ar_torchrl.modules.packing`) and the outputs come back in the crop's ``[b, w]``
-layout, 0 on padding and on each row's first real token.
+layout, 0 on padding and on each row's first real token. A crop carrying ``SHARED_KEY`` (a
+shared-prefix plan) computes the prefix its rows share once per group
+(:mod:`ar_torchrl.modules.shared_prefix`), with the outputs of the padded forward.
 """
 
 from __future__ import annotations
@@ -31,6 +33,12 @@ from ar_torchrl.modules.log_probs import (
     token_log_probs,
 )
 from ar_torchrl.modules.packing import PACKED_KEY, PackedLayout, is_varlen, packed_layout
+from ar_torchrl.modules.shared_prefix import (
+    SHARED_KEY,
+    SharedPrefix,
+    shared_hidden_states,
+    why_not_shared,
+)
 from ar_torchrl.utils.checks import check_actor_args, check_bool
 
 __all__ = ["LMActorCritic", "token_log_probs"]
@@ -168,14 +176,14 @@ class LMActorCritic(TensorDictModuleBase):
     entropy_key = property(lambda self: self.tensor_keys.entropy)
 
     def select_inputs(self, tensordict: TensorDictBase) -> TensorDictBase:
-        """The entries :meth:`forward` reads: ``in_keys`` and, when present, ``PACKED_KEY``.
+        """The entries :meth:`forward` reads: ``in_keys`` and, when present, ``PACKED_KEY`` and
+        ``SHARED_KEY``.
 
-        Callers that hand the module a selection (``recompute_old_log_probs_and_values``, ``TokenPPOLoss``) use it
-        so a packed micro-batch crop stays packed.
+        Callers that hand the module a selection (``recompute_old_log_probs_and_values``,
+        ``TokenPPOLoss``) use it so a packed (shared-prefix) micro-batch crop stays packed (shared).
         """
         keys = list(self.in_keys)
-        if PACKED_KEY in tensordict.keys():
-            keys.append(PACKED_KEY)
+        keys += [k for k in (PACKED_KEY, SHARED_KEY) if k in tensordict.keys()]
         return tensordict.select(*keys)
 
     def hidden_states(self, tokens: Tensor, attention_mask: Tensor) -> Tensor:
@@ -190,8 +198,11 @@ class LMActorCritic(TensorDictModuleBase):
                 f"LMActorCritic expects {self.tokens_key!r} and {self.attention_mask_key!r} of one "
                 f"shape [B, L]; got {tuple(tokens.shape)} and {tuple(attention_mask.shape)}"
             )
+        shared = shared_prefix_of(tensordict, self.model)
         if tensordict.get_non_tensor(PACKED_KEY, False):
             log_prob, value, next_value, entropy = self._packed(tokens, attention_mask)
+        elif shared is not None:
+            log_prob, value, next_value, entropy = self._shared(tokens, attention_mask, shared)
         else:
             log_prob, value, next_value, entropy = self._padded(tokens, attention_mask)
         tensordict.set(self.log_prob_key, log_prob)
@@ -220,6 +231,33 @@ class LMActorCritic(TensorDictModuleBase):
         )
         if not self.critic:
             return log_prob, None, None, entropy
+        value, next_value = shifted_values(self.model.value_head, hidden)
+        return log_prob, value, next_value, entropy
+
+    def _shared(
+        self, tokens: Tensor, attention_mask: Tensor, shared: SharedPrefix
+    ) -> tuple[Tensor | None, ...]:
+        """Shared-prefix forward; the LM head also runs once per group on the prefix positions
+        (a row's first own log-prob comes from its group's last prefix state)."""
+        prefix, rest = shared_hidden_states(self.model, tokens, attention_mask, shared)
+        groups = torch.tensor(shared.groups, device=tokens.device)
+        reps = torch.tensor(shared.representatives, device=tokens.device)
+        width, head = shared.width, self.model.get_output_embeddings()
+        kwargs = dict(
+            temperature=self.temperature,
+            chunk_tokens=self._chunk_tokens(),
+            with_entropy=self.return_entropy,
+        )
+        lp_prefix, ent_prefix = token_log_probs(prefix, tokens[reps, :width], head, **kwargs)
+        boundary = torch.cat([prefix[:, -1:].index_select(0, groups), rest], dim=1)
+        lp_rest, ent_rest = token_log_probs(boundary, tokens[:, width - 1 :], head, **kwargs)
+        log_prob = torch.cat([lp_prefix.index_select(0, groups), lp_rest[:, 1:]], dim=1)
+        entropy = None
+        if self.return_entropy:
+            entropy = torch.cat([ent_prefix.index_select(0, groups), ent_rest[:, 1:]], dim=1)
+        if not self.critic:
+            return log_prob, None, None, entropy
+        hidden = torch.cat([prefix.index_select(0, groups), rest], dim=1)
         value, next_value = shifted_values(self.model.value_head, hidden)
         return log_prob, value, next_value, entropy
 
@@ -260,6 +298,24 @@ def rename_keys(module: TensorDictModuleBase, keys: dict[str, NestedKey]) -> Non
         value = keys["value"]
         module.tensor_keys.next_value = ("next", *((value,) if isinstance(value, str) else value))
     module._refresh_keys()
+
+
+def shared_prefix_of(tensordict: TensorDictBase, model: nn.Module) -> SharedPrefix | None:
+    """The crop's :class:`SharedPrefix` (``None``: an ordinary crop).
+
+    Raises:
+        ValueError: the crop shares prefixes but ``model`` cannot run that (its padded forward
+            would compute more tokens than the plan budgeted).
+    """
+    shared = tensordict.get_non_tensor(SHARED_KEY, None)
+    if shared is not None and (reason := why_not_shared(model)) is not None:
+        raise ValueError(
+            f"a shared-prefix micro-batch reached {type(model).__name__}, which cannot compute a "
+            f"prefix once per group: {reason}; plan without shared_prefix "
+            "(plan_micro_batches(..., shared_prefix=False); supports_shared_prefix(model) says "
+            "when it can)"
+        )
+    return shared
 
 
 def backbone_hidden_states(model: nn.Module, tokens: Tensor, attention_mask: Tensor) -> Tensor:

@@ -9,7 +9,7 @@ critic does it this way (verl, OpenRLHF, NeMo-RL, ...); sharing the trunk can hu
 
 The critic writes the same keys with the same alignment as the shared head
 (``state_value[t] = V(h[t - 1])``, the state before token ``t``; ``("next", "state_value")[t] =
-V(h[t])``), over padded or packed micro-batch crops, so :class:`~ar_torchrl.objectives.TokenGAE`,
+V(h[t])``), over padded, packed or shared-prefix micro-batch crops, so :class:`~ar_torchrl.objectives.TokenGAE`,
 :class:`~ar_torchrl.objectives.GRPOAdvantage`, :func:`~ar_torchrl.objectives.recompute_old_log_probs_and_values`
 and :class:`~ar_torchrl.objectives.TokenPPOLoss` serve both. Its LM head is never used; it is never
 sent to the rollout engine.
@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
+import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
@@ -31,9 +32,11 @@ from ar_torchrl.modules.actor_critic import (
     packed_hidden_states,
     packed_values,
     rename_keys,
+    shared_prefix_of,
     shifted_values,
 )
 from ar_torchrl.modules.packing import PACKED_KEY
+from ar_torchrl.modules.shared_prefix import shared_hidden_states
 from ar_torchrl.modules.value_head import attach_value_head
 
 __all__ = ["LMCritic", "build_separate_critic", "check_same_tokenizer"]
@@ -101,7 +104,7 @@ class LMCritic(TensorDictModuleBase):
     value_key = property(lambda self: self.tensor_keys.value)
     next_value_key = property(lambda self: self.tensor_keys.next_value)
 
-    select_inputs = LMActorCritic.select_inputs  # in_keys and, when present, PACKED_KEY
+    select_inputs = LMActorCritic.select_inputs  # in_keys and, when present, PACKED_/SHARED_KEY
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         k = self.tensor_keys
@@ -111,10 +114,15 @@ class LMCritic(TensorDictModuleBase):
                 f"LMCritic expects {k.tokens!r} and {k.attention_mask!r} of one shape [B, L]; got "
                 f"{tuple(tokens.shape)} and {tuple(attention_mask.shape)}"
             )
-        head = self.model.value_head
+        head, shared = self.model.value_head, shared_prefix_of(tensordict, self.model)
         if tensordict.get_non_tensor(PACKED_KEY, False):
             hidden, layout = packed_hidden_states(self.model, tokens, attention_mask)
             value, next_value = packed_values(head, hidden, layout, attention_mask)
+        elif shared is not None:  # the shared prefix once per group (modules.shared_prefix)
+            prefix, rest = shared_hidden_states(self.model, tokens, attention_mask, shared)
+            groups = torch.tensor(shared.groups, device=tokens.device)
+            hidden = torch.cat([prefix.index_select(0, groups), rest], dim=1)
+            value, next_value = shifted_values(head, hidden)
         else:
             hidden = backbone_hidden_states(self.model, tokens, attention_mask)
             value, next_value = shifted_values(head, hidden)

@@ -10,6 +10,12 @@ With ``packing`` a micro-batch is *packed*: its crop carries ``PACKED_KEY = True
 :class:`~ar_torchrl.modules.LMActorCritic` runs it padding-free (the rows' real tokens share
 backbone sequences, :mod:`ar_torchrl.modules.packing`), so the token budget counts the tokens the
 packed forward computes (real tokens plus the slack of its bins) instead of ``rows x width``.
+
+With ``shared_prefix`` the rows that are the same up to their first trained token (the ``n``
+samples of a prompt) stay in one micro-batch, whose crop carries ``SHARED_KEY`` (a
+:class:`~ar_torchrl.modules.SharedPrefix`): the actor-critic and the critic compute that prefix once
+per group (:mod:`ar_torchrl.modules.shared_prefix`), and the budget counts ``groups x prefix +
+rows x rest``.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 
 from ar_torchrl.modules.packing import PACKED_KEY
+from ar_torchrl.modules.shared_prefix import SHARED_KEY, SharedPrefix
 from ar_torchrl.utils.checks import check_token_budget
 
 __all__ = ["MicroBatch", "MicroBatchPlan", "plan_micro_batches"]
@@ -36,12 +43,16 @@ ReduceOp = Literal["sum", "max", "min"]
 # tokens only; measured on CPU with benchmarks/bench_packing.py it was 1.3-1.9x faster at 28-43 %
 # padding and neutral (0.97-1.09x) at 13 %, where the layout overhead eats the gain.
 AUTO_PACKING_MIN_PADDING = 0.2
+# "auto" shares prefixes when the shared plan computes at least this fraction fewer backbone tokens
+# than the padded plan (benchmarks/bench_shared_prefix.py measures what that buys).
+AUTO_SHARED_MIN_SAVING = 0.2
 
 
 @dataclass(frozen=True, order=True)
 class MicroBatch:
-    """Rows of the batch, the column span ``[start, end)`` they are cropped to, and for a packed
-    micro-batch the ``(bins, bin width)`` its forward computes.
+    """Rows of the batch, the column span ``[start, end)`` they are cropped to, for a packed
+    micro-batch the ``(bins, bin width)`` its forward computes, and for a shared-prefix one
+    ``(split column, group of each row)``: rows of a group are the same on ``[start, split)``.
 
     ``padding=True`` marks a padding pass of data-parallel training
     (:func:`ar_torchrl.distributed.shard_plan`): a rank with fewer micro-batches than the others
@@ -54,6 +65,7 @@ class MicroBatch:
     end: int
     padding: bool = False
     packed_shape: tuple[int, int] | None = None
+    shared: tuple[int, tuple[int, ...]] | None = None
 
     @property
     def width(self) -> int:
@@ -65,9 +77,13 @@ class MicroBatch:
 
     @property
     def num_tokens(self) -> int:
-        """What the forward pays for: ``rows x width`` padded, ``bins x bin width`` packed."""
+        """What the forward pays for: ``rows x width`` padded, ``bins x bin width`` packed,
+        ``groups x prefix + rows x rest`` with a shared prefix."""
         if self.packed_shape is not None:
             return self.packed_shape[0] * self.packed_shape[1]
+        if self.shared is not None:
+            split, groups = self.shared
+            return (max(groups) + 1) * (split - self.start) + len(self.rows) * (self.end - split)
         return len(self.rows) * self.width
 
 
@@ -142,11 +158,15 @@ class MicroBatchPlan:
 
     def crop(self, td: TensorDictBase, mb: MicroBatch) -> TensorDictBase:
         """The sub-TensorDict of ``mb``: its rows, cropped to its columns (a copy), carrying
-        ``PACKED_KEY = True`` when ``mb`` is packed."""
+        ``PACKED_KEY = True`` when ``mb`` is packed and its :class:`~ar_torchrl.modules.SharedPrefix`
+        (``SHARED_KEY``) when it shares prefixes."""
         rows = torch.tensor(mb.rows, dtype=torch.long, device=td.device)
         sub = td[rows][:, mb.start : mb.end]
         if mb.packed:
             sub.set_non_tensor(PACKED_KEY, True)
+        if mb.shared is not None:
+            split, groups = mb.shared
+            sub.set_non_tensor(SHARED_KEY, SharedPrefix(split - mb.start, groups))
         return sub
 
     def split(self, td: TensorDictBase) -> Iterator[TensorDictBase]:
@@ -201,7 +221,10 @@ def plan_micro_batches(
     max_rows: int | None = None,
     *,
     packing: bool | Literal["auto"] = False,
+    shared_prefix: bool | Literal["auto"] = False,
     attention_mask_key: NestedKey = "attention_mask",
+    tokens_key: NestedKey = "tokens",
+    loss_mask_key: NestedKey = "loss_mask",
 ) -> MicroBatchPlan:
     """Pack the rows of a ``[B, L]`` token trajectory into micro-batches of at most ``token_budget``.
 
@@ -216,11 +239,23 @@ def plan_micro_batches(
     (:func:`~ar_torchrl.modules.packed_layout`), so there the budget is an upper bound. ``"auto"``
     packs when padding is at least ``AUTO_PACKING_MIN_PADDING`` of the padded plan's tokens.
 
+    Shared prefixes (``shared_prefix=True``, padded crops): rows whose tokens and attention mask
+    are the same up to their first trained token (``loss_mask``) form a group; groups, longest
+    first, fill micro-batches while ``groups x prefix + rows x rest`` stays within the budget (a
+    group too large for one is split), and each group's prefix is computed once
+    (:mod:`ar_torchrl.modules.shared_prefix`). A micro-batch whose groups are single rows is an
+    ordinary padded one. ``"auto"`` shares when that computes at least ``AUTO_SHARED_MIN_SAVING``
+    fewer tokens than the padded plan and no more than the packed plan ``packing`` would choose,
+    else plans as ``packing`` says (a batch without ``tokens``/``loss_mask`` is not shared).
+
     Args:
-        td: a TensorDict with batch size ``[B, L]`` holding ``attention_mask`` ``[B, L]`` bool.
+        td: a TensorDict with batch size ``[B, L]`` holding ``attention_mask`` ``[B, L]`` bool
+            (and, for ``shared_prefix``, ``tokens`` and ``loss_mask``).
         token_budget: max computed tokens per micro-batch.
         max_rows: optional max rows per micro-batch.
         packing: ``False`` (padded crops), ``True`` (padding-free forwards) or ``"auto"``.
+        shared_prefix: ``False``, ``True`` (padded crops only: ``packing`` must not be ``True``)
+            or ``"auto"`` (never with ``packing=True``).
 
     Raises:
         ValueError: a row longer than ``token_budget`` on its own, a row without any real token,
@@ -233,6 +268,13 @@ def plan_micro_batches(
         raise ValueError(f"max_rows must be >= 1 or None, got {max_rows}")
     if packing not in (True, False, "auto"):
         raise ValueError(f"packing must be True, False or 'auto', got {packing!r}")
+    if shared_prefix not in (True, False, "auto"):
+        raise ValueError(f"shared_prefix must be True, False or 'auto', got {shared_prefix!r}")
+    if shared_prefix is True and packing is True:
+        raise ValueError(
+            "plan_micro_batches: shared_prefix=True runs padded crops; packing=True cannot be "
+            "combined with it (use packing=False or 'auto', or shared_prefix='auto')"
+        )
     if td.batch_dims < 2:
         raise ValueError(
             f"plan_micro_batches expects a [B, L] TensorDict, got batch_size "
@@ -240,13 +282,14 @@ def plan_micro_batches(
         )
     mask = td.get(attention_mask_key, None)
     if mask is None:
-        keys = sorted(str(k) for k in td.keys(include_nested=True, leaves_only=True))
+        held = sorted(str(k) for k in td.keys(include_nested=True, leaves_only=True))
         raise _MissingLayoutKeyError(
             f"plan_micro_batches: the batch has no {attention_mask_key!r} (bool [B, L], True on real "
             f"tokens: a token trajectory's key, docs/design.md section 1); it holds "
-            f"{keys[:8]}{' ...' if len(keys) > 8 else ''}{_convert_hint(td)}"
+            f"{held[:8]}{' ...' if len(held) > 8 else ''}{_convert_hint(td)}"
         )
     mask = mask.bool()
+    keys = (tokens_key, loss_mask_key)
     first, last = (x.tolist() for x in _row_spans(mask))
     lengths = mask.sum(-1).tolist()
     _check_rows(lengths, [b - a for a, b in zip(first, last)], token_budget, attention_mask_key)
@@ -255,12 +298,37 @@ def plan_micro_batches(
     padded = MicroBatchPlan(
         _group_padded(order, first, last, token_budget, max_rows), size, token_budget
     )
-    if packing is False or (
-        packing == "auto" and 1 - sum(lengths) / padded.num_tokens < AUTO_PACKING_MIN_PADDING
-    ):
-        return padded
-    packed = _group_packed(order, first, last, lengths, token_budget, max_rows)
-    return MicroBatchPlan(packed, size, token_budget)
+    shared = None
+    if shared_prefix is True or (shared_prefix == "auto" and packing is not True):
+        shared = _shared_plan(td, mask, first, last, token_budget, max_rows, keys, shared_prefix)
+        if shared_prefix is True:
+            return shared
+    pack = packing is True or (
+        packing == "auto" and 1 - sum(lengths) / padded.num_tokens >= AUTO_PACKING_MIN_PADDING
+    )
+    packed = None
+    if pack:
+        micro = _group_packed(order, first, last, lengths, token_budget, max_rows)
+        packed = MicroBatchPlan(micro, size, token_budget)
+    if shared is not None and 1 - shared.num_tokens / padded.num_tokens >= AUTO_SHARED_MIN_SAVING:
+        if packed is None or shared.num_tokens <= packed.num_tokens:
+            return shared
+    return packed if packed is not None else padded
+
+
+def _shared_plan(td, mask, first, last, budget, max_rows, keys, mode) -> MicroBatchPlan | None:
+    """The shared-prefix plan (``None`` for ``"auto"`` on a batch without the keys it needs)."""
+    present = [k for k in keys if k in td.keys(include_nested=True)]
+    if len(present) < len(keys):
+        if mode == "auto":
+            return None
+        raise ValueError(
+            f"plan_micro_batches: shared_prefix=True groups rows by {keys[0]!r} before their "
+            f"first trained token ({keys[1]!r}); the batch has no {sorted(set(keys) - set(present))}"
+        )
+    tokens, loss_mask = td.get(keys[0]), td.get(keys[1]).bool()
+    micro = _group_shared(_prefix_groups(tokens, mask, loss_mask), first, last, budget, max_rows)
+    return MicroBatchPlan(micro, (mask.shape[0], mask.shape[1]), budget)
 
 
 class _MissingLayoutKeyError(KeyError):
@@ -341,3 +409,83 @@ def _group_packed(order, first, last, lengths, budget, max_rows) -> tuple[MicroB
         micro.append(MicroBatch(rows, *span, packed_shape=(len(room), width)))
         remaining = waiting
     return tuple(micro)
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Rows the same on every column before ``split`` (their first trained token)."""
+
+    rows: tuple[int, ...]
+    split: int
+    start: int
+    end: int
+
+
+def _prefix_groups(
+    tokens: torch.Tensor, mask: torch.Tensor, loss_mask: torch.Tensor
+) -> list[_Group]:
+    """Rows grouped by their tokens and attention mask before their first trained token (a row
+    with no trained token, or whose first real token is trained, is a group of its own)."""
+    first, last = (x.tolist() for x in _row_spans(mask))
+    trained = loss_mask & mask
+    split = torch.where(trained.any(-1), trained.int().argmax(-1), -1).tolist()
+    keys: dict[object, list[int]] = {}
+    real = torch.where(mask, tokens, -1).tolist()  # padding apart from any token (holes too)
+    for row, cut in enumerate(split):
+        shareable = cut > first[row]
+        key = (cut, tuple(real[row][first[row] : cut]), first[row]) if shareable else ("own", row)
+        keys.setdefault(key, []).append(row)
+    return [
+        _Group(tuple(rows), split[rows[0]], first[rows[0]], max(last[r] for r in rows))
+        for rows in keys.values()
+    ]
+
+
+def _group_shared(groups: list[_Group], first, last, budget, max_rows) -> tuple[MicroBatch, ...]:
+    """Micro-batches of whole groups (longest first) within ``budget`` counted as ``groups x
+    prefix + rows x rest``; a group too large for one micro-batch is split into several."""
+    units = [piece for g in groups for piece in _split_group(g, first, last, budget, max_rows)]
+    units.sort(key=lambda u: (-(u.end - u.start), u.rows[0]))
+    micro, current = [], []
+    for unit in units:
+        candidate = [*current, unit]
+        rows = sum(len(u.rows) for u in candidate)
+        if current and (
+            _shared_cost(candidate) > budget or (max_rows is not None and rows > max_rows)
+        ):
+            micro.append(_shared_micro_batch(current))
+            candidate = [unit]
+        current = candidate
+    if current:
+        micro.append(_shared_micro_batch(current))
+    return tuple(micro)
+
+
+def _split_group(group: _Group, first, last, budget, max_rows) -> list[_Group]:
+    """``group`` in pieces of at most as many rows as fit ``budget`` (and ``max_rows``) alone."""
+    if group.split <= group.start:  # nothing shared: single rows
+        return [_Group((r,), group.split, first[r], last[r]) for r in group.rows]
+    rest = max(group.end - group.split, 1)
+    fit = max(1, (budget - (group.split - group.start)) // rest)
+    size = min(fit, max_rows or fit)
+    pieces = [group.rows[k : k + size] for k in range(0, len(group.rows), size)]
+    return [_Group(p, group.split, group.start, max(last[r] for r in p)) for p in pieces]
+
+
+def _shared_cost(units: list[_Group]) -> int:
+    start, end = min(u.start for u in units), max(u.end for u in units)
+    split = min(u.split for u in units)
+    rows = sum(len(u.rows) for u in units)
+    if all(len(u.rows) == 1 for u in units) or split <= start:
+        return rows * (end - start)  # an ordinary padded micro-batch
+    return len(units) * (split - start) + rows * (end - split)
+
+
+def _shared_micro_batch(units: list[_Group]) -> MicroBatch:
+    start, end = min(u.start for u in units), max(u.end for u in units)
+    split = min(u.split for u in units)
+    rows = tuple(sorted(r for u in units for r in u.rows))
+    if all(len(u.rows) == 1 for u in units) or split <= start:
+        return MicroBatch(rows, start, end)
+    group_of = {r: k for k, u in enumerate(units) for r in u.rows}
+    return MicroBatch(rows, start, end, shared=(split, tuple(group_of[r] for r in rows)))

@@ -33,6 +33,7 @@ KEYS = [
     "rollout.top_k",
     "rollout.overlong_buffer",
     "rollout.packing",
+    "rollout.shared_prefix",
     "train.iterations",
     "train.max_policy_lag",
     "train.eval_prompts",

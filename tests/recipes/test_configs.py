@@ -246,6 +246,28 @@ RANGE_ERRORS = [
         ["rollout.packing=sometimes"],
         r"config: rollout.packing='sometimes' must be false, true or auto",
     ),
+    (  # an interpolation to a number: the check names the key (was a bare TypeError)
+        ["algo.clip_epsilon=${seed}"],
+        r"config: algo.clip_epsilon must be a float in \(0, 1\) or \(low, high\) .*got 0",
+    ),
+    (
+        ["rollout.shared_prefix=sometimes"],
+        r"config: rollout.shared_prefix='sometimes' must be false, true or auto",
+    ),
+    (
+        ["rollout.shared_prefix=true", "rollout.packing=true"],
+        r"config: rollout.shared_prefix=true runs padded micro-batches, rollout.packing=true "
+        r"padding-free ones: set one of them to false or auto",
+    ),
+    (
+        ["rollout.shared_prefix=true", "model.gradient_checkpointing=true"],
+        r"config: rollout.shared_prefix=true cannot run with model.gradient_checkpointing=true",
+    ),
+    (
+        ["rollout.shared_prefix=true", "model.dtype=bfloat16"],
+        r"config: rollout.shared_prefix=true cannot run with FSDP2 .*set rollout.shared_prefix="
+        r"false \(or auto",
+    ),
     (["algo.loss_agg_mode=mean"], r"algo.loss_agg_mode='mean' is not one of \['token_mean'"),
     (["data=dapo_math", "data.path=${oc.env:NO_SUCH_VAR_AR}"], r"NO_SUCH_VAR_AR"),
     # ranges that come from the library's own per-entry-point checks (ar_torchrl.utils.checks)

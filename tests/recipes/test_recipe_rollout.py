@@ -75,3 +75,62 @@ def test_an_unreachable_backend_url_is_said_once(tmp_path, cache_dir):
     message = f"backend.url=['{url}']: no SGLang server answers GET /health there"
     assert proc.stderr.count(message) == 1, proc.stderr[-3000:]
     assert "WeightSyncError" not in proc.stderr and "weight sync" not in proc.stderr
+
+
+def test_rollout_shared_prefix_is_the_plan_of_the_old_log_prob_pass_and_the_update():
+    """``rollout.shared_prefix`` reaches the one plan both passes use; ``auto`` plans without sharing
+    (and ``true`` is an error naming the key) when a model cannot share a prefix."""
+    from types import SimpleNamespace
+
+    from support.recipe_helpers import typed
+    from support.trajectories import shared_prompt_batch, tiny_actor_critic
+
+    from ar_torchrl.distributed.fsdp import checkpoint_decoder_layers
+    from ar_torchrl.recipes.dapo_ppo import loop
+    from ar_torchrl.recipes.strategy import LocalStrategy
+
+    td = shared_prompt_batch(groups=4, n=4)
+    for value, shared in (("true", True), ("auto", True), ("false", False)):
+        cfg = typed([f"rollout.shared_prefix={value}", "rollout.token_budget=64"])
+        ac = tiny_actor_critic()
+        mode = loop.shared_prefix_mode(cfg, ac, None, None)
+        run = SimpleNamespace(
+            cfg=cfg,
+            shared_prefix=mode,
+            strategy=LocalStrategy(),
+            actor_critic=ac,
+            ref_actor=None,
+            critic=None,
+        )
+        plan = loop.old_log_probs_and_values(run, td.clone())
+        assert len(plan) > 1, value
+        assert all(bool(mb.shared) == shared for mb in plan.micro_batches), value
+    checkpointed = tiny_actor_critic()
+    checkpoint_decoder_layers(checkpointed.model)
+    auto, true = typed(["rollout.shared_prefix=auto"]), typed(["rollout.shared_prefix=true"])
+    assert loop.shared_prefix_mode(auto, tiny_actor_critic(), None, checkpointed) is False
+    with pytest.raises(
+        ValueError,
+        match=r"config: rollout.shared_prefix=true, but Qwen3ForCausalLM cannot compute a prefix "
+        r"once per group: it runs activation checkpointing; set rollout.shared_prefix=false",
+    ):
+        loop.shared_prefix_mode(true, tiny_actor_critic(), None, checkpointed)
+
+
+@pytest.mark.slow
+def test_a_run_with_shared_prefixes_trains_as_the_padded_run(tmp_path, cache_dir):
+    """Two iterations with ``rollout.shared_prefix=true`` (16 prompts x 4 samples): the first
+    iteration's rollouts are the padded run's, its update the same to float rounding."""
+    args = ["train.iterations=2", *QUIET]
+    _, shared = run_recipe(tmp_path / "shared", cache_dir, "rollout.shared_prefix=true", *args)
+    _, padded = run_recipe(tmp_path / "padded", cache_dir, "rollout.shared_prefix=false", *args)
+    assert [h["step"] for h in shared] == [h["step"] for h in padded] == [1, 2]
+    for h in shared:
+        assert h["train/skipped_steps"] == 0.0 and math.isfinite(h["train/loss_objective"])
+    first, want = shared[0], padded[0]
+    drift = "rollout/logprob_drift"  # the trainer's old log-probs against the engine's
+    sampled = {k for k in want if k.startswith("rollout/")} - {drift}
+    assert {k: first[k] for k in sampled} == {k: want[k] for k in sampled}
+    assert first[drift] == pytest.approx(want[drift], abs=1e-8)
+    for key in ("train/loss_objective", "train/loss_critic", "train/mean_ratio", "train/grad_norm"):
+        assert first[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key

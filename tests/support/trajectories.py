@@ -108,3 +108,23 @@ def tiny_batch(seed: int = 0):
     td["advantage"] = torch.randn(*mask.shape, 1, generator=g)
     td["value_target"] = torch.randn(*mask.shape, 1, generator=g)
     return ac, td
+
+
+def shared_prompt_batch(groups: int, n: int, *, seed: int = 0, max_response: int = 9) -> TensorDict:
+    """``groups`` prompts of varied lengths x ``n`` responses each (the rows of a prompt share its
+    tokens, left-padded, as the n samples of a prompt do), rows shuffled; rewards +-1 on the last
+    response token."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [
+        torch.randint(3, VOCAB, (int(torch.randint(4, 12, (), generator=g)),), generator=g)
+        for _ in range(groups)
+    ]
+    order = torch.randperm(groups * n, generator=g).tolist()
+    responses = [int(torch.randint(1, max_response + 1, (), generator=g)) for _ in order]
+    td = make_trajectory([len(prompts[i // n]) for i in order], responses, seed=seed)
+    width = max(len(p) for p in prompts)
+    for b, i in enumerate(order):
+        p = prompts[i // n]
+        td["tokens"][b, width - len(p) : width] = p
+        td["prompt_id"][b] = i // n
+    return td

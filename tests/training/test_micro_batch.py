@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.trajectories import make_trajectory
+from support.trajectories import make_trajectory, shared_prompt_batch
 from tensordict import TensorDict
 
 from ar_torchrl.training import plan_micro_batches
@@ -74,3 +74,103 @@ def test_plan_errors():
         match=r"made for a batch of size \(2, 8\), got a TensorDict with batch_size \(3, 8\)",
     ):
         list(plan.split(make_trajectory([3, 2, 1], [4, 5, 1])))
+
+
+# ----------------------------------------------------------------------------- shared prefixes
+def _groups(td) -> dict[int, set[int]]:
+    ids = td["prompt_id"][:, 0].tolist()
+    return {p: {b for b, q in enumerate(ids) if q == p} for p in set(ids)}
+
+
+@pytest.mark.parametrize(
+    ("budget", "max_rows"), [(48, None), (80, None), (10_000, 6), (10_000, None)]
+)
+def test_shared_prefix_plans_keep_groups_together_within_budget(budget, max_rows):
+    td = shared_prompt_batch(groups=6, n=4, seed=7)
+    plan = plan_micro_batches(td, budget, max_rows, shared_prefix=True)
+    rows = sorted(r for mb in plan.micro_batches for r in mb.rows)
+    assert rows == list(range(td.shape[0]))  # every row once
+    width = int(
+        td["loss_mask"].int().argmax(-1).max()
+    )  # the prompts' end: the first trained column
+    for mb in plan.micro_batches:
+        assert mb.num_tokens <= budget and (max_rows is None or len(mb.rows) <= max_rows)
+        split, groups = mb.shared
+        assert split == width and len(groups) == len(mb.rows)
+        members = {}
+        for row, g in zip(mb.rows, groups):
+            members.setdefault(g, set()).add(row)
+        tokens = (
+            td["tokens"][list(mb.rows), mb.start : split]
+            * td["attention_mask"][list(mb.rows), mb.start : split]
+        )
+        for rows_of_g in members.values():  # a group: rows of one prompt, the same prefix
+            first = tokens[mb.rows.index(min(rows_of_g))]
+            assert all(torch.equal(tokens[mb.rows.index(r)], first) for r in rows_of_g)
+            assert len({int(td["prompt_id"][r, 0]) for r in rows_of_g}) == 1
+        prefix, rest = split - mb.start, mb.end - split
+        assert mb.num_tokens == len(members) * prefix + len(mb.rows) * rest
+    if budget >= 10_000 and max_rows is None:  # one micro-batch: each prompt is one group
+        assert len(plan) == 1 and len(set(plan.micro_batches[0].shared[1])) == 6
+        assert plan.num_tokens < plan_micro_batches(td, budget).num_tokens
+
+
+def test_auto_shares_where_groups_save_tokens_and_packing_is_refused():
+    grouped, single = shared_prompt_batch(6, 4, seed=1), shared_prompt_batch(12, 1, seed=1)
+    assert all(
+        mb.shared for mb in plan_micro_batches(grouped, 10_000, shared_prefix="auto").micro_batches
+    )
+    alone = plan_micro_batches(single, 10_000, shared_prefix=True)  # n = 1: nothing to share
+    assert all(mb.shared is None for mb in alone.micro_batches)
+    assert plan_micro_batches(single, 10_000, shared_prefix="auto") == plan_micro_batches(
+        single, 10_000
+    )
+    packed = plan_micro_batches(grouped, 10_000, packing=True, shared_prefix="auto")
+    assert all(mb.packed and mb.shared is None for mb in packed.micro_batches)
+    with pytest.raises(ValueError, match=r"shared_prefix=True runs padded crops; packing=True"):
+        plan_micro_batches(grouped, 10_000, packing=True, shared_prefix=True)
+    with pytest.raises(ValueError, match=r"shared_prefix must be True, False or 'auto', got 'yes'"):
+        plan_micro_batches(grouped, 10_000, shared_prefix="yes")
+
+
+@pytest.mark.parametrize(("n", "max_response"), [(4, 9), (2, 40), (1, 40)])
+def test_auto_takes_the_plan_that_computes_fewest_tokens(n, max_response):
+    """``shared_prefix="auto"`` with ``packing="auto"``: shared when it saves >= 20 % of the
+    padded plan's tokens and computes no more than the packed plan packing would choose."""
+    from ar_torchrl.training.micro_batch import AUTO_PACKING_MIN_PADDING, AUTO_SHARED_MIN_SAVING
+
+    td = shared_prompt_batch(groups=6, n=n, seed=3, max_response=max_response)
+    padded = plan_micro_batches(td, 10_000)
+    shared = plan_micro_batches(td, 10_000, shared_prefix=True)
+    packed = plan_micro_batches(td, 10_000, packing=True)
+    chosen = plan_micro_batches(td, 10_000, packing="auto", shared_prefix="auto")
+    real = int(td["attention_mask"].sum())
+    candidates = [padded]
+    if 1 - real / padded.num_tokens >= AUTO_PACKING_MIN_PADDING:
+        candidates = [packed]
+    if 1 - shared.num_tokens / padded.num_tokens >= AUTO_SHARED_MIN_SAVING:
+        candidates.append(shared)
+    best = min(candidates, key=lambda p: (p.num_tokens, p is not shared))
+    assert chosen == best
+
+
+def test_shared_prefix_needs_tokens_and_loss_mask():
+    td = shared_prompt_batch(groups=3, n=2, seed=2)
+    del td["loss_mask"]
+    assert plan_micro_batches(td, 10_000, shared_prefix="auto") == plan_micro_batches(td, 10_000)
+    with pytest.raises(ValueError, match=r"the batch has no \['loss_mask'\]"):
+        plan_micro_batches(td, 10_000, shared_prefix=True)
+
+
+def test_rows_whose_masks_differ_before_the_split_are_not_one_group():
+    """Two samples of a prompt whose prompts differ only in the mask (a real token 0 in one row,
+    a masked hole holding 0 in the other) compute different prefixes: not one group."""
+    td = shared_prompt_batch(groups=1, n=3, seed=4)
+    col = int(td["loss_mask"].int().argmax(-1).min()) - 2  # a prompt column of every row
+    assert bool(td["attention_mask"][:, col].all())
+    td["tokens"][:, col] = 0
+    td["attention_mask"][1, col] = False
+    (mb,) = plan_micro_batches(td, 10_000, shared_prefix=True).micro_batches
+    groups = mb.shared[1]
+    row_group = dict(zip(mb.rows, groups))
+    assert row_group[0] == row_group[2] != row_group[1]

@@ -16,6 +16,7 @@ second, before it loads the training stack.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any, Optional
 
@@ -146,9 +147,12 @@ class _AlgoKeys:
                 ADVANTAGES.options(
                     entry.name, getattr(self, entry.name, None), prefix=f"{p}{entry.name}."
                 )
+        clip = self.clip_epsilon  # a list; an interpolation may give a number (checked there)
         check_ppo_loss_args(
             p,
-            clip_epsilon=list(self.clip_epsilon),
+            clip_epsilon=list(clip)
+            if isinstance(clip, Iterable) and not isinstance(clip, str)
+            else clip,
             clip_value=self.clip_value,
             entropy_coeff=self.entropy_coeff,
             critic_coeff=self.critic_coeff,
@@ -292,6 +296,7 @@ class RolloutConfig:
     token_budget: int = MISSING
     max_rows: Optional[int] = None
     packing: Any = "auto"  # False | True | "auto" (plan_micro_batches; measured faster on CPU)
+    shared_prefix: Any = False  # False | True | "auto": a prompt's samples compute it once
     overlong_buffer: Optional[int] = None
     overlong_penalty: float = 1.0
     dynamic_sampling: bool = False  # DAPO: keep groups whose rewards differ, refill (the collector)
@@ -331,6 +336,16 @@ class RolloutConfig:
         _count(prefix, "max_rows", self.max_rows, allow_none=True)
         if not (isinstance(self.packing, bool) or self.packing == "auto"):
             raise ValueError(f"{prefix}packing={self.packing!r} must be false, true or auto")
+        if not (isinstance(self.shared_prefix, bool) or self.shared_prefix == "auto"):
+            raise ValueError(
+                f"{prefix}shared_prefix={self.shared_prefix!r} must be false, true or auto"
+            )
+        if self.shared_prefix is True and self.packing is True:
+            raise ValueError(
+                f"{prefix}shared_prefix=true runs padded micro-batches, "
+                f"{prefix.rsplit(' ', 1)[-1]}packing=true padding-free ones: set one of them to "
+                "false or auto"
+            )
         check_number(
             prefix,
             "overlong_buffer",
@@ -565,6 +580,11 @@ class Config:
             fsdp == "auto" and (world_size() > 1 or self.model.dtype != "float32")
         )
 
+    @property
+    def model_checkpoints(self) -> bool:
+        """``model.gradient_checkpointing`` (recompute decoder layers in backward)."""
+        return bool(getattr(self.model, "gradient_checkpointing", False))
+
     def check_dist(self) -> None:
         """The ``dist`` settings against the model, the device and the launch (``WORLD_SIZE``)."""
         d = self.dist
@@ -582,6 +602,18 @@ class Config:
         if d.backend == "nccl" and not self.device.startswith("cuda"):
             raise ValueError(
                 f"config: dist.backend=nccl needs device=cuda, got device={self.device}"
+            )
+        if self.rollout.shared_prefix is True and (self.sharded or self.model_checkpoints):
+            why = (
+                "model.gradient_checkpointing=true (a recomputed layer would write the prefix's "
+                "cache twice)"
+                if self.model_checkpoints
+                else "FSDP2 (dist.fsdp, torchrun or model.dtype): a shared-prefix forward is not "
+                "verified under fully_shard"
+            )
+            raise ValueError(
+                f"config: rollout.shared_prefix=true cannot run with {why}; set "
+                "rollout.shared_prefix=false (or auto: it then plans without sharing)"
             )
         if self.sharded and self.device.startswith("cuda:"):
             raise ValueError(

@@ -26,7 +26,7 @@ from ar_torchrl.collectors import WeightSyncCollector
 from ar_torchrl.collectors.sampling import episode_stats
 from ar_torchrl.envs import LLMEnv
 from ar_torchrl.functional import explained_variance_or_nan, masked_mean, monte_carlo_returns
-from ar_torchrl.modules import LMActorCritic, LMCritic
+from ar_torchrl.modules import LMActorCritic, LMCritic, why_not_shared
 from ar_torchrl.objectives import TokenPPOLoss
 from ar_torchrl.objectives.metrics import critic_health
 from ar_torchrl.recipes.dapo_ppo import build, rollouts
@@ -163,6 +163,7 @@ class Run:
     tokenizer: Any = None  # the policy's, written with the exported models
     warmup: CriticWarmup | None = None  # algo.critic_warmup_iters / critic_warmup_until_ev
     watch: CriticWatch | None = None  # train.critic_warn_iters
+    shared_prefix: Any = False  # rollout.shared_prefix as the plans take it (shared_prefix_mode)
 
     @property
     def is_main(self) -> bool:
@@ -280,6 +281,7 @@ def setup(
         cfg.algo.critic_warmup_iters, until_ev=cfg.algo.critic_warmup_until_ev
     )
     run.watch = CriticWatch(cfg.train.critic_warn_iters, run_dir=run_dir)
+    run.shared_prefix = shared_prefix_mode(cfg, actor_critic, ref_actor, critic)
     # 6. The engine's first weights (the one place that decides them): a checkpoint's, or the
     #    trainer's when the engine does not start with them (servers that were already running).
     starts_with_ours = ctx.broadcast_object(
@@ -463,10 +465,43 @@ def old_log_probs_and_values(run: Run, td):
     """The micro-batch plan (this rank's share under FSDP2) and the old log-probs and values of ``td`` computed with
     exactly those micro-batches (ratio exactly 1 on the first update)."""
     r = run.cfg.rollout
-    plan = plan_micro_batches(td, r.token_budget, r.max_rows, packing=r.packing)
+    plan = plan_micro_batches(
+        td, r.token_budget, r.max_rows, packing=r.packing, shared_prefix=run.shared_prefix
+    )
     return run.strategy.old_log_probs_and_values(
         run.actor_critic, td, plan, run.ref_actor, run.critic
     )
+
+
+def shared_prefix_mode(cfg: Config, *modules: LMActorCritic | LMCritic | None) -> bool | str:
+    """``rollout.shared_prefix`` as the run's plans take it (the old-log-prob pass and the update
+    share one plan, so one geometry). ``auto`` plans without sharing under FSDP2 or when a model
+    cannot share a prefix (:func:`~ar_torchrl.modules.why_not_shared`); ``true`` there is an error
+    naming the key (the config check refuses FSDP2 and gradient checkpointing already)."""
+    mode = cfg.rollout.shared_prefix
+    if mode is False:
+        return False
+    if cfg.sharded:
+        if mode is True:
+            raise ValueError(
+                "config: rollout.shared_prefix=true is not supported under FSDP2; set "
+                "rollout.shared_prefix=false or auto"
+            )
+        logger.info("rollout.shared_prefix=auto: FSDP2 plans without shared prefixes")
+        return False
+    for module in modules:
+        reason = None if module is None else why_not_shared(module.model)
+        if reason is None:
+            continue
+        if mode is True:
+            raise ValueError(
+                f"config: rollout.shared_prefix=true, but {type(module.model).__name__} cannot "
+                f"compute a prefix once per group: {reason}; set rollout.shared_prefix=false or "
+                "auto"
+            )
+        logger.info("rollout.shared_prefix=auto plans without shared prefixes: %s", reason)
+        return False
+    return mode
 
 
 def engine_memory(run: Run, *, release: bool) -> None:

@@ -95,6 +95,7 @@ ADDED_KEYS = {
     "critic.pretrain_epochs": 10,
     "train.critic_warn_iters": 20,
     "train.save_rollouts": False,
+    "rollout.shared_prefix": False,
 }
 
 #: What ``--help`` says above the groups and keys.
