@@ -36,6 +36,7 @@ from ar_torchrl.modules.packing import PACKED_KEY, PackedLayout, is_varlen, pack
 from ar_torchrl.modules.shared_prefix import (
     SHARED_KEY,
     SharedPrefix,
+    per_row,
     shared_hidden_states,
     why_not_shared,
 )
@@ -240,7 +241,6 @@ class LMActorCritic(TensorDictModuleBase):
         """Shared-prefix forward; the LM head also runs once per group on the prefix positions
         (a row's first own log-prob comes from its group's last prefix state)."""
         prefix, rest = shared_hidden_states(self.model, tokens, attention_mask, shared)
-        groups = torch.tensor(shared.groups, device=tokens.device)
         reps = torch.tensor(shared.representatives, device=tokens.device)
         width, head = shared.width, self.model.get_output_embeddings()
         kwargs = dict(
@@ -249,15 +249,15 @@ class LMActorCritic(TensorDictModuleBase):
             with_entropy=self.return_entropy,
         )
         lp_prefix, ent_prefix = token_log_probs(prefix, tokens[reps, :width], head, **kwargs)
-        boundary = torch.cat([prefix[:, -1:].index_select(0, groups), rest], dim=1)
+        boundary = per_row(shared, prefix[:, -1:], rest)
         lp_rest, ent_rest = token_log_probs(boundary, tokens[:, width - 1 :], head, **kwargs)
-        log_prob = torch.cat([lp_prefix.index_select(0, groups), lp_rest[:, 1:]], dim=1)
+        log_prob = per_row(shared, lp_prefix, lp_rest[:, 1:])
         entropy = None
         if self.return_entropy:
-            entropy = torch.cat([ent_prefix.index_select(0, groups), ent_rest[:, 1:]], dim=1)
+            entropy = per_row(shared, ent_prefix, ent_rest[:, 1:])
         if not self.critic:
             return log_prob, None, None, entropy
-        hidden = torch.cat([prefix.index_select(0, groups), rest], dim=1)
+        hidden = per_row(shared, prefix, rest)
         value, next_value = shifted_values(self.model.value_head, hidden)
         return log_prob, value, next_value, entropy
 

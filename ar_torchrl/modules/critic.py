@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
@@ -36,7 +35,7 @@ from ar_torchrl.modules.actor_critic import (
     shifted_values,
 )
 from ar_torchrl.modules.packing import PACKED_KEY
-from ar_torchrl.modules.shared_prefix import shared_hidden_states
+from ar_torchrl.modules.shared_prefix import per_row, shared_hidden_states
 from ar_torchrl.modules.value_head import attach_value_head
 
 __all__ = ["LMCritic", "build_separate_critic", "check_same_tokenizer"]
@@ -119,9 +118,9 @@ class LMCritic(TensorDictModuleBase):
             hidden, layout = packed_hidden_states(self.model, tokens, attention_mask)
             value, next_value = packed_values(head, hidden, layout, attention_mask)
         elif shared is not None:  # the shared prefix once per group (modules.shared_prefix)
-            prefix, rest = shared_hidden_states(self.model, tokens, attention_mask, shared)
-            groups = torch.tensor(shared.groups, device=tokens.device)
-            hidden = torch.cat([prefix.index_select(0, groups), rest], dim=1)
+            hidden = per_row(
+                shared, *shared_hidden_states(self.model, tokens, attention_mask, shared)
+            )
             value, next_value = shifted_values(head, hidden)
         else:
             hidden = backbone_hidden_states(self.model, tokens, attention_mask)

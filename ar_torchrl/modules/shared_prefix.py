@@ -34,6 +34,7 @@ from torch import Tensor, nn
 __all__ = [
     "SHARED_KEY",
     "SharedPrefix",
+    "per_row",
     "shared_hidden_states",
     "supports_shared_prefix",
     "why_not_shared",
@@ -148,3 +149,17 @@ def shared_hidden_states(
         **{cache_kwarg: per_row},
     )
     return prefix.last_hidden_state, rest.last_hidden_state
+
+
+def per_row(shared: SharedPrefix, prefix_part: Tensor, rest: Tensor) -> Tensor:
+    """Every row's full ``[R, ...]`` tensor: its group's ``prefix_part`` (``[G, p, ...]``) followed
+    along dim 1 by its own ``rest`` (``[R, r, ...]``); gradients flow into the one prefix part.
+
+    Example:
+        >>> per_row(SharedPrefix(1, (0, 0, 1)), torch.tensor([[1], [2]]), torch.zeros(3, 1, dtype=torch.long))
+        tensor([[1, 0],
+                [1, 0],
+                [2, 0]])
+    """
+    groups = torch.tensor(shared.groups, device=prefix_part.device)
+    return torch.cat([prefix_part.index_select(0, groups), rest], dim=1)
