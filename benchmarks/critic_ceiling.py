@@ -8,7 +8,9 @@ prefix) and report the explained-variance ceilings ``1 - E[Var(R | state)] / Var
 * token level: every trained token's Monte-Carlo return (gamma = 1: the outcome plus any later
   per-token shaping), grouped by prompt + response prefix: the bound of ``critic/explained_variance``;
 * prompt level: every sample's return grouped by prompt: what the prompt alone tells;
-* by position: the token level over the first / middle / last third of each response.
+* by position: the token level over the first / middle / last third of each response;
+* within prompt: the token level after removing each prompt's mean return, the bound of
+  ``critic/explained_variance_within_prompt`` (what a critic can know beyond the prompt).
 
 Within-state variances are unbiased (``n - 1``); a state seen once (a singleton) has none and is left
 out of the within-state estimate and counted (its bias: ar_torchrl/functional/ceiling.py). The
@@ -96,6 +98,8 @@ def table(report) -> str:
         row("token", report.token),
     ]
     lines += [row(f"token, {k} third", v) for k, v in report.by_position.items()]
+    if report.within_prompt is not None:
+        lines.append(row("token, within prompt", report.within_prompt))
     return "\n".join(lines)
 
 

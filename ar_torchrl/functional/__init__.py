@@ -27,9 +27,15 @@ References:
 from __future__ import annotations
 
 from ar_torchrl.functional._shapes import check_finite_reward
-from ar_torchrl.functional.ceiling import CeilingEstimate, ev_ceiling, prefix_state_ids
+from ar_torchrl.functional.ceiling import (
+    CeilingEstimate,
+    ev_ceiling,
+    ev_ceiling_within_groups,
+    prefix_state_ids,
+)
 from ar_torchrl.functional.critic_health import (
     explained_variance_or_nan,
+    explained_variance_within_groups,
     monte_carlo_returns,
     position_thirds,
 )
@@ -74,8 +80,10 @@ __all__ = [
     "clipped_value_loss",
     "count_turns",
     "ev_ceiling",
+    "ev_ceiling_within_groups",
     "explained_variance",
     "explained_variance_or_nan",
+    "explained_variance_within_groups",
     "grpo_advantage",
     "gspo_surrogate",
     "reinforce_pp_advantage",

@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["CeilingEstimate", "ev_ceiling", "prefix_state_ids"]
+__all__ = ["CeilingEstimate", "ev_ceiling", "ev_ceiling_within_groups", "prefix_state_ids"]
 
 
 @dataclass(frozen=True)
@@ -194,6 +194,106 @@ def _bootstrap_stderr(r, inverse, n, nv, clusters, *, bootstrap, generator) -> f
     ceilings = 1.0 - (nv_w / n_w) / total
     ceilings = ceilings[torch.isfinite(ceilings)]
     return float(ceilings.std()) if len(ceilings) > 1 else math.nan
+
+
+def ev_ceiling_within_groups(
+    returns: Tensor,
+    states: Tensor,
+    groups: Tensor,
+    samples: Tensor,
+    *,
+    bootstrap: int = 200,
+    generator: torch.Generator | None = None,
+) -> CeilingEstimate:
+    """The ceiling of the explained variance *within* groups (prompts): ``1 - E[Var(R | s)] /
+    E[Var(R | g)]``, the bound of :func:`~ar_torchrl.functional.explained_variance_within_groups`
+    (what a critic can know beyond the prompt; states nest in groups).
+
+    ``E[Var(R | s)]`` is :func:`ev_ceiling`'s (item-weighted, unbiased, singletons left out).
+    ``E[Var(R | g)]`` (item-weighted) is estimated from each group's squared deviations from its own
+    item mean, ``SS_g``, corrected for that mean having been estimated from its ``K_g`` independent
+    samples: ``sum_g SS_g K_g / (K_g - 1) / sum_g N_g`` over the groups with ``K_g >= 2`` (exact in
+    expectation when a group's samples have equal lengths and one return along each sample, the
+    outcome-reward case; else approximate). The standard error is a bootstrap over groups.
+
+    Args:
+        returns: ``[N]`` float, the Monte-Carlo return of each item (trained token).
+        states: ``[N]`` int, the state of each item (prompt + response prefix).
+        groups: ``[N]`` int, the group (prompt) of each item; every state lies in one group.
+        samples: ``[N]`` int, the sample (row) of each item: ``K_g`` counts distinct ones.
+        bootstrap: bootstrap replicates (0: no standard error).
+        generator: RNG of the bootstrap.
+
+    Returns:
+        a :class:`CeilingEstimate` whose ``total_var`` is ``E[Var(R | g)]``, ``clusters`` the groups.
+
+    Example:
+        >>> r = torch.tensor([1.0, 1.0, 1.0, 1.0, -1.0, -1.0, -1.0, -1.0])  # 4 samples x 2 tokens
+        >>> states = torch.tensor([0, 1, 0, 1, 0, 2, 0, 2])  # the second token reveals the outcome
+        >>> groups, samples = torch.zeros(8, dtype=torch.long), torch.arange(8) // 2
+        >>> est = ev_ceiling_within_groups(r, states, groups, samples, bootstrap=0)
+        >>> round(est.ceiling, 3), round(est.within_var, 3), round(est.total_var, 3)
+        (0.5, 0.667, 1.333)
+    """
+    _check_items(returns, states, groups)
+    if samples.shape != returns.shape:
+        raise ValueError(
+            f"ev_ceiling_within_groups: samples must have the shape of returns "
+            f"{tuple(returns.shape)}, got {tuple(samples.shape)}"
+        )
+    r = returns.detach().to(torch.float64).cpu()
+    _, inverse = torch.unique(states.cpu(), return_inverse=True)
+    n, nv = _state_stats(r, inverse, int(inverse.max()) + 1 if len(r) else 0)
+    g_uniq, g_inv = torch.unique(groups.cpu(), return_inverse=True)
+    c = len(g_uniq)
+
+    def per_group(x: Tensor, index: Tensor) -> Tensor:
+        return torch.zeros(c, dtype=torch.float64).index_add_(0, index, x)
+
+    state_group = torch.zeros(len(n), dtype=torch.long)
+    state_group[inverse] = g_inv
+    items = per_group(torch.ones_like(r), g_inv)
+    mean = per_group(r, g_inv) / items
+    ss = per_group((r - mean[g_inv]) ** 2, g_inv)
+    pairs = torch.unique(torch.stack([g_inv, samples.cpu().long()]), dim=1)
+    k = torch.bincount(pairs[0], minlength=c).to(torch.float64)
+    usable = (k >= 2).to(torch.float64)
+    stats = torch.stack(
+        [
+            per_group(nv, state_group),  # n_s v_s
+            per_group(n * (n >= 2).to(torch.float64), state_group),  # their items
+            usable * ss * k / (k - 1).clamp_min(1),  # SS_g K_g / (K_g - 1)
+            usable * items,  # N_g
+        ]
+    )  # [4, C]
+
+    def ratio(w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        nv_w, n_w, ss_w, items_w = (w @ stats.T).unbind(-1)
+        within, total = nv_w / n_w, ss_w / items_w
+        return 1.0 - within / total, within, total
+
+    ceiling, within, total = (float(x) for x in ratio(torch.ones(1, c, dtype=torch.float64)))
+    if not total > torch.finfo(torch.float64).eps * float((r * r).mean() if len(r) else 0.0):
+        ceiling = math.nan
+    stderr = math.nan
+    if bootstrap > 0 and c > 1:
+        draws = torch.randint(c, (bootstrap, c), generator=generator)
+        weights = torch.zeros(bootstrap, c, dtype=torch.float64).scatter_add_(
+            1, draws, torch.ones(bootstrap, c, dtype=torch.float64)
+        )
+        ceilings = ratio(weights)[0]
+        ceilings = ceilings[torch.isfinite(ceilings)]
+        stderr = float(ceilings.std()) if len(ceilings) > 1 else math.nan
+    return CeilingEstimate(
+        ceiling=ceiling,
+        stderr=stderr,
+        total_var=total,
+        within_var=within,
+        items=len(r),
+        states=len(n),
+        singletons=int((n == 1).sum()),
+        clusters=c,
+    )
 
 
 def prefix_state_ids(tokens: Tensor, attention_mask: Tensor) -> Tensor:

@@ -533,12 +533,28 @@ def _leaves(
 
 
 # --------------------------------------------------------------------------- critic health
+def _token_groups(group: Tensor, mask: Tensor, key: NestedKey) -> Tensor:
+    """The group id of every trained token: ``group`` ``[B, L]`` (or ``[B, L, 1]``) at ``mask``, or
+    a per-row ``[B]`` id repeated over the row's trained tokens."""
+    if group.shape == (*mask.shape, 1):
+        group = group.squeeze(-1)
+    if group.shape == mask.shape:
+        return group[mask]
+    if group.shape == mask.shape[:1]:
+        return group.unsqueeze(-1).expand(mask.shape)[mask]
+    raise ValueError(
+        f"critic_health: {key!r} must be a group id per row [B] or per token [B, L] "
+        f"(loss_mask is {tuple(mask.shape)}), got shape {tuple(group.shape)}"
+    )
+
+
 #: What :func:`critic_health` logs (a key is absent where its value is undefined).
 CRITIC_HEALTH_KEYS = (
     "critic/explained_variance",
     "critic/explained_variance_early",
     "critic/explained_variance_middle",
     "critic/explained_variance_late",
+    "critic/explained_variance_within_prompt",
     "critic/value_mean",
     "critic/value_std",
     "critic/return_mean",
@@ -553,6 +569,7 @@ def critic_health(
     value_key: NestedKey = "state_value",
     reward_key: NestedKey = ("next", "reward"),
     mask_key: NestedKey = "loss_mask",
+    group_key: NestedKey | None = "prompt_id",
 ) -> dict[str, float]:
     """Whether the critic *predicts*: its values of a fresh batch before training on it, against the
     Monte-Carlo return of every trained token of the whole batch (verl's ``critic/vf_explained_var``,
@@ -570,12 +587,18 @@ def critic_health(
     - ``critic/explained_variance_early|middle|late``: the same over the first, middle and last
       third of each row's trained tokens (:func:`~ar_torchrl.functional.position_thirds`, the thirds
       of the ceiling tool's ``by_position``);
+    - ``critic/explained_variance_within_prompt``: the same after removing each prompt's mean from
+      ``V`` and ``R`` (:func:`~ar_torchrl.functional.explained_variance_within_groups`, groups from
+      ``group_key``): what the critic knows beyond the prompt. A critic that learned only how hard
+      each prompt is scores 0 here however high ``critic/explained_variance`` is; above 0 it reads
+      the response. Absent without ``group_key`` in ``td`` or when no prompt's returns vary (one
+      sample per prompt with an outcome reward);
     - ``critic/value_mean``, ``critic/value_std``, ``critic/return_mean``, ``critic/return_std``:
       means and population standard deviations of ``V`` and ``R`` over ``T`` (absent over no token).
 
     Args:
         td: a ``[B, L]`` batch with ``value_key`` (``[B, L, 1]`` or ``[B, L]``), ``reward_key`` and
-            ``mask_key`` (bool ``[B, L]``).
+            ``mask_key`` (bool ``[B, L]``); ``group_key`` (int ``[B, L]`` or ``[B]``) if present.
         gamma: the discount (the recipe's ``algo.gamma``).
 
     Returns:
@@ -618,6 +641,12 @@ def critic_health(
     for i, name in enumerate(("early", "middle", "late")):
         values[f"critic/explained_variance_{name}"] = functional.explained_variance_or_nan(
             value, returns, mask & (thirds == i)
+        )
+    if group_key is not None and group_key in td.keys(include_nested=True):
+        values["critic/explained_variance_within_prompt"] = (
+            functional.explained_variance_within_groups(
+                value[mask], returns[mask], _token_groups(td.get(group_key), mask, group_key)
+            )
         )
     if bool(mask.any()):
         v, r = value.detach().double()[mask], returns.double()[mask]

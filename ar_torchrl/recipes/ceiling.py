@@ -33,7 +33,12 @@ import torch
 from tensordict import TensorDictBase
 
 from ar_torchrl.functional import token_gae
-from ar_torchrl.functional.ceiling import CeilingEstimate, ev_ceiling, prefix_state_ids
+from ar_torchrl.functional.ceiling import (
+    CeilingEstimate,
+    ev_ceiling,
+    ev_ceiling_within_groups,
+    prefix_state_ids,
+)
 
 __all__ = ["POSITION_BUCKETS", "CeilingReport", "ceiling_from_trajectories", "measure_ceiling"]
 
@@ -55,6 +60,9 @@ class CeilingReport:
             samples_per_prompt: ``K``.
         return_mean: mean return of the samples; response_length: mean trained tokens per sample.
         per_prompt: ``{"prompt_id", "samples", "return_mean"}`` of every prompt row sampled.
+        within_prompt: ``1 - E[Var(R | s)] / E[Var(R | prompt)]`` over the trained tokens
+            (:func:`~ar_torchrl.functional.ev_ceiling_within_groups`), the bound of
+            ``critic/explained_variance_within_prompt``: what a critic can know beyond the prompt.
     """
 
     token: CeilingEstimate
@@ -65,6 +73,7 @@ class CeilingReport:
     return_mean: float
     response_length: float
     per_prompt: list[dict] = field(default_factory=list)
+    within_prompt: CeilingEstimate | None = None
 
     def as_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -133,6 +142,10 @@ def ceiling_from_trajectories(
     prompt = states.gather(1, first).expand_as(states)
     est = dict(bootstrap=bootstrap, generator=generator)
     token = ev_ceiling(returns[mask], states[mask], prompt[mask], **est)
+    rows = torch.arange(mask.shape[0]).unsqueeze(-1).expand_as(mask)
+    within_prompt = ev_ceiling_within_groups(
+        returns[mask], states[mask], prompt[mask], rows[mask], **est
+    )
     sample_return = returns.gather(1, first).squeeze(1)
     by_prompt = ev_ceiling(sample_return, prompt[:, 0], prompt[:, 0], **est)
     bucket = _position_bucket(mask)
@@ -150,6 +163,7 @@ def ceiling_from_trajectories(
         return_mean=float(sample_return.mean()),
         response_length=float(mask.sum(-1).float().mean()),
         per_prompt=_per_prompt(b["prompt_id"][:, 0], sample_return),
+        within_prompt=within_prompt,
     )
 
 

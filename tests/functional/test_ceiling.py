@@ -10,7 +10,7 @@ import pytest
 import torch
 from support.synthetic_policy import analytic_ceilings, sample_tree
 
-from ar_torchrl.functional import ev_ceiling, prefix_state_ids
+from ar_torchrl.functional import ev_ceiling, ev_ceiling_within_groups, prefix_state_ids
 
 
 # ----------------------------------------------------------------------------- plain references
@@ -199,3 +199,63 @@ def test_prefix_state_ids_bad_input():
         prefix_state_ids(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 4, dtype=torch.bool))
     with pytest.raises(TypeError, match="attention_mask must be bool, got torch.int64"):
         prefix_state_ids(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long))
+
+
+# ----------------------------------------------------------------------------- within groups
+def loop_within_ceiling(returns, states, groups, samples) -> float:
+    """ev_ceiling_within_groups' estimator with dicts: the state part as loop_ceiling, the group
+    part from each group's squared deviations times K_g / (K_g - 1)."""
+    within = loop_ceiling(returns, states)["within_var"]
+    by_group: dict[int, list[tuple[float, int]]] = {}
+    for r, g, s in zip(returns, groups, samples):
+        by_group.setdefault(g, []).append((r, s))
+    ss_total, items = 0.0, 0
+    for members in by_group.values():
+        k = len({s for _, s in members})
+        if k < 2:
+            continue
+        mean = sum(r for r, _ in members) / len(members)
+        ss_total += sum((r - mean) ** 2 for r, _ in members) * k / (k - 1)
+        items += len(members)
+    return 1 - within / (ss_total / items)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ev_ceiling_within_groups_equals_the_plain_loop(seed):
+    g = torch.Generator().manual_seed(seed)
+    rows, tokens = 24, 4
+    group = torch.arange(rows) // 4 + 10 * (seed % 2)  # 6 prompts x 4 samples, ids shifted
+    group[-1] = 99  # a prompt with one sample: left out of E[Var(R | g)]
+    first = torch.randint(0, 2, (rows,), generator=g)  # the first step, shared within a prompt
+    outcome = torch.where(torch.rand(rows, generator=g) < 0.3 + 0.4 * first, 1.0, -1.0)
+    returns = outcome[:, None].expand(rows, tokens).reshape(-1)
+    # states: prompt; prompt + first step; then unique (singletons) after the outcome is written
+    depth = torch.arange(tokens).expand(rows, tokens)
+    states = torch.where(
+        depth == 0,
+        group[:, None] * 1000,
+        torch.where(
+            depth == 1,
+            group[:, None] * 1000 + 1 + first[:, None],
+            10**6 + torch.arange(rows * tokens).view(rows, tokens),
+        ),
+    ).reshape(-1)
+    groups = group[:, None].expand(rows, tokens).reshape(-1)
+    samples = torch.arange(rows)[:, None].expand(rows, tokens).reshape(-1)
+    est = ev_ceiling_within_groups(returns, states, groups, samples, generator=g)
+    want = loop_within_ceiling(returns.tolist(), states.tolist(), groups.tolist(), samples.tolist())
+    assert est.ceiling == pytest.approx(want, abs=1e-9)
+    assert est.clusters == 7 and 0 < est.stderr < 1
+
+
+def test_ev_ceiling_within_groups_bad_input():
+    r = torch.zeros(4)
+    with pytest.raises(
+        ValueError, match=r"samples must have the shape of returns \(4,\), got \(3,\)"
+    ):
+        ev_ceiling_within_groups(
+            r,
+            torch.zeros(4, dtype=torch.long),
+            torch.zeros(4, dtype=torch.long),
+            torch.zeros(3, dtype=torch.long),
+        )

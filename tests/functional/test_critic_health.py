@@ -11,6 +11,7 @@ import torch
 
 from ar_torchrl.functional import (
     explained_variance_or_nan,
+    explained_variance_within_groups,
     monte_carlo_returns,
     position_thirds,
     token_gae,
@@ -112,3 +113,61 @@ def test_explained_variance_is_undefined_without_spread_or_tokens():
         explained_variance_or_nan(target, target, torch.ones(1, 3))
     with pytest.raises(ValueError, match=r"mask has shape \(1, 3\) but value has shape \(3,\)"):
         explained_variance_or_nan(torch.zeros(3), target, mask[:1])
+
+
+def _loop_within(value, target, groups):
+    """explained_variance_within_groups by hand: per-group means, then the plain formula."""
+    value, target, groups = value.tolist(), target.tolist(), groups.tolist()
+    members = {}
+    for i, g in enumerate(groups):
+        members.setdefault(g, []).append(i)
+    rc, vc = [0.0] * len(value), [0.0] * len(value)
+    for idx in members.values():
+        mr = sum(target[i] for i in idx) / len(idx)
+        mv = sum(value[i] for i in idx) / len(idx)
+        for i in idx:
+            rc[i], vc[i] = target[i] - mr, value[i] - mv
+
+    def var(xs):
+        mean = sum(xs) / len(xs)
+        return sum((x - mean) ** 2 for x in xs) / len(xs)
+
+    return 1 - var([a - b for a, b in zip(rc, vc)]) / var(rc)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_explained_variance_within_groups_matches_a_loop(seed):
+    g = torch.Generator().manual_seed(seed)
+    groups = torch.randint(0, 5, (40,), generator=g) * 7 - 3  # arbitrary, negative ids included
+    offset = torch.randn(5, generator=g)[torch.unique(groups, return_inverse=True)[1]] * 3
+    target = torch.randn(40, generator=g) + offset
+    value = 0.5 * target + 0.3 * torch.randn(40, generator=g)
+    got = float(explained_variance_within_groups(value, target, groups))
+    assert got == pytest.approx(_loop_within(value, target, groups), abs=1e-9)
+    # a value that knows only the group (its mean return) explains nothing within the groups,
+    # although its plain explained variance is high
+    per_group = torch.zeros(5, dtype=torch.float64).index_add_(
+        0, torch.unique(groups, return_inverse=True)[1], target.double()
+    )
+    inverse = torch.unique(groups, return_inverse=True)[1]
+    prompt_only = (per_group / torch.bincount(inverse, minlength=5))[inverse].float()
+    assert float(explained_variance_within_groups(prompt_only, target, groups)) == pytest.approx(
+        0.0, abs=1e-6
+    )
+    assert (
+        float(explained_variance_or_nan(prompt_only, target, torch.ones(40, dtype=torch.bool)))
+        > 0.3
+    )
+
+
+def test_explained_variance_within_groups_is_undefined_without_spread_and_checks_shapes():
+    target = torch.tensor([1.0, 1.0, -1.0, -1.0])  # constant within each group
+    groups = torch.tensor([0, 0, 1, 1])
+    assert math.isnan(explained_variance_within_groups(torch.randn(4), target, groups))
+    assert math.isnan(explained_variance_within_groups(torch.zeros(0), torch.zeros(0), groups[:0]))
+    with pytest.raises(ValueError, match=r"value must be 1-D \[N\].*got shape \(2, 2\)"):
+        explained_variance_within_groups(torch.zeros(2, 2), target, groups)
+    with pytest.raises(ValueError, match=r"one shape \[N\], got \(3,\), \(4,\) and \(4,\)"):
+        explained_variance_within_groups(torch.zeros(3), target, groups)
+    with pytest.raises(TypeError, match=r"groups must be an integer tensor.*torch.float32"):
+        explained_variance_within_groups(target, target, groups.float())

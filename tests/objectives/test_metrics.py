@@ -196,8 +196,14 @@ def _critic_batch(seed: int, gamma_rewards: bool = True):
     for b in range(rows):
         reward[b, last[b]] += outcome[b]
     value = torch.randn(rows, width, 1, generator=g) * 0.5
+    prompt_id = (torch.arange(rows) // 3).unsqueeze(-1).expand(rows, width)  # groups of 3, 3, 1
     td = TensorDict(
-        {"loss_mask": mask, "state_value": value, "next": {"reward": reward.unsqueeze(-1)}},
+        {
+            "loss_mask": mask,
+            "state_value": value,
+            "prompt_id": prompt_id,
+            "next": {"reward": reward.unsqueeze(-1)},
+        },
         [rows, width],
     )
     return td
@@ -207,7 +213,7 @@ def _health_loop(td, gamma):
     """critic_health's definitions, in Python floats."""
     mask, reward = td["loss_mask"], td["next", "reward"].squeeze(-1)
     value = td["state_value"].squeeze(-1)
-    items = []  # (third, value, return) per trained token
+    items = []  # (third, value, return, prompt) per trained token
     for b in range(mask.shape[0]):
         trained = [t for t in range(mask.shape[1]) if mask[b, t]]
         ret, returns = 0.0, {}
@@ -215,7 +221,9 @@ def _health_loop(td, gamma):
             ret = float(reward[b, t]) + gamma * ret
             returns[t] = ret
         for i, t in enumerate(trained):
-            items.append((3 * i // len(trained), float(value[b, t]), returns[t]))
+            items.append(
+                (3 * i // len(trained), float(value[b, t]), returns[t], int(td["prompt_id"][b, t]))
+            )
 
     def stats(sel):
         v, r = [x[1] for x in sel], [x[2] for x in sel]
@@ -233,6 +241,12 @@ def _health_loop(td, gamma):
     }
     for i, name in enumerate(("early", "middle", "late")):
         out[f"critic/explained_variance_{name}"] = stats([x for x in items if x[0] == i])[2]
+    centred = []  # each prompt's token-mean of V and R removed
+    for p in {x[3] for x in items}:
+        group = [x for x in items if x[3] == p]
+        mv, mr = (sum(x[k] for x in group) / len(group) for k in (1, 2))
+        centred += [(x[0], x[1] - mv, x[2] - mr) for x in group]
+    out["critic/explained_variance_within_prompt"] = stats(centred)[2]
     return out
 
 
@@ -266,3 +280,24 @@ def test_critic_health_leaves_out_what_is_undefined_and_names_a_missing_key():
         metrics.critic_health(td.exclude("state_value"), 1.0)
     with pytest.raises(ValueError, match=r"'loss_mask' must be a bool \[B, L\] tensor"):
         metrics.critic_health(td.set("loss_mask", mask.float()), 1.0)
+
+
+def test_critic_health_within_prompt_takes_a_row_id_and_is_absent_without_one():
+    from tensordict import TensorDict
+
+    td = _critic_batch(1)
+    key = "critic/explained_variance_within_prompt"
+    full = metrics.critic_health(td, 1.0)
+    assert full[key] == pytest.approx(_health_loop(td, 1.0)[key], abs=1e-6)
+    rows = td.batch_size[0]
+    per_row = TensorDict(  # batch [B]: one prompt id per row
+        {**td.exclude("prompt_id").to_dict(), "prompt_id": td["prompt_id"][:, 0]}, [rows]
+    )
+    assert metrics.critic_health(per_row, 1.0)[key] == pytest.approx(full[key], abs=1e-12)
+    assert key not in metrics.critic_health(td.exclude("prompt_id"), 1.0)
+    assert key not in metrics.critic_health(td, 1.0, group_key=None)
+    bad = td.clone().set("prompt_id", torch.zeros(*td.batch_size, 3, dtype=torch.long))
+    with pytest.raises(
+        ValueError, match=r"'prompt_id' must be a group id per row \[B\] or per token"
+    ):
+        metrics.critic_health(bad, 1.0)

@@ -133,6 +133,9 @@ def test_pretraining_from_saved_rollouts_keeps_the_policy_and_stops_at_the_targe
     assert "3 epochs (critic.pretrain_epochs) without reaching" in caplog.text
     assert [r["epoch"] for r in records] == [1, 2, 3]
     evs = [r["critic/explained_variance"] for r in records]
+    for r in records:  # where the critic knows something: thirds, and beyond the prompt
+        for third in ("early", "middle", "late", "within_prompt"):
+            assert math.isfinite(r[f"critic/explained_variance_{third}"]), r
     # it fits what the saved batches hold (in sample: the value loss falls). The held-out EV of one
     # 64-sample batch, generated after the policy had moved (the warm-up ended), is not asserted:
     # measured -0.01, -0.06, -0.08 over the 3 epochs (too few prompts, another policy's returns)
@@ -156,3 +159,39 @@ def test_pretraining_from_saved_rollouts_keeps_the_policy_and_stops_at_the_targe
     assert [r["critic/explained_variance"] for r in again] == pytest.approx(evs[:first], abs=1e-9)
     before, after = policy
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_held_out_health_pools_batches_of_different_widths_as_one():
+    """``pooled_critic_health`` (the held-out EV of ``critic.pretrain_from``) over two batches of
+    different widths equals the plain EV over all their trained tokens together, and the within-prompt
+    EV over the prompts of both (kept apart)."""
+    from ar_torchrl.functional import (
+        explained_variance_or_nan,
+        explained_variance_within_groups,
+        monte_carlo_returns,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    parts, values, returns, groups = [], [], [], []
+    for rows, width, first_id in ((6, 9, 0), (4, 13, 3)):
+        mask = torch.rand(rows, width, generator=g) < 0.7
+        mask[:, :2] = False
+        last = torch.where(mask, torch.arange(width), -1).amax(-1)
+        reward = torch.zeros(rows, width)
+        reward[torch.arange(rows), last.clamp_min(0)] = (
+            torch.randint(0, 2, (rows,), generator=g) * 2.0 - 1
+        )
+        reward = torch.where(mask, reward, 0.0)
+        value = torch.randn(rows, width, generator=g)
+        pid = (first_id + torch.arange(rows) // 2).unsqueeze(-1).expand(rows, width)
+        parts.append({"loss_mask": mask, "state_value": value, "reward": reward, "prompt_id": pid})
+        values.append(value[mask])
+        returns.append(monte_carlo_returns(reward, mask, gamma=1.0)[mask])
+        groups.append(pid[mask])
+    got = loop.pooled_critic_health(parts, 1.0)
+    v, r = torch.cat(values), torch.cat(returns)
+    want = float(explained_variance_or_nan(v, r, torch.ones_like(r, dtype=torch.bool)))
+    assert got["critic/explained_variance"] == pytest.approx(want, abs=1e-12)
+    within = float(explained_variance_within_groups(v, r, torch.cat(groups)))
+    assert got["critic/explained_variance_within_prompt"] == pytest.approx(within, abs=1e-12)
+    assert {"early", "middle", "late"} <= {k.rsplit("_", 1)[-1] for k in got}

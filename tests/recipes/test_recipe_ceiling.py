@@ -44,14 +44,16 @@ def tree_env(rows: int, k: int, per_batch: int = 16) -> LLMEnv:
 
 def test_measure_ceiling_recovers_the_closed_form_through_the_env():
     """128 prompts x 32 samples of the Bernoulli tree (support/synthetic_policy.py) through
-    LLMEnv, the token trajectory and prefix states: both ceilings within 3 standard errors."""
+    LLMEnv, the token trajectory and prefix states: the token, prompt and within-prompt ceilings
+    within 3 standard errors."""
     truth = analytic_ceilings()
     report = measure_ceiling(tree_env(128, 32), 128, seed=1)
     assert (report.prompts, report.samples_per_prompt) == (128, 32)
     assert report.token.items == 128 * 32 * 3 and report.response_length == 3.0
     # states: the prompt, + the first step (2), + both steps (4) per prompt, all seen twice or more
     assert report.token.states <= 128 * 7 and report.prompt.states == 128
-    for level in ("token", "prompt"):
+    assert truth["within_prompt"] == pytest.approx(0.4680, abs=1e-4)
+    for level in ("token", "prompt", "within_prompt"):
         est = getattr(report, level)
         assert 0 < est.stderr < 0.08
         assert abs(est.ceiling - truth[level]) < 3 * est.stderr, (level, est, truth[level])

@@ -33,13 +33,19 @@ def _v(q: float) -> float:
 
 
 def analytic_ceilings(tree: dict = TREE) -> dict[str, float]:
-    """The closed-form token- and prompt-level ceilings of ``tree`` (see the module docstring)."""
+    """The closed-form token- and prompt-level ceilings of ``tree`` (see the module docstring), and
+    the within-prompt one: every prompt has the same number of tokens, so ``E[Var(R | prompt)]``
+    over tokens is ``prompt_within``."""
     p = {j: a * bx + (1 - a) * by for j, (a, bx, by) in tree.items()}
     total = _v(sum(p.values()) / len(p))
     after_step = {j: a * _v(bx) + (1 - a) * _v(by) for j, (a, bx, by) in tree.items()}
     token_within = sum(_v(p[j]) + after_step[j] for j in tree) / (3 * len(tree))
     prompt_within = sum(_v(q) for q in p.values()) / len(p)
-    return {"token": 1 - token_within / total, "prompt": 1 - prompt_within / total}
+    return {
+        "token": 1 - token_within / total,
+        "prompt": 1 - prompt_within / total,
+        "within_prompt": 1 - token_within / prompt_within,
+    }
 
 
 def sample_tree(

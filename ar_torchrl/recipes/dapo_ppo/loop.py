@@ -19,13 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tensordict import TensorDict
 from tqdm.auto import tqdm
 
 from ar_torchrl.checkpoint import CheckpointStore, checkpoint_store
 from ar_torchrl.collectors import WeightSyncCollector
 from ar_torchrl.collectors.sampling import episode_stats
 from ar_torchrl.envs import LLMEnv
-from ar_torchrl.functional import explained_variance_or_nan, masked_mean, monte_carlo_returns
+from ar_torchrl.functional import masked_mean
 from ar_torchrl.modules import LMActorCritic, LMCritic, why_not_shared
 from ar_torchrl.objectives import TokenPPOLoss
 from ar_torchrl.objectives.metrics import critic_health
@@ -636,18 +637,18 @@ def pretrain_critic(run: Run, source: Path) -> list[dict[str, float]]:
             for key in ("train/loss_critic", "train/explained_variance"):
                 if key in out:
                     totals[key] = totals.get(key, 0.0) + out[key] / len(trained)
-        ev = _held_out_ev(run, held)
-        record = {"epoch": epoch, **totals}
-        if ev is not None:
-            record["critic/explained_variance"] = ev
+        health = _held_out_health(run, held)
+        ev = health.get("critic/explained_variance")
+        record = {"epoch": epoch, **totals, **health}
         records.append(record)
         if run.is_main:
             append_jsonl(run.run_dir / PRETRAIN_LOG, record)
         logger.info(
-            "critic.pretrain_from: epoch %d: held-out critic/explained_variance %s, value loss "
-            "%.4f (%.1f s)",
+            "critic.pretrain_from: epoch %d: held-out critic/explained_variance %s (within "
+            "prompts %s), value loss %.4f (%.1f s)",
             epoch,
             "undefined" if ev is None else f"{ev:.3f}",
+            _fmt(health.get("critic/explained_variance_within_prompt")),
             totals.get("train/loss_critic", float("nan")),
             time.perf_counter() - started,
         )
@@ -670,19 +671,52 @@ def _saved_batch(run: Run, path: Path):
     return td, old_log_probs_and_values(run, td)
 
 
-def _held_out_ev(run: Run, paths: list[Path]) -> float | None:
-    """``critic/explained_variance`` pooled over the trained tokens of the held-out batches."""
+def _fmt(x: float | None) -> str:
+    return "undefined" if x is None else f"{x:.3f}"
+
+
+def _held_out_health(run: Run, paths: list[Path]) -> dict[str, float]:
+    """:func:`~ar_torchrl.objectives.metrics.critic_health` of the held-out batches pooled (right-
+    padded to one width; each batch's prompt ids kept apart): ``critic/explained_variance``, its
+    thirds and ``critic/explained_variance_within_prompt`` over all their trained tokens."""
     keys = run.loss_fn.tensor_keys
-    values, returns = [], []
+    parts, offset = [], 0
     for path in paths:
         td, _ = _saved_batch(run, path)
         mask = td.get(keys.loss_mask)
-        reward = td.get(("next", keys.reward)).reshape(mask.shape)
-        values.append(td.get(keys.value).reshape(mask.shape)[mask])
-        returns.append(monte_carlo_returns(reward, mask, gamma=run.cfg.algo.gamma)[mask])
-    value, ret = torch.cat(values), torch.cat(returns)
-    ev = float(explained_variance_or_nan(value, ret, torch.ones_like(ret, dtype=torch.bool)))
-    return None if ev != ev else ev
+        part = {
+            "loss_mask": mask,
+            "state_value": td.get(keys.value).reshape(mask.shape),
+            "reward": td.get(("next", keys.reward)).reshape(mask.shape),
+        }
+        if "prompt_id" in td.keys():
+            pid = td.get("prompt_id")
+            pid = pid.reshape(mask.shape) if pid.numel() == mask.numel() else pid
+            part["prompt_id"] = pid + offset - int(pid.min())
+            offset += int(pid.max()) - int(pid.min()) + 1
+        parts.append(part)
+    return pooled_critic_health(parts, run.cfg.algo.gamma)
+
+
+def pooled_critic_health(parts: list[dict], gamma: float) -> dict[str, float]:
+    """The ``critic/explained_variance*`` keys of
+    :func:`~ar_torchrl.objectives.metrics.critic_health` over several batches as one: each part
+    is ``{"loss_mask", "state_value", "reward"}`` (``[B_i, L_i]``, widths may differ; right-padded
+    with masked positions) and optionally ``"prompt_id"`` (``[B_i, L_i]`` or ``[B_i]``, already
+    disjoint between parts)."""
+    width = max(p["loss_mask"].shape[1] for p in parts)
+
+    def cat(name):
+        pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]))  # noqa: E731
+        return torch.cat([pad(p[name]) if p[name].ndim == 2 else p[name] for p in parts])
+
+    pooled = {"loss_mask": cat("loss_mask"), "state_value": cat("state_value")}
+    pooled["next"] = {"reward": cat("reward")}
+    if all("prompt_id" in p for p in parts):
+        pooled["prompt_id"] = cat("prompt_id")
+    td = TensorDict(pooled, batch_size=pooled["loss_mask"].shape[:1])
+    health = critic_health(td, gamma)
+    return {k: v for k, v in health.items() if k.startswith("critic/explained_variance")}
 
 
 def rollout_metrics(run: Run, td) -> dict[str, float]:
