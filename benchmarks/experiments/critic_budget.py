@@ -222,6 +222,8 @@ def summarize(history: list[dict], samples_per_prompt: int = 4) -> dict:
         "explained_variance": sum(ev) / len(ev) if ev else None,
         # out of sample (the critic's values of each fresh batch vs its Monte-Carlo returns)
         "critic_explained_variance_late": _late_mean(steps, "critic/explained_variance"),
+        # the same beyond the prompt (each prompt's mean removed; needs >= 2 samples per prompt)
+        "critic_within_prompt_late": _late_mean(steps, "critic/explained_variance_within_prompt"),
         "generated_tokens": sum(tokens),
         "reward_curve_tokens": [
             (sum(tokens[: i + 1]) / 1e6, h["rollout/reward_mean"]) for i, h in enumerate(steps)
@@ -250,10 +252,11 @@ def summarize(history: list[dict], samples_per_prompt: int = 4) -> dict:
 CEILING_NAME = "ceiling_end.json"
 
 
-def end_ceiling(run_dir: Path) -> float | None:
-    """The token-level EV ceiling of ``run_dir``'s last checkpoint (K x P = 16 x 64 training
-    prompts, ``benchmarks/critic_ceiling.py``), measured once and cached in the run directory;
-    ``None`` without a checkpoint."""
+def end_ceiling(run_dir: Path) -> dict | None:
+    """The EV ceilings of ``run_dir``'s last checkpoint (K x P = 16 x 64 training prompts,
+    ``benchmarks/critic_ceiling.py``), measured once and cached in the run directory:
+    ``{"token": x, "within_prompt": y}`` (``within_prompt`` ``None`` in a cache written before the
+    tool measured it); ``None`` without a checkpoint."""
     import json
     import subprocess
 
@@ -270,7 +273,12 @@ def end_ceiling(run_dir: Path) -> float | None:
         cmd += ["--samples", "16", "--prompts", "64", "--out", str(out)]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, text=True)
-    return json.loads(out.read_text())["results"]["token"]["ceiling"]
+    results = json.loads(out.read_text())["results"]
+    within = results.get("within_prompt")
+    return {
+        "token": results["token"]["ceiling"],
+        "within_prompt": within["ceiling"] if within else None,
+    }
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -300,7 +308,9 @@ def measure(args: argparse.Namespace) -> dict:
             n = samples_per_prompt(VARIANTS[name])
             summary = {"seed": seed, **summarize(history, n)}
             if args.ceilings or (run_dir / CEILING_NAME).is_file():
-                summary["ceiling_end"] = end_ceiling(run_dir)
+                ceilings = end_ceiling(run_dir) or {}
+                summary["ceiling_end"] = ceilings.get("token")
+                summary["ceiling_within_prompt_end"] = ceilings.get("within_prompt")
             results.setdefault(name, []).append(summary)
     if tmp:
         tmp.cleanup()
@@ -376,8 +386,9 @@ def matched_table(result: dict) -> str:
     lines = [
         "| arm | overrides | seeds | generated tokens (M) | reward rise | "
         "held-out acc. start -> end | `critic/explained_variance`, last 20 % | "
-        "token-level ceiling at the end | s / iteration |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "token-level ceiling at the end | within prompt, last 20 % (ceiling at the end) | "
+        "s / iteration |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, v in result["variants"].items():
         runs = v["runs"]
@@ -385,6 +396,16 @@ def matched_table(result: dict) -> str:
             r["critic_explained_variance_late"]
             for r in runs
             if r.get("critic_explained_variance_late") is not None
+        ]
+        within = [
+            r["critic_within_prompt_late"]
+            for r in runs
+            if r.get("critic_within_prompt_late") is not None
+        ]
+        within_ceiling = [
+            r["ceiling_within_prompt_end"]
+            for r in runs
+            if r.get("ceiling_within_prompt_end") is not None
         ]
         acc0 = _span([r["eval_accuracy_start"] or 0.0 for r in runs], ".2f")
         acc1 = _span([r["eval_accuracy_end"] or 0.0 for r in runs], ".2f")
@@ -394,6 +415,7 @@ def matched_table(result: dict) -> str:
             f"{_span([r['reward_rise'] for r in runs], '+.2f')} | {acc0} -> {acc1} | "
             f"{_span(ev, '.3f')} | "
             f"{_span([r['ceiling_end'] for r in runs if r.get('ceiling_end') is not None], '.2f')} | "
+            f"{_span(within, '.3f')} ({_span(within_ceiling, '.2f')}) | "
             f"{_span([r['seconds_per_iteration'] for r in runs], '.2f')} |"
         )
     start = f"; the starting policy's ceiling is {ceiling:.2f}" if ceiling is not None else ""

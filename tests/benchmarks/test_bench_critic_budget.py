@@ -107,6 +107,8 @@ def test_matched_arms_share_the_samples_per_iteration_and_table_the_critic_again
             row["rollout/groups_generated"] /= m.samples_per_prompt(arms[name])
             if name.startswith("ppo"):
                 row["critic/explained_variance"] = 0.1 * row["step"]
+            if name == "ppo_n2":  # the within-prompt EV needs >= 2 samples per prompt
+                row["critic/explained_variance_within_prompt"] = 0.05 * row["step"]
         path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     result = m.measure(args)
     assert calls == [] and list(result["variants"]) == list(arms)
@@ -118,8 +120,14 @@ def test_matched_arms_share_the_samples_per_iteration_and_table_the_critic_again
     table = m.render(result)
     assert "the starting policy's ceiling is 0.70" in table  # the shipped measurement
     assert "| ppo_n1 | `rollout.prompts_per_iter=256` `rollout.samples_per_prompt=1`" in table
-    assert "| 1 | 0.01 | +0.40 | 0.50 -> 0.75 | 0.500 | - | 2.00 |" in table  # no checkpoint
-    assert "| grpo_n8 |" in table and "| 0.50 -> 0.75 | - | - | 2.00 |" in table
+    assert result["variants"]["ppo_n2"]["runs"][0]["critic_within_prompt_late"] == pytest.approx(
+        0.25
+    )
+    assert (
+        "| 1 | 0.01 | +0.40 | 0.50 -> 0.75 | 0.500 | - | - (-) | 2.00 |" in table
+    )  # no checkpoint
+    assert "| 0.50 -> 0.75 | 0.500 | - | 0.250 (-) | 2.00 |" in table  # ppo_n2
+    assert "| grpo_n8 |" in table and "| 0.50 -> 0.75 | - | - | - (-) | 2.00 |" in table
     assert m.docs_block(result).startswith("<!-- matched_critic_arithmetic:begin -->")
     m.plot(result, tmp_path / "matched.png")
     assert (tmp_path / "matched.png").stat().st_size > 1000
