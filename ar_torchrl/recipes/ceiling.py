@@ -288,6 +288,34 @@ def ceiling_of_config(
         bootstrap: bootstrap replicates of the standard errors; seed: the prompt order, the
             backend's sampling and the bootstrap (the global RNGs are not touched).
     """
+    env, _ = sampling_env_of_config(
+        cfg,
+        checkpoint=checkpoint,
+        prompts=prompts,
+        samples_per_prompt=samples_per_prompt,
+        split=split,
+        prompts_per_batch=prompts_per_batch,
+        seed=seed,
+    )
+    with torch.no_grad():
+        return measure_ceiling(env, prompts, bootstrap=bootstrap, seed=seed)
+
+
+def sampling_env_of_config(
+    cfg: Any,
+    *,
+    checkpoint: str | Path | None = None,
+    prompts: int = 64,
+    samples_per_prompt: int = 16,
+    split: str = "train",
+    prompts_per_batch: int = 16,
+    seed: int = 0,
+) -> tuple[Any, Any]:
+    """``(env, policy model)``: the env :func:`ceiling_of_config` samples from: the configuration's policy
+    (:func:`policy_for_ceiling`) on a trainside backend, its training (``split="train"``) or
+    held-out prompts, the recipe's ``rollout`` settings and reward, ``samples_per_prompt``
+    responses per prompt, ``min(prompts_per_batch, prompts)`` prompts per ``env.collect()``; the
+    model is the policy behind its backend (e.g. to copy as a critic of what it samples)."""
     from ar_torchrl.backends import TransformersBackend
     from ar_torchrl.backends.transformers.config import TrainsideBackendConfig
     from ar_torchrl.recipes.dapo_ppo import build
@@ -311,5 +339,4 @@ def ceiling_of_config(
     env, _ = build.build_envs(
         run_cfg, chosen, held, tokenizer, backend, model, trainer_can_generate=True
     )
-    with torch.no_grad():
-        return measure_ceiling(env, prompts, bootstrap=bootstrap, seed=seed)
+    return env, model

@@ -1,0 +1,79 @@
+"""benchmarks/experiments/critic_targets.py without sampling a policy: the state-mean target
+against a loop, one training epoch of a tiny critic on synthetic trajectories, and the table."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+from support.bench_helpers import load_benchmark
+
+
+def _data(seed: int = 0, rows: int = 12, width: int = 7) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(3, 9, (rows, width), generator=g)
+    tokens[:, :2] = torch.arange(rows).unsqueeze(-1) // 4 + 10  # 3 prompts x 4 samples
+    tokens[:, 2] = torch.randint(3, 5, (rows,), generator=g)  # a shared first response token
+    attention = torch.ones(rows, width, dtype=torch.bool)
+    mask = attention.clone()
+    mask[:, :2] = False
+    outcome = torch.where(torch.rand(rows, generator=g) < 0.5, 1.0, -1.0)
+    from ar_torchrl.functional import prefix_state_ids
+
+    states = prefix_state_ids(tokens, attention)
+    return {
+        "tokens": tokens,
+        "attention_mask": attention,
+        "loss_mask": mask,
+        "returns": torch.where(mask, outcome.unsqueeze(-1), 0.0),
+        "states": states,
+        "prompt": states[:, 2],
+    }
+
+
+def test_state_means_are_the_mean_return_of_each_state_over_the_training_tokens():
+    m = load_benchmark("critic_targets")
+    data = _data()
+    got = m.state_means(data)
+    mask, states, returns = data["loss_mask"], data["states"], data["returns"]
+    for b in range(mask.shape[0]):
+        for t in range(mask.shape[1]):
+            if not mask[b, t]:
+                assert got[b, t] == 0.0
+                continue
+            same = [
+                float(returns[i, j])
+                for i in range(mask.shape[0])
+                for j in range(mask.shape[1])
+                if mask[i, j] and states[i, j] == states[b, t]
+            ]
+            assert float(got[b, t]) == pytest.approx(sum(same) / len(same), abs=1e-6)
+
+
+def test_an_epoch_trains_and_evaluates_and_the_table_names_the_ceiling():
+    from ar_torchrl.models.tiny import build_tiny_qwen3
+    from ar_torchrl.modules import build_separate_critic
+
+    m = load_benchmark("critic_targets")
+    data = _data()
+    args = argparse.Namespace(seed=0, lr=3e-3, epochs=2, batch=5)
+    critic = build_separate_critic(build_tiny_qwen3(20, seed=0))
+    records = m.train(critic, data, m.state_means(data), args, _data(1), "state means")
+    assert [r["epoch"] for r in records] == [1, 2]
+    assert set(m.KEYS) <= set(records[-1]) and records[-1]["loss"] < records[0]["loss"] + 1.0
+    # a zero value head predicts 0 everywhere before training: EV of a constant is 0
+    fresh = m.evaluate(build_separate_critic(build_tiny_qwen3(20, seed=0)), data)
+    assert fresh["critic/explained_variance"] == pytest.approx(0.0, abs=1e-9)
+    result = {
+        "config": {"batch": 5, "samples": 4, "lr": 3e-3, "seed": 0},
+        "rows": {"train": 12, "eval": 12},
+        "prompts": {"train": 3, "eval": 3},
+        "seconds": 60.0,
+        "machine": {"torch": "x"},
+        "arms": {"state means": records},
+        "ceiling_eval": m._ceilings(data),
+    }
+    table = m.table(result)
+    assert "| state means | 2 (6) |" in table and "| **ceiling** of the held-out prompts |" in table
+    assert "critic_targets.py --write-docs" in m.docs_block(result)
