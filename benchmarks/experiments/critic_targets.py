@@ -71,7 +71,7 @@ def sample(cfg, prompts: int, samples: int, seed: int):
     import torch
 
     from ar_torchrl.functional import monte_carlo_returns, prefix_state_ids
-    from ar_torchrl.recipes.ceiling import _stack, sampling_env_of_config
+    from ar_torchrl.recipes.ceiling import _padded, _stack, sampling_env_of_config
 
     env, model = sampling_env_of_config(
         cfg, prompts=prompts, samples_per_prompt=samples, prompts_per_batch=16, seed=seed
@@ -79,6 +79,8 @@ def sample(cfg, prompts: int, samples: int, seed: int):
     with torch.no_grad():
         batches = [env.collect() for _ in range(-(-prompts // env.prompts_per_batch))]
     b = _stack(batches)
+    width = b["tokens"].shape[1]
+    log_prob = torch.cat([_padded(td, "rollout_log_prob", width, 0.0) for td in batches])
     mask = b["loss_mask"]
     states = prefix_state_ids(b["tokens"], b["attention_mask"])
     first = mask.long().argmax(-1, keepdim=True)
@@ -89,6 +91,7 @@ def sample(cfg, prompts: int, samples: int, seed: int):
         "returns": monte_carlo_returns(b["reward"], mask, gamma=1.0),
         "states": states,
         "prompt": states.gather(1, first).squeeze(1),  # the prompt's state id, one per row
+        "log_prob": log_prob,  # the policy's log-prob of each sampled token
     }, model
 
 
@@ -112,13 +115,19 @@ def evaluate(critic, data: dict) -> dict[str, float]:
     :func:`~ar_torchrl.objectives.metrics.critic_health` (overall, thirds, within prompts)."""
     import torch
 
+    return value_metrics(_values(critic, data, torch.arange(len(data["tokens"])), grad=False), data)
+
+
+def value_metrics(values, data: dict) -> dict[str, float]:
+    """``values`` (``[B, L]``) against ``data``'s Monte-Carlo returns: EV overall, by third and
+    within prompts."""
+
     from ar_torchrl.functional import (
         explained_variance_or_nan,
         explained_variance_within_groups,
         position_thirds,
     )
 
-    values = _values(critic, data, torch.arange(len(data["tokens"])), grad=False)
     mask, returns = data["loss_mask"], data["returns"]
     out = {KEYS[0]: explained_variance_or_nan(values, returns, mask)}
     third = position_thirds(mask)
@@ -129,6 +138,51 @@ def evaluate(critic, data: dict) -> dict[str, float]:
     prompt = data["prompt"].unsqueeze(-1).expand_as(mask)
     out[KEYS[-1]] = explained_variance_within_groups(values[mask], returns[mask], prompt[mask])
     return {k: float(v) for k, v in out.items()}
+
+
+#: bin edges of the lowest sampled-token log-prob so far (:func:`confidence_features`)
+LOG_PROB_BINS = (-20.0, -8.0, -5.0, -3.0, -2.0, -1.5, -1.0, -0.7, -0.5, -0.3, -0.2, -0.1, -0.05)
+
+
+def confidence_features(data: dict):
+    """Two functions of each trained token's state: the prompt's length (how hard the problem is,
+    here) and the bin of the lowest log-prob the policy gave a token it sampled *before* this one
+    (0 before the first): ``[B, L]`` int64 each."""
+    import torch
+
+    mask = data["loss_mask"]
+    low = torch.cummin(torch.where(mask, data["log_prob"], 0.0), dim=1).values
+    before = torch.cat([torch.zeros_like(low[:, :1]), low[:, :-1]], dim=1)
+    first = mask.long().argmax(-1, keepdim=True)
+    prompt_len = (data["attention_mask"].long().cumsum(-1).gather(1, first) - 1).expand_as(mask)
+    return prompt_len, torch.bucketize(before.contiguous(), torch.tensor(LOG_PROB_BINS))
+
+
+def lookup_values(train: dict, data: dict, *, confidence: bool):
+    """A table, not a network: the mean training return of each (prompt length[, log-prob bin]),
+    looked up for ``data``'s trained tokens (an unseen key: its prompt length's mean, then the
+    overall mean)."""
+    import torch
+
+    def keys(d):
+        length, low = confidence_features(d)
+        return length * 100 + (low if confidence else 0), length
+
+    (k_tr, len_tr), (k_ev, len_ev) = keys(train), keys(data)
+    m = train["loss_mask"]
+    r = train["returns"][m].double()
+
+    def table(k):
+        u, inv = torch.unique(k[m], return_inverse=True)
+        mean = torch.zeros(len(u), dtype=torch.float64).index_add_(0, inv, r) / torch.bincount(inv)
+        return dict(zip(u.tolist(), mean.tolist()))
+
+    full, by_length, overall = table(k_tr), table(len_tr), float(r.mean())
+    out = [
+        full.get(a, by_length.get(b, overall))
+        for a, b in zip(k_ev.reshape(-1).tolist(), len_ev.reshape(-1).tolist())
+    ]
+    return torch.tensor(out, dtype=torch.float32).reshape(k_ev.shape)
 
 
 def _values(critic, data: dict, rows, *, grad: bool):
@@ -203,6 +257,13 @@ def measure(args: argparse.Namespace) -> dict:
     for label, target in targets.items():
         critic = build_separate_critic(copy.deepcopy(policy))
         arms[label] = train(critic, split["train"], target, args, split["eval"], label)
+    lookups = {
+        "(table) prompt length only": False,
+        "(table) prompt length + lowest sampled log-prob so far": True,
+    }
+    for label, confidence in lookups.items():
+        values = lookup_values(split["train"], split["eval"], confidence=confidence)
+        arms[label] = [{"epoch": 0, "loss": float("nan"), **value_metrics(values, split["eval"])}]
     ceilings = _ceilings(split["eval"])
     return {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
@@ -249,10 +310,11 @@ def table(result: dict) -> str:
     steps = -(-result["rows"]["train"] // result["config"]["batch"])
     for label, records in result["arms"].items():
         last = records[-1]
+        trained = records[-1]["epoch"] > 0
         lines.append(
-            f"| {label} | {len(records)} ({len(records) * steps}) | "
+            f"| {label} | {f'{len(records)} ({len(records) * steps})' if trained else '-'} | "
             + " | ".join(_f(last.get(k)) for k in KEYS)
-            + f" | {last['loss']:.4f} |"
+            + f" | {last['loss']:.4f} |".replace("| nan |", "| - |")
         )
     c = result["ceiling_eval"]
     lines.append(

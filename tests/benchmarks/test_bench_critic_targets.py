@@ -29,6 +29,7 @@ def _data(seed: int = 0, rows: int = 12, width: int = 7) -> dict:
         "returns": torch.where(mask, outcome.unsqueeze(-1), 0.0),
         "states": states,
         "prompt": states[:, 2],
+        "log_prob": torch.where(mask, -torch.rand(rows, width, generator=g) * 3, 0.0),
     }
 
 
@@ -77,3 +78,28 @@ def test_an_epoch_trains_and_evaluates_and_the_table_names_the_ceiling():
     table = m.table(result)
     assert "| state means | 2 (6) |" in table and "| **ceiling** of the held-out prompts |" in table
     assert "critic_targets.py --write-docs" in m.docs_block(result)
+
+
+def test_the_confidence_table_uses_only_what_precedes_each_token():
+    m = load_benchmark("critic_targets")
+    data = _data(2)
+    length, low = m.confidence_features(data)
+    mask, lp = data["loss_mask"], data["log_prob"]
+    bins = torch.tensor(m.LOG_PROB_BINS)
+    for b in range(mask.shape[0]):
+        seen = 0.0
+        for t in range(mask.shape[1]):
+            if mask[b, t]:
+                assert int(low[b, t]) == int(torch.bucketize(torch.tensor(seen), bins))
+                assert int(length[b, t]) == 2  # the two prompt tokens
+                seen = min(seen, float(lp[b, t]))
+    # on its own training data the table returns each key's mean training return
+    values = m.lookup_values(data, data, confidence=True)
+    key = length * 100 + low
+    for b, t in mask.nonzero().tolist():
+        same = (key == key[b, t]) & mask
+        assert float(values[b, t]) == pytest.approx(float(data["returns"][same].mean()), abs=1e-6)
+    flat = m.lookup_values(data, data, confidence=False)  # prompt length only: one key here
+    assert torch.allclose(
+        flat[mask], data["returns"][mask].mean().expand(int(mask.sum())), atol=1e-6
+    )
