@@ -257,15 +257,25 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+BEGIN, END = "<!-- critic_offline:begin -->", "<!-- critic_offline:end -->"
+
+
 def docs_block(result: dict) -> str:
+    """The evidence page's block, markers included."""
     cfg = result["config"]
     return (
-        table(result) + "\n\nHeld-out: every 10th of the source run's "
-        f"{cfg['iterations']} saved batches (64 prompts x 4 samples each), after the last of "
-        f"{cfg['epochs']} epochs; seed {cfg['seed']}. Written by `OMP_NUM_THREADS=1 .venv/bin/python "
-        "benchmarks/experiments/critic_offline.py --jobs 2 --write-docs` "
-        f"(`benchmarks/results/critic_offline.json`; torch {result['machine'].get('torch')}, "
-        f"{result['machine'].get('cpu_count')} cores)."
+        BEGIN
+        + "\n"
+        + (
+            table(result) + "\n\nHeld-out: every 10th of the source run's "
+            f"{cfg['iterations']} saved batches (64 prompts x 4 samples each), after the last of "
+            f"{cfg['epochs']} epochs; seed {cfg['seed']}. Written by `OMP_NUM_THREADS=1 .venv/bin/python "
+            "benchmarks/experiments/critic_offline.py --jobs 2 --write-docs` "
+            f"(`benchmarks/results/critic_offline.json`; torch {result['machine'].get('torch')}, "
+            f"{result['machine'].get('cpu_count')} cores)."
+        )
+        + "\n"
+        + END
     )
 
 
@@ -277,12 +287,7 @@ def main(argv: list[str] | None = None) -> None:
     write_json(result, args.out)
     print(table(result))
     if args.write_docs:
-        replace_marked_block(
-            DOCS_PAGE,
-            "<!-- critic_offline:begin -->",
-            "<!-- critic_offline:end -->",
-            docs_block(result),
-        )
+        replace_marked_block(DOCS_PAGE, BEGIN, END, docs_block(result))
     print(f"\nwrote {args.out}", file=sys.stderr)
 
 

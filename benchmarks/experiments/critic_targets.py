@@ -23,6 +23,7 @@ per step, the same steps; evaluated after each epoch on held-out *prompts* again
 Command::
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/experiments/critic_targets.py --write-docs
+    .venv/bin/python benchmarks/experiments/critic_targets.py --report-only --write-docs
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--write-docs", action="store_true")
+    p.add_argument("--report-only", action="store_true", help="table and docs from --out's JSON")
     p.add_argument(
         "--out", type=Path, default=ROOT / "benchmarks" / "results" / "critic_targets.json"
     )
@@ -325,17 +327,27 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+BEGIN, END = "<!-- critic_targets:begin -->", "<!-- critic_targets:end -->"
+
+
 def docs_block(result: dict) -> str:
+    """The evidence page's block, markers included."""
     cfg = result["config"]
     return (
-        table(result)
-        + f"\n\n{result['prompts']['train']} training prompts and {result['prompts']['eval']} "
-        f"held-out prompts x {cfg['samples']} samples of the warm start ({result['rows']['train']} "
-        f"and {result['rows']['eval']} responses); value lr {cfg['lr']:g}, {cfg['batch']} samples "
-        f"per step; seed {cfg['seed']}. Written by `OMP_NUM_THREADS=1 .venv/bin/python "
-        "benchmarks/experiments/critic_targets.py --write-docs` "
-        f"(`benchmarks/results/critic_targets.json`, {result['seconds'] / 60:.0f} min; torch "
-        f"{result['machine'].get('torch')})."
+        BEGIN
+        + "\n"
+        + (
+            table(result)
+            + f"\n\n{result['prompts']['train']} training prompts and {result['prompts']['eval']} "
+            f"held-out prompts x {cfg['samples']} samples of the warm start ({result['rows']['train']} "
+            f"and {result['rows']['eval']} responses); value lr {cfg['lr']:g}, {cfg['batch']} samples "
+            f"per step; seed {cfg['seed']}. Written by `OMP_NUM_THREADS=1 .venv/bin/python "
+            "benchmarks/experiments/critic_targets.py --write-docs` "
+            f"(`benchmarks/results/critic_targets.json`, {result['seconds'] / 60:.0f} min; torch "
+            f"{result['machine'].get('torch')})."
+        )
+        + "\n"
+        + END
     )
 
 
@@ -344,17 +356,18 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     torch.set_num_threads(1)
-    result = measure(args)
-    write_json(result, args.out)
+    if args.report_only:
+        import json
+
+        result = json.loads(args.out.read_text())
+    else:
+        result = measure(args)
+        write_json(result, args.out)
     print(table(result))
     if args.write_docs:
-        replace_marked_block(
-            DOCS_PAGE,
-            "<!-- critic_targets:begin -->",
-            "<!-- critic_targets:end -->",
-            docs_block(result),
-        )
-    print(f"\nwrote {args.out}", file=sys.stderr)
+        replace_marked_block(DOCS_PAGE, BEGIN, END, docs_block(result))
+    if not args.report_only:
+        print(f"\nwrote {args.out}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,10 @@ def test_finished_runs_are_summarised_not_repeated_and_tabled(tmp_path, monkeypa
         in table
     )
     assert "benchmarks/experiments/critic_offline.py --jobs 2 --write-docs" in m.docs_block(result)
+    block = m.docs_block(result)
+    assert block.startswith("<!-- critic_offline:begin -->") and block.endswith(
+        "<!-- critic_offline:end -->"
+    )
 
 
 def test_the_deepened_critic_model_starts_as_its_source(tmp_path):

@@ -78,6 +78,10 @@ def test_an_epoch_trains_and_evaluates_and_the_table_names_the_ceiling():
     table = m.table(result)
     assert "| state means | 2 (6) |" in table and "| **ceiling** of the held-out prompts |" in table
     assert "critic_targets.py --write-docs" in m.docs_block(result)
+    block = m.docs_block(result)
+    assert block.startswith("<!-- critic_targets:begin -->") and block.endswith(
+        "<!-- critic_targets:end -->"
+    )
 
 
 def test_the_confidence_table_uses_only_what_precedes_each_token():
