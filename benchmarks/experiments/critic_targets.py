@@ -187,12 +187,60 @@ def lookup_values(train: dict, data: dict, *, confidence: bool):
     return torch.tensor(out, dtype=torch.float32).reshape(k_ev.shape)
 
 
+def confidence_inputs(log_prob, mask):
+    """``[B, L, 3]``: for each token, over the trained tokens *before* it in its row, the lowest,
+    the mean and the last log-prob the policy gave the token it sampled (0 where none)."""
+    import torch
+
+    lp = torch.where(mask, log_prob, 0.0)
+    low = torch.cummin(lp, dim=1).values
+    count = mask.long().cumsum(1)
+    mean = lp.cumsum(1) / count.clamp_min(1)
+    index = torch.where(mask, torch.arange(mask.shape[1]), -1).cummax(1).values  # last trained
+    last = torch.where(index >= 0, lp.gather(1, index.clamp_min(0)), 0.0)
+
+    def before(x):  # the value of token t sees tokens < t
+        return torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)
+
+    return torch.stack([before(low), before(mean), before(last)], dim=-1)
+
+
+class ConfidenceCritic:
+    """The LM critic plus a small MLP of :func:`confidence_inputs` added to its value (the MLP's
+    output layer starts at zero, so it starts as the critic): what a value head that also sees
+    the policy's sampling log-probs would do. An experiment's module, not the library's."""
+
+    def __init__(self, critic, hidden: int = 32):
+        import torch
+
+        self.critic = critic
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(3, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1)
+        )
+        torch.nn.init.zeros_(self.mlp[-1].weight)
+        torch.nn.init.zeros_(self.mlp[-1].bias)
+
+    def parameters(self):
+        return [*self.critic.parameters(), *self.mlp.parameters()]
+
+    def __call__(self, td):
+        out = self.critic(td)
+        extra = self.mlp(confidence_inputs(td["log_prob"], td["loss_mask"]))
+        out["state_value"] = out["state_value"] + extra.reshape(out["state_value"].shape)
+        return out
+
+
 def _values(critic, data: dict, rows, *, grad: bool):
     import torch
     from tensordict import TensorDict
 
     td = TensorDict(
-        {"tokens": data["tokens"][rows], "attention_mask": data["attention_mask"][rows]},
+        {
+            "tokens": data["tokens"][rows],
+            "attention_mask": data["attention_mask"][rows],
+            "log_prob": data["log_prob"][rows],
+            "loss_mask": data["loss_mask"][rows],
+        },
         batch_size=[len(rows)],
     )
     with torch.set_grad_enabled(grad):
@@ -259,6 +307,9 @@ def measure(args: argparse.Namespace) -> dict:
     for label, target in targets.items():
         critic = build_separate_critic(copy.deepcopy(policy))
         arms[label] = train(critic, split["train"], target, args, split["eval"], label)
+    label = "raw returns, + an MLP of the sampling log-probs so far"
+    critic = ConfidenceCritic(build_separate_critic(copy.deepcopy(policy)))
+    arms[label] = train(critic, split["train"], targets["raw returns"], args, split["eval"], label)
     lookups = {
         "(table) prompt length only": False,
         "(table) prompt length + lowest sampled log-prob so far": True,

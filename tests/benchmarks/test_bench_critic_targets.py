@@ -107,3 +107,27 @@ def test_the_confidence_table_uses_only_what_precedes_each_token():
     assert torch.allclose(
         flat[mask], data["returns"][mask].mean().expand(int(mask.sum())), atol=1e-6
     )
+
+
+def test_confidence_inputs_see_only_earlier_sampled_tokens():
+    m = load_benchmark("critic_targets")
+    data = _data(3)
+    mask, lp = data["loss_mask"], data["log_prob"]
+    mask[1, 4] = False  # a gap (a tool token) inside a response
+    got = m.confidence_inputs(lp, mask)
+    for b in range(mask.shape[0]):
+        seen: list[float] = []
+        for t in range(mask.shape[1]):
+            want = [min(seen), sum(seen) / len(seen), seen[-1]] if seen else [0.0, 0.0, 0.0]
+            assert got[b, t].tolist() == pytest.approx(want, abs=1e-6), (b, t)
+            if mask[b, t]:
+                seen.append(float(lp[b, t]))
+    from ar_torchrl.models.tiny import build_tiny_qwen3
+    from ar_torchrl.modules import build_separate_critic
+
+    critic = m.ConfidenceCritic(build_separate_critic(build_tiny_qwen3(20, seed=0)))
+    before = m.evaluate(critic, data)  # the MLP's zero output layer: the critic's own values
+    assert before["critic/explained_variance"] == pytest.approx(0.0, abs=1e-9)
+    args = argparse.Namespace(seed=0, lr=3e-3, epochs=1, batch=6)
+    records = m.train(critic, data, data["returns"], args, data, "confidence")
+    assert records[0]["loss"] > 0 and any(p.grad is not None for p in critic.mlp.parameters())
