@@ -27,7 +27,7 @@ from ar_torchrl.collectors import WeightSyncCollector
 from ar_torchrl.collectors.sampling import episode_stats
 from ar_torchrl.envs import LLMEnv
 from ar_torchrl.functional import masked_mean
-from ar_torchrl.modules import LMActorCritic, LMCritic, why_not_shared
+from ar_torchrl.modules import LMActorCritic, LMCritic, attach_confidence_features, why_not_shared
 from ar_torchrl.objectives import TokenPPOLoss
 from ar_torchrl.objectives.metrics import critic_health
 from ar_torchrl.recipes.dapo_ppo import build, rollouts
@@ -220,6 +220,8 @@ def setup(
         )
     if cfg.algo.value_norm == "popart":  # normalised value targets (before FSDP2 shards the head)
         build.use_popart(model if critic is None else critic.model, cfg.algo.popart_beta)
+    if cfg.critic.confidence_features:  # the value head also reads rollout_log_prob
+        attach_confidence_features(model if critic is None else critic.model)
     ref_actor = None
     if cfg.algo.kl_coeff > 0 or cfg.algo.kl_in_reward > 0:
         ref_actor = strategy.build_reference(model, start_dir, temperature)
