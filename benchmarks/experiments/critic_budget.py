@@ -88,6 +88,12 @@ VARIANT_SETS["matched"] = {
     "rloo_n4": _matched(64, "algo=rloo"),
     "rloo_n8": _matched(32, "algo=rloo"),
     "reinforce_pp_n1": _matched(256, "algo=reinforce_pp"),
+    # the critics given the policy's sampling log-probs (critic.confidence_features)
+    "ppo_n1_confidence": _matched(256, "critic=shared", "critic.confidence_features=true"),
+    "ppo_n2_confidence": _matched(128, "critic=shared", "critic.confidence_features=true"),
+    "ppo_separate_n2_confidence": _matched(
+        128, "critic=separate", "critic.confidence_features=true"
+    ),
 }
 VARIANTS = {name: o for variants in VARIANT_SETS.values() for name, o in variants.items()}
 COLORS = {
@@ -106,6 +112,9 @@ COLORS = {
     "rloo_n4": "tab:red",
     "rloo_n8": "tab:pink",
     "reinforce_pp_n1": "tab:gray",
+    "ppo_n1_confidence": "navy",
+    "ppo_n2_confidence": "teal",
+    "ppo_separate_n2_confidence": "darkgreen",
 }
 
 #: task -> (config overrides, seeds, iterations, evaluate every, checkpoint every)
