@@ -182,6 +182,20 @@ def test_saved_rollouts_round_trip_without_what_a_run_recomputes(tmp_path):
         (["critic.pretrain_epochs=0"], r"critic.pretrain_epochs must be >= 1, got 0"),
         (["train.critic_warn_iters=-1"], r"train.critic_warn_iters must be >= 0, got -1"),
         (["critic.pretrain_from=' '"], r"critic.pretrain_from must be null or a path, got ''"),
+        (
+            ["algo=grpo", "critic.confidence_features=true"],
+            r"critic.confidence_features=true adds to the critic's values, but "
+            r"algo.critic_coeff=0.0 trains no critic",
+        ),
+        (
+            ["algo.value_norm=popart", "critic.confidence_features=true"],
+            r"critic.confidence_features=true adds to unnormalised values and "
+            r"algo.value_norm=popart",
+        ),
+        (
+            ["model.dtype=bfloat16", "critic.confidence_features=true"],
+            r"critic.confidence_features=true is not verified under FSDP2",
+        ),
     ],
 )
 def test_critic_option_errors_name_the_key(overrides, message):
@@ -193,7 +207,7 @@ def test_the_new_keys_default_to_the_old_behaviour():
     cfg = typed()
     assert cfg.algo.critic_warmup_until_ev is None and cfg.critic.pretrain_from is None
     assert cfg.train.save_rollouts is False and cfg.train.critic_warn_iters == 20
-    assert cfg.algo.gae.critic_lmbda is None
+    assert cfg.algo.gae.critic_lmbda is None and cfg.critic.confidence_features is False
     assert (
         typed(
             ["algo.critic_warmup_iters=2", "algo.critic_warmup_until_ev=-0.5"]
