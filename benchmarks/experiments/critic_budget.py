@@ -94,6 +94,11 @@ VARIANT_SETS["matched"] = {
     "ppo_separate_n2_confidence": _matched(
         128, "critic=separate", "critic.confidence_features=true"
     ),
+    # lambda = 1: the advantage is the Monte-Carlo return minus the critic's value (unbiased
+    # whatever the critic predicts; the critic only reduces variance)
+    "ppo_n1_confidence_lmbda1": _matched(
+        256, "critic=shared", "critic.confidence_features=true", "algo.gae.lmbda=1.0"
+    ),
 }
 VARIANTS = {name: o for variants in VARIANT_SETS.values() for name, o in variants.items()}
 COLORS = {
@@ -115,6 +120,7 @@ COLORS = {
     "ppo_n1_confidence": "navy",
     "ppo_n2_confidence": "teal",
     "ppo_separate_n2_confidence": "darkgreen",
+    "ppo_n1_confidence_lmbda1": "purple",
 }
 
 #: task -> (config overrides, seeds, iterations, evaluate every, checkpoint every)
