@@ -238,7 +238,9 @@ def summarize(history: list[dict], samples_per_prompt: int = 4) -> dict:
         # out of sample (the critic's values of each fresh batch vs its Monte-Carlo returns)
         "critic_explained_variance_late": _late_mean(steps, "critic/explained_variance"),
         # the same beyond the prompt (each prompt's mean removed; needs >= 2 samples per prompt)
-        "critic_within_prompt_late": _late_mean(steps, "critic/explained_variance_within_prompt"),
+        "critic_within_prompt_late": _late_mean(steps, "critic/explained_variance_within_prompt")
+        if samples_per_prompt >= 2
+        else None,
         "generated_tokens": sum(tokens),
         "reward_curve_tokens": [
             (sum(tokens[: i + 1]) / 1e6, h["rollout/reward_mean"]) for i, h in enumerate(steps)

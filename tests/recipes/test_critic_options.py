@@ -215,3 +215,39 @@ def test_the_new_keys_default_to_the_old_behaviour():
         == -0.5
     )
     assert math.isfinite(cfg.critic.pretrain_epochs)
+
+
+def test_within_prompt_ev_is_logged_only_with_groups():
+    """``critic/explained_variance_within_prompt`` needs >= 2 samples per prompt: at one, the few
+    prompts a batch draws twice would make a number out of a handful of tokens."""
+    from types import SimpleNamespace
+
+    from tensordict import TensorDict
+
+    from ar_torchrl.recipes.dapo_ppo import loop
+
+    mask = torch.ones(4, 3, dtype=torch.bool)
+    reward = torch.zeros(4, 3, 1)
+    reward[:, -1, 0] = torch.tensor([1.0, -1.0, 1.0, 1.0])
+    td = TensorDict(
+        {
+            "loss_mask": mask,
+            "state_value": torch.linspace(-1, 1, 12).reshape(4, 3, 1),
+            "prompt_id": torch.tensor([0, 0, 1, 2]).unsqueeze(-1).expand(4, 3),
+            "next": {"reward": reward},
+        },
+        [4, 3],
+    )
+    keys = SimpleNamespace(value="state_value", reward="reward", loss_mask="loss_mask")
+
+    def run(n):
+        cfg = SimpleNamespace(
+            algo=SimpleNamespace(critic_coeff=1.0, gamma=1.0),
+            rollout=SimpleNamespace(samples_per_prompt=n),
+        )
+        return SimpleNamespace(cfg=cfg, loss_fn=SimpleNamespace(tensor_keys=keys))
+
+    key = "critic/explained_variance_within_prompt"
+    assert key in loop.critic_metrics(run(2), td)
+    got = loop.critic_metrics(run(1), td)
+    assert key not in got and "critic/explained_variance" in got
