@@ -99,6 +99,7 @@ VARIANT_SETS["matched"] = {
     "ppo_n1_confidence_lmbda1": _matched(
         256, "critic=shared", "critic.confidence_features=true", "algo.gae.lmbda=1.0"
     ),
+    "ppo_n1_lmbda1": _matched(256, "critic=shared", "algo.gae.lmbda=1.0"),  # its control
 }
 VARIANTS = {name: o for variants in VARIANT_SETS.values() for name, o in variants.items()}
 COLORS = {
@@ -121,6 +122,7 @@ COLORS = {
     "ppo_n2_confidence": "teal",
     "ppo_separate_n2_confidence": "darkgreen",
     "ppo_n1_confidence_lmbda1": "purple",
+    "ppo_n1_lmbda1": "slateblue",
 }
 
 #: task -> (config overrides, seeds, iterations, evaluate every, checkpoint every)
