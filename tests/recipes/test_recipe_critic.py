@@ -217,6 +217,12 @@ def test_confidence_features_train_checkpoint_resume_and_stay_out_of_the_policy(
     critic = load_critic(run_dir / "critic").model.state_dict()
     for k in mlp:
         torch.testing.assert_close(critic[k], state["critic"][k])
+    # the ceiling tool rebuilds the run's modules (the MLP included) to read its checkpoint
+    from ar_torchrl.recipes.ceiling import policy_for_ceiling
+
+    cfg = typed([*conf, f"cache_dir={cache_dir}"], TOOL_CONFIG)
+    model, _ = policy_for_ceiling(cfg, run_dir / "checkpoints" / "step_3.pt")
+    assert torch.equal(model.state_dict()["lm_head.weight"], state["model"]["lm_head.weight"])
     _, resumed = run_recipe(
         tmp_path / "resumed",
         cache_dir,
