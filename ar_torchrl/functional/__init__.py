@@ -33,6 +33,7 @@ from ar_torchrl.functional.ceiling import (
     ev_ceiling_within_groups,
     prefix_state_ids,
 )
+from ar_torchrl.functional.confidence import CONFIDENCE_FEATURES, sampled_log_prob_features
 from ar_torchrl.functional.critic_health import (
     explained_variance_or_nan,
     explained_variance_within_groups,
@@ -66,6 +67,8 @@ from ar_torchrl.functional.turns import count_turns, turn_gae
 from ar_torchrl.utils.checks import AGGREGATION_MODES, AggregationMode
 
 __all__ = [
+    "CONFIDENCE_FEATURES",
+    "sampled_log_prob_features",
     "AGGREGATION_MODES",
     "KL_ESTIMATORS",
     "LOG_RATIO_CLAMP",

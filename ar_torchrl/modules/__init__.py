@@ -23,8 +23,10 @@ from ar_torchrl.modules.shared_prefix import (
 )
 from ar_torchrl.modules.value_head import (
     VALUE_HEAD_FILE,
+    ConfidenceFeatures,
     PopArtValueHead,
     ValueHead,
+    attach_confidence_features,
     attach_value_head,
     load_value_head,
     save_policy,
@@ -42,6 +44,8 @@ __all__ = [
     "PopArtValueHead",
     "SharedPrefix",
     "ValueHead",
+    "ConfidenceFeatures",
+    "attach_confidence_features",
     "attach_value_head",
     "build_separate_critic",
     "check_same_tokenizer",

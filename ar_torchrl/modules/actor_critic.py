@@ -40,6 +40,7 @@ from ar_torchrl.modules.shared_prefix import (
     shared_hidden_states,
     why_not_shared,
 )
+from ar_torchrl.modules.value_head import confidence_of
 from ar_torchrl.utils.checks import check_actor_args, check_bool
 
 __all__ = ["LMActorCritic", "token_log_probs"]
@@ -96,6 +97,8 @@ class LMActorCritic(TensorDictModuleBase):
         value: NestedKey = "state_value"
         next_value: NestedKey = ("next", "state_value")
         entropy: NestedKey = "entropy"
+        rollout_log_prob: NestedKey = "rollout_log_prob"
+        loss_mask: NestedKey = "loss_mask"
 
     default_keys = _AcceptedKeys
 
@@ -185,6 +188,12 @@ class LMActorCritic(TensorDictModuleBase):
         """
         keys = list(self.in_keys)
         keys += [k for k in (PACKED_KEY, SHARED_KEY) if k in tensordict.keys()]
+        if (
+            self.critic and confidence_of(self.model) is not None
+        ):  # value_head.confidence reads them
+            k = self.tensor_keys
+            present = tensordict.keys(include_nested=True)  # a missing one: forward names it
+            keys += [x for x in (k.rollout_log_prob, k.loss_mask) if x in present and x not in keys]
         return tensordict.select(*keys)
 
     def hidden_states(self, tokens: Tensor, attention_mask: Tensor) -> Tensor:
@@ -208,6 +217,9 @@ class LMActorCritic(TensorDictModuleBase):
             log_prob, value, next_value, entropy = self._padded(tokens, attention_mask)
         tensordict.set(self.log_prob_key, log_prob)
         if self.critic:
+            value, next_value = add_confidence(
+                self.model, tensordict, value, next_value, self.tensor_keys, "LMActorCritic"
+            )
             tensordict.set(self.value_key, value)
             tensordict.set(self.next_value_key, next_value)
         if self.return_entropy:
@@ -285,6 +297,40 @@ class LMActorCritic(TensorDictModuleBase):
 
 
 # --------------------------------------------------------------------------- shared with LMCritic
+def add_confidence(
+    model: nn.Module,
+    tensordict: TensorDictBase,
+    value: Tensor,
+    next_value: Tensor,
+    keys,
+    owner: str,
+) -> tuple[Tensor, Tensor]:
+    """``value`` and ``next_value`` plus ``model.value_head.confidence``'s terms (unchanged without
+    one), from the crop's ``rollout_log_prob`` and ``loss_mask`` (``[b, w]``: every plan's layout)."""
+    feats = confidence_of(model)
+    if feats is None:
+        return value, next_value
+    inputs = []
+    for name in ("rollout_log_prob", "loss_mask"):
+        key = getattr(keys, name)
+        if key not in tensordict.keys(include_nested=True):
+            raise KeyError(
+                f"{owner}: the value head has confidence features (value_head.confidence), which "
+                f"read {key!r} ([B, L], the {'sampling log-prob of each token' if name != 'loss_mask' else 'trained tokens'}); "
+                f"the batch has no such key. Keep it in the batch (the recipe's trajectories carry "
+                f"it), rename it with set_keys({name}=...), or build the critic without them"
+            )
+        inputs.append(tensordict.get(key))
+    log_prob, mask = inputs
+    if log_prob.shape != value.shape[:-1] or mask.shape != value.shape[:-1]:
+        raise ValueError(
+            f"{owner}: confidence features need rollout_log_prob and loss_mask of the values' "
+            f"shape {tuple(value.shape[:-1])}, got {tuple(log_prob.shape)} and {tuple(mask.shape)}"
+        )
+    extra, next_extra = feats(log_prob, mask.bool())
+    return value + extra.to(value.dtype), next_value + next_extra.to(next_value.dtype)
+
+
 def rename_keys(module: TensorDictModuleBase, keys: dict[str, NestedKey]) -> None:
     """``module.set_keys(**keys)`` of a module with ``_AcceptedKeys`` and ``tensor_keys``: an
     unknown name raises; ``value`` alone also moves ``next_value`` to ``("next", *value)``."""

@@ -27,6 +27,7 @@ from torch import nn
 
 from ar_torchrl.modules.actor_critic import (
     LMActorCritic,
+    add_confidence,
     backbone_hidden_states,
     packed_hidden_states,
     packed_values,
@@ -74,6 +75,8 @@ class LMCritic(TensorDictModuleBase):
         attention_mask: NestedKey = "attention_mask"
         value: NestedKey = "state_value"
         next_value: NestedKey = ("next", "state_value")
+        rollout_log_prob: NestedKey = "rollout_log_prob"
+        loss_mask: NestedKey = "loss_mask"
 
     default_keys = _AcceptedKeys
     #: the module computes values (``LMActorCritic.critic`` is the same flag on the shared module)
@@ -125,6 +128,7 @@ class LMCritic(TensorDictModuleBase):
         else:
             hidden = backbone_hidden_states(self.model, tokens, attention_mask)
             value, next_value = shifted_values(head, hidden)
+        value, next_value = add_confidence(self.model, tensordict, value, next_value, k, "LMCritic")
         tensordict.set(k.value, value)
         tensordict.set(k.next_value, next_value)
         return tensordict

@@ -19,6 +19,8 @@ __all__ = [
     "VALUE_HEAD_FILE",
     "PopArtValueHead",
     "ValueHead",
+    "ConfidenceFeatures",
+    "attach_confidence_features",
     "attach_value_head",
     "load_value_head",
     "save_policy",
@@ -173,6 +175,86 @@ def attach_value_head(
     return model
 
 
+class ConfidenceFeatures(nn.Module):
+    """A small MLP of the policy's sampling log-probs so far, added to the value head's output.
+
+    Registered as ``value_head.confidence`` (:func:`attach_confidence_features`), so its weights
+    go wherever the head's go: the critic's param group and clip group, checkpoints, the head file
+    of a critic export, never the rollout engine (``value_head.*``) nor a policy export. Its input is
+    :func:`~ar_torchrl.functional.sampled_log_prob_features` of ``rollout_log_prob`` (the lowest,
+    mean and last log-prob the policy gave a token it sampled before each token); its output layer
+    starts at zero, so a critic with it starts with the same values as without. Measured on
+    ``critic_arithmetic`` (docs/evidence.md): the critic then reads how its response is going
+    instead of only how hard the prompt is.
+
+    Example:
+        >>> feats = ConfidenceFeatures()
+        >>> lp, m = torch.tensor([[0.0, -0.1, -2.0]]), torch.tensor([[False, True, True]])
+        >>> value, next_value = feats(lp, m)
+        >>> value.shape, float(value.abs().sum() + next_value.abs().sum())  # zero output layer
+        (torch.Size([1, 3, 1]), 0.0)
+    """
+
+    def __init__(self, hidden: int = 32) -> None:
+        super().__init__()
+        from ar_torchrl.functional.confidence import CONFIDENCE_FEATURES
+
+        if not isinstance(hidden, int) or isinstance(hidden, bool) or hidden < 1:
+            raise ValueError(f"ConfidenceFeatures: hidden must be an int >= 1, got {hidden!r}")
+        self.net = nn.Sequential(
+            nn.Linear(len(CONFIDENCE_FEATURES), hidden), nn.Tanh(), nn.Linear(hidden, 1)
+        )
+        nn.init.zeros_(self.net[-1].weight)
+        nn.init.zeros_(self.net[-1].bias)
+
+    def forward(self, log_prob: torch.Tensor, loss_mask: torch.Tensor):
+        """``(value_term, next_value_term)``, each ``[B, L, 1]`` fp32, 0 off ``loss_mask``: the
+        additions to ``state_value`` (the state before each token) and ``("next",
+        "state_value")`` (after it)."""
+        from ar_torchrl.functional.confidence import sampled_log_prob_features
+
+        before, through = sampled_log_prob_features(log_prob.float(), loss_mask)
+        keep = loss_mask.unsqueeze(-1).to(torch.float32)
+        return self.net(before) * keep, self.net(through) * keep
+
+
+def attach_confidence_features(model: nn.Module, hidden: int = 32) -> nn.Module:
+    """Attach a :class:`ConfidenceFeatures` as ``model.value_head.confidence`` (in place; returns
+    model; an existing one is kept). ``LMActorCritic`` / ``LMCritic`` over the model then also
+    read ``rollout_log_prob`` and ``loss_mask``.
+
+    Raises:
+        ValueError: the model has no value head, or a PopArt head (whose layer predicts normalised
+            values; the two are not combined).
+
+    Example:
+        >>> from ar_torchrl.models.tiny import build_tiny_qwen3
+        >>> model = attach_confidence_features(attach_value_head(build_tiny_qwen3(99)))
+        >>> sorted(k for k in model.state_dict() if k.startswith("value_head"))[:3]
+        ['value_head.bias', 'value_head.confidence.net.0.bias', 'value_head.confidence.net.0.weight']
+    """
+    head = getattr(model, "value_head", None)
+    if not isinstance(head, nn.Module):
+        raise ValueError(
+            "attach_confidence_features: the model has no `value_head`; call attach_value_head "
+            "first"
+        )
+    if isinstance(head, PopArtValueHead):
+        raise ValueError(
+            "attach_confidence_features: the value head is a PopArt head (normalised values); "
+            "confidence features are added to unnormalised values, use a plain value head"
+        )
+    if not isinstance(getattr(head, "confidence", None), ConfidenceFeatures):
+        head.confidence = ConfidenceFeatures(hidden).to(head.weight.device)
+    return attach_value_head(model)  # refresh the keys save_pretrained leaves out
+
+
+def confidence_of(model: nn.Module) -> ConfidenceFeatures | None:
+    """``model.value_head.confidence`` when attached, else ``None``."""
+    feats = getattr(getattr(model, "value_head", None), "confidence", None)
+    return feats if isinstance(feats, ConfidenceFeatures) else None
+
+
 def _head_file(path: str | Path) -> Path:
     path = Path(path)
     return path / VALUE_HEAD_FILE if path.is_dir() else path
@@ -202,6 +284,9 @@ def load_value_head(model: nn.Module, path: str | Path) -> nn.Module:
     if getattr(model, "value_head", None) is None:
         attach_value_head(model)
     state = load_file(str(file))
+    if any(k.startswith("value_head.confidence.") for k in state):
+        hidden = state["value_head.confidence.net.0.weight"].shape[0]
+        attach_confidence_features(model, hidden)
     missing = set(_HEAD_KEYS) - set(state)
     if missing:
         raise KeyError(f"load_value_head: {file} lacks {sorted(missing)}; it holds {sorted(state)}")

@@ -259,6 +259,10 @@ def policy_for_ceiling(cfg: Any, checkpoint: str | Path | None = None) -> tuple[
         critic = None
         if separate:  # the checkpoint holds both models: the critic is read and left unused
             critic = strategy.build_critic(model, tokenizer, None, cfg.critic.model_path)[0].model
+        if cfg.critic.confidence_features:  # the head's MLP is in the checkpoint: same modules
+            from ar_torchrl.modules import attach_confidence_features
+
+            attach_confidence_features(model if critic is None else critic)
         load_checkpoint(path, model=model, critic=critic, restore_rng=False)
     return model.eval(), tokenizer
 

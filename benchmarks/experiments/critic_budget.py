@@ -88,6 +88,18 @@ VARIANT_SETS["matched"] = {
     "rloo_n4": _matched(64, "algo=rloo"),
     "rloo_n8": _matched(32, "algo=rloo"),
     "reinforce_pp_n1": _matched(256, "algo=reinforce_pp"),
+    # the critics given the policy's sampling log-probs (critic.confidence_features)
+    "ppo_n1_confidence": _matched(256, "critic=shared", "critic.confidence_features=true"),
+    "ppo_n2_confidence": _matched(128, "critic=shared", "critic.confidence_features=true"),
+    "ppo_separate_n2_confidence": _matched(
+        128, "critic=separate", "critic.confidence_features=true"
+    ),
+    # lambda = 1: the advantage is the Monte-Carlo return minus the critic's value (unbiased
+    # whatever the critic predicts; the critic only reduces variance)
+    "ppo_n1_confidence_lmbda1": _matched(
+        256, "critic=shared", "critic.confidence_features=true", "algo.gae.lmbda=1.0"
+    ),
+    "ppo_n1_lmbda1": _matched(256, "critic=shared", "algo.gae.lmbda=1.0"),  # its control
 }
 VARIANTS = {name: o for variants in VARIANT_SETS.values() for name, o in variants.items()}
 COLORS = {
@@ -106,6 +118,11 @@ COLORS = {
     "rloo_n4": "tab:red",
     "rloo_n8": "tab:pink",
     "reinforce_pp_n1": "tab:gray",
+    "ppo_n1_confidence": "navy",
+    "ppo_n2_confidence": "teal",
+    "ppo_separate_n2_confidence": "darkgreen",
+    "ppo_n1_confidence_lmbda1": "purple",
+    "ppo_n1_lmbda1": "slateblue",
 }
 
 #: task -> (config overrides, seeds, iterations, evaluate every, checkpoint every)
@@ -223,7 +240,9 @@ def summarize(history: list[dict], samples_per_prompt: int = 4) -> dict:
         # out of sample (the critic's values of each fresh batch vs its Monte-Carlo returns)
         "critic_explained_variance_late": _late_mean(steps, "critic/explained_variance"),
         # the same beyond the prompt (each prompt's mean removed; needs >= 2 samples per prompt)
-        "critic_within_prompt_late": _late_mean(steps, "critic/explained_variance_within_prompt"),
+        "critic_within_prompt_late": _late_mean(steps, "critic/explained_variance_within_prompt")
+        if samples_per_prompt >= 2
+        else None,
         "generated_tokens": sum(tokens),
         "reward_curve_tokens": [
             (sum(tokens[: i + 1]) / 1e6, h["rollout/reward_mean"]) for i, h in enumerate(steps)

@@ -19,7 +19,8 @@ then. This script holds the policy still and removes the time limit:
 
 Arms (``ARMS``): the separate critic at the recipe's defaults, at 3x lower and 3x higher value lr,
 with Monte-Carlo targets and no value clipping, and with two more (identity-initialised) layers;
-the shared value head (a head on the frozen policy trunk: the linear probe). The ceilings quoted
+the shared value head (a head on the frozen policy trunk: the linear probe); the separate critic
+with ``critic.confidence_features=true`` (it also reads the policy's sampling log-probs). The ceilings quoted
 beside them are ``benchmarks/critic_ceiling.py``'s of the same warm start
 (``benchmarks/results/critic_ceiling_critic_arithmetic.json``).
 
@@ -64,6 +65,7 @@ ARMS: dict[str, tuple[str, ...]] = {
     ),
     "separate, +2 layers": ("critic=separate",),
     "shared head (linear probe)": ("critic=shared",),
+    "separate + confidence features": ("critic=separate", "critic.confidence_features=true"),
 }
 #: the arm whose critic is the policy deepened by :data:`EXTRA_LAYERS` identity layers
 DEEPER = "separate, +2 layers"

@@ -182,6 +182,20 @@ def test_saved_rollouts_round_trip_without_what_a_run_recomputes(tmp_path):
         (["critic.pretrain_epochs=0"], r"critic.pretrain_epochs must be >= 1, got 0"),
         (["train.critic_warn_iters=-1"], r"train.critic_warn_iters must be >= 0, got -1"),
         (["critic.pretrain_from=' '"], r"critic.pretrain_from must be null or a path, got ''"),
+        (
+            ["algo=grpo", "critic.confidence_features=true"],
+            r"critic.confidence_features=true adds to the critic's values, but "
+            r"algo.critic_coeff=0.0 trains no critic",
+        ),
+        (
+            ["algo.value_norm=popart", "critic.confidence_features=true"],
+            r"critic.confidence_features=true adds to unnormalised values and "
+            r"algo.value_norm=popart",
+        ),
+        (
+            ["model.dtype=bfloat16", "critic.confidence_features=true"],
+            r"critic.confidence_features=true is not verified under FSDP2",
+        ),
     ],
 )
 def test_critic_option_errors_name_the_key(overrides, message):
@@ -193,7 +207,7 @@ def test_the_new_keys_default_to_the_old_behaviour():
     cfg = typed()
     assert cfg.algo.critic_warmup_until_ev is None and cfg.critic.pretrain_from is None
     assert cfg.train.save_rollouts is False and cfg.train.critic_warn_iters == 20
-    assert cfg.algo.gae.critic_lmbda is None
+    assert cfg.algo.gae.critic_lmbda is None and cfg.critic.confidence_features is False
     assert (
         typed(
             ["algo.critic_warmup_iters=2", "algo.critic_warmup_until_ev=-0.5"]
@@ -201,3 +215,39 @@ def test_the_new_keys_default_to_the_old_behaviour():
         == -0.5
     )
     assert math.isfinite(cfg.critic.pretrain_epochs)
+
+
+def test_within_prompt_ev_is_logged_only_with_groups():
+    """``critic/explained_variance_within_prompt`` needs >= 2 samples per prompt: at one, the few
+    prompts a batch draws twice would make a number out of a handful of tokens."""
+    from types import SimpleNamespace
+
+    from tensordict import TensorDict
+
+    from ar_torchrl.recipes.dapo_ppo import loop
+
+    mask = torch.ones(4, 3, dtype=torch.bool)
+    reward = torch.zeros(4, 3, 1)
+    reward[:, -1, 0] = torch.tensor([1.0, -1.0, 1.0, 1.0])
+    td = TensorDict(
+        {
+            "loss_mask": mask,
+            "state_value": torch.linspace(-1, 1, 12).reshape(4, 3, 1),
+            "prompt_id": torch.tensor([0, 0, 1, 2]).unsqueeze(-1).expand(4, 3),
+            "next": {"reward": reward},
+        },
+        [4, 3],
+    )
+    keys = SimpleNamespace(value="state_value", reward="reward", loss_mask="loss_mask")
+
+    def run(n):
+        cfg = SimpleNamespace(
+            algo=SimpleNamespace(critic_coeff=1.0, gamma=1.0),
+            rollout=SimpleNamespace(samples_per_prompt=n),
+        )
+        return SimpleNamespace(cfg=cfg, loss_fn=SimpleNamespace(tensor_keys=keys))
+
+    key = "critic/explained_variance_within_prompt"
+    assert key in loop.critic_metrics(run(2), td)
+    got = loop.critic_metrics(run(1), td)
+    assert key not in got and "critic/explained_variance" in got

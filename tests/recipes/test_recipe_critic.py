@@ -190,3 +190,44 @@ def test_a_smaller_critic_model_needs_the_policys_tokenizer(tmp_path):
 def test_critic_config_errors_name_the_key(overrides, message):
     with pytest.raises(ValueError, match=message):
         typed(overrides)
+
+
+@pytest.mark.slow
+def test_confidence_features_train_checkpoint_resume_and_stay_out_of_the_policy(
+    tmp_path, cache_dir
+):
+    """``critic.confidence_features=true`` on the multi-turn tool task (tool tokens between the
+    trained ones) with the separate critic: its MLP trains, is checkpointed with the critic,
+    resumes exactly, is exported with the critic and never with the policy."""
+    from safetensors.torch import load_file
+
+    from ar_torchrl.models.export import load_critic
+
+    conf = [*SEPARATE, "critic.confidence_features=true", "train.export=true"]
+    run_dir = tmp_path / "run"
+    _, history = run_recipe(run_dir, cache_dir, *conf, config_name=TOOL_CONFIG)
+    assert [h["step"] for h in history] == [0, 1, 2, 3]
+    assert all(math.isfinite(h["train/loss_critic"]) for h in history[1:])
+    state = _load(run_dir / "checkpoints" / "step_3.pt")
+    mlp = [k for k in state["critic"] if k.startswith("value_head.confidence.")]
+    assert mlp and state["critic"]["value_head.confidence.net.2.weight"].abs().sum() > 0  # trained
+    assert not any("confidence" in k for k in state["model"])
+    policy = load_file(str(run_dir / "policy" / "model.safetensors"))
+    assert not any(k.startswith("value_head") for k in policy)
+    critic = load_critic(run_dir / "critic").model.state_dict()
+    for k in mlp:
+        torch.testing.assert_close(critic[k], state["critic"][k])
+    # the ceiling tool rebuilds the run's modules (the MLP included) to read its checkpoint
+    from ar_torchrl.recipes.ceiling import policy_for_ceiling
+
+    cfg = typed([*conf, f"cache_dir={cache_dir}"], TOOL_CONFIG)
+    model, _ = policy_for_ceiling(cfg, run_dir / "checkpoints" / "step_3.pt")
+    assert torch.equal(model.state_dict()["lm_head.weight"], state["model"]["lm_head.weight"])
+    _, resumed = run_recipe(
+        tmp_path / "resumed",
+        cache_dir,
+        *conf,
+        f"train.resume_from={run_dir / 'checkpoints/step_2.pt'}",
+        config_name=TOOL_CONFIG,
+    )
+    same_runs(history, resumed)

@@ -33,6 +33,7 @@ from ar_torchrl.recipes.launch import world_size
 from ar_torchrl.rewards.registry import REWARDS
 from ar_torchrl.tools.config import ToolConfig
 from ar_torchrl.utils.checks import (
+    check_bool,
     check_choice,
     check_number,
     check_optimizer_args,
@@ -255,9 +256,11 @@ class CriticConfig:
     init_from: Optional[str] = None  # an earlier run's checkpoint (or run directory)
     pretrain_from: Optional[str] = None  # an earlier run dir whose saved rollouts train the critic
     pretrain_epochs: int = 10  # passes over those rollouts at most (the cap)
+    confidence_features: bool = False  # the value head also reads the sampling log-probs so far
 
     def check(self, prefix: str) -> None:
         check_choice(prefix, "kind", self.kind, CRITIC_KINDS)
+        check_bool(prefix, "confidence_features", self.confidence_features)
         _count(prefix, "pretrain_epochs", self.pretrain_epochs)
         if self.model_path is not None and self.kind != "separate":
             raise ValueError(
@@ -504,6 +507,16 @@ class Config:
                 f"algo.critic_coeff={self.algo.critic_coeff} trains none: set algo.critic_coeff > 0"
             )
         a = self.algo
+        if self.critic.confidence_features and not a.critic_coeff > 0:
+            raise ValueError(
+                "config: critic.confidence_features=true adds to the critic's values, but "
+                f"algo.critic_coeff={a.critic_coeff} trains no critic: set algo.critic_coeff > 0"
+            )
+        if self.critic.confidence_features and a.value_norm == "popart":
+            raise ValueError(
+                "config: critic.confidence_features=true adds to unnormalised values and "
+                "algo.value_norm=popart's head predicts normalised ones: choose one"
+            )
         if self.critic.pretrain_from is not None and not a.critic_coeff > 0:
             raise ValueError(
                 f"config: critic.pretrain_from={self.critic.pretrain_from!r} trains a critic, but "
@@ -602,6 +615,11 @@ class Config:
         if d.backend == "nccl" and not self.device.startswith("cuda"):
             raise ValueError(
                 f"config: dist.backend=nccl needs device=cuda, got device={self.device}"
+            )
+        if self.critic.confidence_features and self.sharded:
+            raise ValueError(
+                "config: critic.confidence_features=true is not verified under FSDP2 (dist.fsdp, "
+                "torchrun or model.dtype) yet; run it in one float32 process"
             )
         if self.rollout.shared_prefix is True and (self.sharded or self.model_checkpoints):
             why = (

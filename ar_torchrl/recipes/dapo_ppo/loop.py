@@ -27,7 +27,7 @@ from ar_torchrl.collectors import WeightSyncCollector
 from ar_torchrl.collectors.sampling import episode_stats
 from ar_torchrl.envs import LLMEnv
 from ar_torchrl.functional import masked_mean
-from ar_torchrl.modules import LMActorCritic, LMCritic, why_not_shared
+from ar_torchrl.modules import LMActorCritic, LMCritic, attach_confidence_features, why_not_shared
 from ar_torchrl.objectives import TokenPPOLoss
 from ar_torchrl.objectives.metrics import critic_health
 from ar_torchrl.recipes.dapo_ppo import build, rollouts
@@ -220,6 +220,8 @@ def setup(
         )
     if cfg.algo.value_norm == "popart":  # normalised value targets (before FSDP2 shards the head)
         build.use_popart(model if critic is None else critic.model, cfg.algo.popart_beta)
+    if cfg.critic.confidence_features:  # the value head also reads rollout_log_prob
+        attach_confidence_features(model if critic is None else critic.model)
     ref_actor = None
     if cfg.algo.kl_coeff > 0 or cfg.algo.kl_in_reward > 0:
         ref_actor = strategy.build_reference(model, start_dir, temperature)
@@ -449,16 +451,21 @@ def advantages(run: Run, td, losses: dict[str, float]):
 
 def critic_metrics(run: Run, td) -> dict[str, float]:
     """:func:`~ar_torchrl.objectives.metrics.critic_health` of the batch (its old values against
-    its Monte-Carlo returns at ``algo.gamma``) when the run has a critic, else nothing."""
+    its Monte-Carlo returns at ``algo.gamma``; within prompts when ``rollout.samples_per_prompt
+    >= 2``) when the run has a critic, else nothing."""
     if not run.cfg.algo.critic_coeff > 0:
         return {}
     keys = run.loss_fn.tensor_keys
+    # within prompts only with groups: at one sample per prompt the few prompts a batch happens
+    # to draw twice would make a number out of a handful of tokens
+    groups = "prompt_id" if run.cfg.rollout.samples_per_prompt >= 2 else None
     return critic_health(
         td,
         run.cfg.algo.gamma,
         value_key=keys.value,
         reward_key=("next", keys.reward),
         mask_key=keys.loss_mask,
+        group_key=groups,
     )
 
 
@@ -689,7 +696,7 @@ def _held_out_health(run: Run, paths: list[Path]) -> dict[str, float]:
             "state_value": td.get(keys.value).reshape(mask.shape),
             "reward": td.get(("next", keys.reward)).reshape(mask.shape),
         }
-        if "prompt_id" in td.keys():
+        if "prompt_id" in td.keys() and run.cfg.rollout.samples_per_prompt >= 2:
             pid = td.get("prompt_id")
             pid = pid.reshape(mask.shape) if pid.numel() == mask.numel() else pid
             part["prompt_id"] = pid + offset - int(pid.min())
