@@ -159,18 +159,37 @@ def ev_ceiling(
     )
 
 
-def _bootstrap_stderr(r, inverse, n, nv, clusters, *, bootstrap, generator) -> float:
-    """Standard deviation of the ceiling over ``bootstrap`` resamplings of whole clusters."""
-    cl_uniq, cl_inverse = torch.unique(clusters, return_inverse=True)
-    c = len(cl_uniq)
+def _state_clusters(inverse: Tensor, n: Tensor, cl_inverse: Tensor, owner: str) -> Tensor:
+    """The cluster of each state (``inverse``: the state of each item, ``n``: items per state,
+    ``cl_inverse``: the cluster of each item), checking that no state spans two clusters."""
     state_cluster = torch.full((len(n),), -1, dtype=torch.long)
     state_cluster[inverse] = cl_inverse
     spans = torch.zeros(len(n), dtype=torch.long).index_add_(0, inverse, cl_inverse)
     if not bool((spans == n.long() * state_cluster).all()):
         raise ValueError(
-            "ev_ceiling: a state spans several clusters; clusters must group whole states "
+            f"{owner}: a state spans several clusters; clusters must group whole states "
             "(e.g. the prompt of each item, when states are prompt + response prefixes)"
         )
+    return state_cluster
+
+
+def _bootstrap_spread(c: int, bootstrap: int, generator, ceiling_of) -> float:
+    """Standard deviation of ``ceiling_of(weights)`` over ``bootstrap`` resamplings of the ``c``
+    clusters with replacement (``weights`` ``[bootstrap, c]``: how often each was drawn)."""
+    draws = torch.randint(c, (bootstrap, c), generator=generator)
+    weights = torch.zeros(bootstrap, c, dtype=torch.float64).scatter_add_(
+        1, draws, torch.ones(bootstrap, c, dtype=torch.float64)
+    )
+    ceilings = ceiling_of(weights)
+    ceilings = ceilings[torch.isfinite(ceilings)]
+    return float(ceilings.std()) if len(ceilings) > 1 else math.nan
+
+
+def _bootstrap_stderr(r, inverse, n, nv, clusters, *, bootstrap, generator) -> float:
+    """Standard deviation of the ceiling over ``bootstrap`` resamplings of whole clusters."""
+    cl_uniq, cl_inverse = torch.unique(clusters, return_inverse=True)
+    c = len(cl_uniq)
+    state_cluster = _state_clusters(inverse, n, cl_inverse, "ev_ceiling")
     shared = (n >= 2).to(r.dtype)
 
     def per_cluster(x: Tensor, index: Tensor) -> Tensor:
@@ -185,15 +204,13 @@ def _bootstrap_stderr(r, inverse, n, nv, clusters, *, bootstrap, generator) -> f
             per_cluster(r * r, cl_inverse),
         ]
     )  # [5, C]
-    draws = torch.randint(c, (bootstrap, c), generator=generator)
-    weights = torch.zeros(bootstrap, c, dtype=r.dtype).scatter_add_(
-        1, draws, torch.ones(bootstrap, c, dtype=r.dtype)
-    )
-    nv_w, n_w, count, s1, s2 = (weights @ stats.T).unbind(-1)
-    total = (s2 - s1 * s1 / count) / (count - 1)
-    ceilings = 1.0 - (nv_w / n_w) / total
-    ceilings = ceilings[torch.isfinite(ceilings)]
-    return float(ceilings.std()) if len(ceilings) > 1 else math.nan
+
+    def ceiling_of(weights: Tensor) -> Tensor:
+        nv_w, n_w, count, s1, s2 = (weights @ stats.T).unbind(-1)
+        total = (s2 - s1 * s1 / count) / (count - 1)
+        return 1.0 - (nv_w / n_w) / total
+
+    return _bootstrap_spread(c, bootstrap, generator, ceiling_of)
 
 
 def ev_ceiling_within_groups(
@@ -219,7 +236,8 @@ def ev_ceiling_within_groups(
     Args:
         returns: ``[N]`` float, the Monte-Carlo return of each item (trained token).
         states: ``[N]`` int, the state of each item (prompt + response prefix).
-        groups: ``[N]`` int, the group (prompt) of each item; every state lies in one group.
+        groups: ``[N]`` int, the group (prompt) of each item; every state lies in one group
+            (``ValueError`` otherwise).
         samples: ``[N]`` int, the sample (row) of each item: ``K_g`` counts distinct ones.
         bootstrap: bootstrap replicates (0: no standard error).
         generator: RNG of the bootstrap.
@@ -250,8 +268,7 @@ def ev_ceiling_within_groups(
     def per_group(x: Tensor, index: Tensor) -> Tensor:
         return torch.zeros(c, dtype=torch.float64).index_add_(0, index, x)
 
-    state_group = torch.zeros(len(n), dtype=torch.long)
-    state_group[inverse] = g_inv
+    state_group = _state_clusters(inverse, n, g_inv, "ev_ceiling_within_groups")
     items = per_group(torch.ones_like(r), g_inv)
     mean = per_group(r, g_inv) / items
     ss = per_group((r - mean[g_inv]) ** 2, g_inv)
@@ -277,13 +294,7 @@ def ev_ceiling_within_groups(
         ceiling = math.nan
     stderr = math.nan
     if bootstrap > 0 and c > 1:
-        draws = torch.randint(c, (bootstrap, c), generator=generator)
-        weights = torch.zeros(bootstrap, c, dtype=torch.float64).scatter_add_(
-            1, draws, torch.ones(bootstrap, c, dtype=torch.float64)
-        )
-        ceilings = ratio(weights)[0]
-        ceilings = ceilings[torch.isfinite(ceilings)]
-        stderr = float(ceilings.std()) if len(ceilings) > 1 else math.nan
+        stderr = _bootstrap_spread(c, bootstrap, generator, lambda w: ratio(w)[0])
     return CeilingEstimate(
         ceiling=ceiling,
         stderr=stderr,

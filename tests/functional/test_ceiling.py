@@ -250,6 +250,11 @@ def test_ev_ceiling_within_groups_equals_the_plain_loop(seed):
 
 def test_ev_ceiling_within_groups_bad_input():
     r = torch.zeros(4)
+    ids = torch.arange(4)
+    with pytest.raises(
+        ValueError, match=r"ev_ceiling_within_groups: a state spans several clusters"
+    ):
+        ev_ceiling_within_groups(r, torch.zeros(4, dtype=torch.long), ids % 2, ids, bootstrap=0)
     with pytest.raises(
         ValueError, match=r"samples must have the shape of returns \(4,\), got \(3,\)"
     ):
