@@ -47,6 +47,8 @@ from pathlib import Path
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # benchmarks/_common.py
 from _common import code_version, machine_info, read_history, replace_marked_block, write_json
 
+from ar_torchrl.objectives.metrics import CRITIC_HEALTH_KEYS
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "dapo_ppo.py"
 DOCS_PAGE = ROOT / "docs" / "evidence.md"
@@ -70,13 +72,8 @@ ARMS: dict[str, tuple[str, ...]] = {
 #: the arm whose critic is the policy deepened by :data:`EXTRA_LAYERS` identity layers
 DEEPER = "separate, +2 layers"
 EXTRA_LAYERS = 2
-KEYS = (
-    "critic/explained_variance",
-    "critic/explained_variance_early",
-    "critic/explained_variance_middle",
-    "critic/explained_variance_late",
-    "critic/explained_variance_within_prompt",
-)
+#: the explained variances of critic health (overall, early / middle / late third, within prompt)
+KEYS = tuple(k for k in CRITIC_HEALTH_KEYS if k.startswith("critic/explained_variance"))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -37,15 +37,12 @@ from pathlib import Path
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # benchmarks/_common.py
 from _common import code_version, machine_info, replace_marked_block, write_json
 
+from ar_torchrl.objectives.metrics import CRITIC_HEALTH_KEYS
+
 ROOT = Path(__file__).resolve().parents[2]
 DOCS_PAGE = ROOT / "docs" / "evidence.md"
-KEYS = (
-    "critic/explained_variance",
-    "critic/explained_variance_early",
-    "critic/explained_variance_middle",
-    "critic/explained_variance_late",
-    "critic/explained_variance_within_prompt",
-)
+#: the explained variances of critic health (overall, early / middle / late third, within prompt)
+KEYS = tuple(k for k in CRITIC_HEALTH_KEYS if k.startswith("critic/explained_variance"))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -187,49 +184,6 @@ def lookup_values(train: dict, data: dict, *, confidence: bool):
     return torch.tensor(out, dtype=torch.float32).reshape(k_ev.shape)
 
 
-def confidence_inputs(log_prob, mask):
-    """``[B, L, 3]``: for each token, over the trained tokens *before* it in its row, the lowest,
-    the mean and the last log-prob the policy gave the token it sampled (0 where none)."""
-    import torch
-
-    lp = torch.where(mask, log_prob, 0.0)
-    low = torch.cummin(lp, dim=1).values
-    count = mask.long().cumsum(1)
-    mean = lp.cumsum(1) / count.clamp_min(1)
-    index = torch.where(mask, torch.arange(mask.shape[1]), -1).cummax(1).values  # last trained
-    last = torch.where(index >= 0, lp.gather(1, index.clamp_min(0)), 0.0)
-
-    def before(x):  # the value of token t sees tokens < t
-        return torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)
-
-    return torch.stack([before(low), before(mean), before(last)], dim=-1)
-
-
-class ConfidenceCritic:
-    """The LM critic plus a small MLP of :func:`confidence_inputs` added to its value (the MLP's
-    output layer starts at zero, so it starts as the critic): what a value head that also sees
-    the policy's sampling log-probs would do. An experiment's module, not the library's."""
-
-    def __init__(self, critic, hidden: int = 32):
-        import torch
-
-        self.critic = critic
-        self.mlp = torch.nn.Sequential(
-            torch.nn.Linear(3, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1)
-        )
-        torch.nn.init.zeros_(self.mlp[-1].weight)
-        torch.nn.init.zeros_(self.mlp[-1].bias)
-
-    def parameters(self):
-        return [*self.critic.parameters(), *self.mlp.parameters()]
-
-    def __call__(self, td):
-        out = self.critic(td)
-        extra = self.mlp(confidence_inputs(td["log_prob"], td["loss_mask"]))
-        out["state_value"] = out["state_value"] + extra.reshape(out["state_value"].shape)
-        return out
-
-
 def _values(critic, data: dict, rows, *, grad: bool):
     import torch
     from tensordict import TensorDict
@@ -238,7 +192,7 @@ def _values(critic, data: dict, rows, *, grad: bool):
         {
             "tokens": data["tokens"][rows],
             "attention_mask": data["attention_mask"][rows],
-            "log_prob": data["log_prob"][rows],
+            "rollout_log_prob": data["log_prob"][rows],  # read by value_head.confidence
             "loss_mask": data["loss_mask"][rows],
         },
         batch_size=[len(rows)],
@@ -283,7 +237,7 @@ def measure(args: argparse.Namespace) -> dict:
     import torch
     from critic_ceiling import compose
 
-    from ar_torchrl.modules import build_separate_critic
+    from ar_torchrl.modules import attach_confidence_features, build_separate_critic
     from ar_torchrl.recipes.ceiling import ceiling_from_trajectories  # noqa: F401 (docs)
 
     torch.manual_seed(args.seed)
@@ -308,7 +262,8 @@ def measure(args: argparse.Namespace) -> dict:
         critic = build_separate_critic(copy.deepcopy(policy))
         arms[label] = train(critic, split["train"], target, args, split["eval"], label)
     label = "raw returns, + an MLP of the sampling log-probs so far"
-    critic = ConfidenceCritic(build_separate_critic(copy.deepcopy(policy)))
+    critic = build_separate_critic(copy.deepcopy(policy))
+    attach_confidence_features(critic.model)  # critic.confidence_features=true
     arms[label] = train(critic, split["train"], targets["raw returns"], args, split["eval"], label)
     lookups = {
         "(table) prompt length only": False,

@@ -109,25 +109,21 @@ def test_the_confidence_table_uses_only_what_precedes_each_token():
     )
 
 
-def test_confidence_inputs_see_only_earlier_sampled_tokens():
+def test_the_confidence_arm_is_the_library_option_and_trains():
+    """The third trained arm is ``critic.confidence_features``' module on the separate critic
+    (its features are tested in tests/modules/test_confidence.py): it starts as the critic (zero
+    output layer) and its MLP trains on the script's batches."""
+    from ar_torchrl.models.tiny import build_tiny_qwen3
+    from ar_torchrl.modules import attach_confidence_features, build_separate_critic
+
     m = load_benchmark("critic_targets")
     data = _data(3)
-    mask, lp = data["loss_mask"], data["log_prob"]
-    mask[1, 4] = False  # a gap (a tool token) inside a response
-    got = m.confidence_inputs(lp, mask)
-    for b in range(mask.shape[0]):
-        seen: list[float] = []
-        for t in range(mask.shape[1]):
-            want = [min(seen), sum(seen) / len(seen), seen[-1]] if seen else [0.0, 0.0, 0.0]
-            assert got[b, t].tolist() == pytest.approx(want, abs=1e-6), (b, t)
-            if mask[b, t]:
-                seen.append(float(lp[b, t]))
-    from ar_torchrl.models.tiny import build_tiny_qwen3
-    from ar_torchrl.modules import build_separate_critic
-
-    critic = m.ConfidenceCritic(build_separate_critic(build_tiny_qwen3(20, seed=0)))
-    before = m.evaluate(critic, data)  # the MLP's zero output layer: the critic's own values
+    critic = build_separate_critic(build_tiny_qwen3(20, seed=0))
+    attach_confidence_features(critic.model)
+    before = m.evaluate(critic, data)
     assert before["critic/explained_variance"] == pytest.approx(0.0, abs=1e-9)
     args = argparse.Namespace(seed=0, lr=3e-3, epochs=1, batch=6)
     records = m.train(critic, data, data["returns"], args, data, "confidence")
-    assert records[0]["loss"] > 0 and any(p.grad is not None for p in critic.mlp.parameters())
+    mlp = list(critic.model.value_head.confidence.parameters())
+    assert records[0]["loss"] > 0 and all(p.grad is not None for p in mlp)
+    assert any(p.grad.abs().sum() > 0 for p in mlp)

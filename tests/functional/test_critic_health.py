@@ -127,12 +127,10 @@ def _loop_within(value, target, groups):
         mv = sum(value[i] for i in idx) / len(idx)
         for i in idx:
             rc[i], vc[i] = target[i] - mr, value[i] - mv
-
-    def var(xs):
-        mean = sum(xs) / len(xs)
-        return sum((x - mean) ** 2 for x in xs) / len(xs)
-
-    return 1 - var([a - b for a, b in zip(rc, vc)]) / var(rc)
+    ones = torch.ones(len(rc), dtype=torch.bool)
+    return _loop_ev(
+        torch.tensor(vc, dtype=torch.float64), torch.tensor(rc, dtype=torch.float64), ones
+    )
 
 
 @pytest.mark.parametrize("seed", range(4))
