@@ -1,5 +1,6 @@
 """Bridges to other stacks: TorchRL's own LLM collectors and weight-sync schemes (:mod:`.torchrl_llm`),
-and engine completions -> token trajectories (:mod:`.collate`).
+TorchRL's ``RayLLMCollector`` workers fed by the learner's weights (:mod:`.ray`, the ``[ray]``
+extra), and engine completions -> token trajectories (:mod:`.collate`).
 
 Names are imported on first use.
 """
@@ -13,6 +14,7 @@ _EXPORTS = {
         ["PolicyStateDict", "TokenTrajectory", "policy_state_dict", "prompt_group_id"],
         "torchrl_llm",
     ),
+    **dict.fromkeys(["RayRollout", "RolloutWorkerLost", "local_cluster"], "ray"),
     "completions_to_trajectory": "collate",
 }
 __all__ = sorted(_EXPORTS)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import threading
@@ -165,14 +166,30 @@ def test_trainside_sync_through_the_base_class():
     assert torch.equal(engine.model.lm_head.weight, trainer.lm_head.weight)
 
 
-def test_importing_the_library_does_not_import_requests():
+def _imported(modules: str) -> list[str]:
+    """``requests`` and the SGLang client's modules, if importing ``modules`` imports them."""
     code = (
-        "import sys, ar_torchrl.objectives, ar_torchrl.envs, ar_torchrl.collectors, ar_torchrl.backends; "
+        f"import sys, {modules}; "
         "print(sorted(m for m in sys.modules if m == 'requests' or m.startswith('ar_torchrl.backends.sglang')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "[]"
+    return eval(out.stdout.strip())  # a printed list of module names
+
+
+def test_importing_the_library_does_not_import_requests():
+    """The SGLang client (and its HTTP stack) is imported only when used. TorchRL imports Ray when
+    Ray is installed (the [ray] extra), and Ray imports requests: the library adds nothing to what
+    importing TorchRL's own modules does."""
+    torchrl_alone = _imported("torchrl.envs, torchrl.collectors, torchrl.objectives")
+    assert (
+        _imported(
+            "ar_torchrl.objectives, ar_torchrl.envs, ar_torchrl.collectors, ar_torchrl.backends"
+        )
+        == torchrl_alone
+    )
+    assert torchrl_alone in ([], ["requests"])
+    assert torchrl_alone == ([] if importlib.util.find_spec("ray") is None else ["requests"])
 
 
 # ----------------------------------------------------------------------------- capabilities

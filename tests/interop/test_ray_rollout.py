@@ -1,0 +1,310 @@
+"""Rollouts on Ray through TorchRL's RayLLMCollector (ar_torchrl.interop.ray), on a real local Ray
+cluster: a head node and two one-CPU worker nodes (three raylets on this machine), one worker on
+each, real TorchRL envs and TransformersWrapper engines (examples/torchrl_ray_critic.py's factories).
+
+- the engines sample, with greedy decoding (deterministic), exactly what one process's
+  LLMCollector samples from the learner's weights, before and after a PPO update published over
+  the dedicated weight group (never ``value_head.*``); batches carry the learner's version;
+- a killed worker is named and stops the rollout; the other worker's process ends;
+- the example's one command (``--local-cluster``) trains two iterations, ratio exactly 1;
+- nothing outlives a test: every process started by it is found by an environment marker that Ray's
+  processes inherit, and must be gone.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray", reason="the [ray] extra (pip install 'ar_torchrl[ray]')")
+
+from ar_torchrl.interop.ray import RayRollout, RolloutWorkerLost, local_cluster  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "examples" / "torchrl_ray_critic.py"
+MARK = "AR_TORCHRL_RAY_TEST_MARK"
+
+
+def _example():
+    name = "torchrl_ray_critic"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def _marked(mark: str) -> list[int]:
+    """Live (non-zombie) processes whose environment holds ``MARK=mark``, this one excluded."""
+    needle = f"{MARK}={mark}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def _wait_gone(pids, timeout_s: float = 30.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = [p for p in pids if Path(f"/proc/{p}").exists() and _state(p) != "Z"]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.5)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "X"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A local cluster (head without CPUs + two one-CPU nodes); afterwards no process it started
+    may be left."""
+    mark = uuid.uuid4().hex
+    os.environ[MARK] = mark  # inherited by the raylets, GCS and every worker process
+    try:
+        with local_cluster(2) as c:
+            ex = _example()
+            ex.register_by_value()
+            ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # _engine_weights
+            assert len(_marked(mark)) >= 3  # the marker does reach Ray's processes
+            yield c
+    finally:
+        os.environ.pop(MARK, None)
+    assert _wait_gone(_marked(mark)) == []
+
+
+def _rollout(greedy: bool = True, **kwargs) -> RayRollout:
+    ex = _example()
+    from ar_torchrl.interop import TokenTrajectory
+    from ar_torchrl.models import build_char_tokenizer
+
+    return RayRollout(
+        functools.partial(ex.make_env, prompts_per_batch=2, group_size=2, seed=0),
+        functools.partial(ex.make_policy, max_new_tokens=6, greedy=greedy),
+        num_workers=2,
+        dialog_turns_per_batch=4,
+        postproc=TokenTrajectory(build_char_tokenizer(), max_new_tokens=6),
+        **kwargs,
+    )
+
+
+# -- TorchRL 0.14.1's RayLLMCollector, as this module relies on it ---------------------------------
+
+
+def test_ray_llm_collector_takes_a_weight_updater_and_no_scheme_and_keeps_its_actor_handle():
+    """If TorchRL adds ``weight_sync_schemes`` to RayLLMCollector, GroupWeightReceiver should become
+    a scheme (module docstring); ``_actor`` reads the handle TorchRL keeps as ``_collector``."""
+    from torchrl.collectors.llm import RayLLMCollector
+
+    params = inspect.signature(RayLLMCollector.__init__).parameters
+    assert "weight_updater" in params and "weight_sync_schemes" not in params
+    assert "self._collector = remote_cls(" in inspect.getsource(RayLLMCollector.__init__)
+
+
+def test_the_receiver_is_a_weight_updater_that_ships_no_runtime_state():
+    import pickle
+
+    from torchrl.collectors import WeightUpdaterBase
+
+    from ar_torchrl.interop.ray import GroupWeightReceiver
+
+    receiver = GroupWeightReceiver()
+    receiver._buffers = [torch.zeros(3)]
+    receiver._engine = object()
+    copy = pickle.loads(pickle.dumps(receiver))
+    assert isinstance(copy, WeightUpdaterBase)
+    assert (copy._buffers, copy._engine, copy._group) == (None, None, None)
+
+
+def test_ray_rollout_checks_its_arguments():
+    with pytest.raises(ValueError, match="num_workers must be >= 1, got 0"):
+        RayRollout(print, print, num_workers=0, dialog_turns_per_batch=1)
+
+
+# -- on the local cluster ----------------------------------------------------------------------------
+
+
+def _learner():
+    from ar_torchrl.models import build_char_tokenizer, build_tiny_qwen3
+    from ar_torchrl.modules import attach_value_head
+
+    tok = build_char_tokenizer()
+    # not the workers' own engine weights (their samples match only after the sync), and weights
+    # larger than at init: a freshly initialised tiny model greedily repeats one token everywhere
+    model = build_tiny_qwen3(len(tok), seed=7)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.5, generator=gen)
+    return attach_value_head(model)
+
+
+def _local_collector(worker: int):
+    """One process's TorchRL loop for worker ``worker``: its env, a greedy engine, LLMCollector."""
+    from torchrl.collectors.llm import LLMCollector
+
+    from ar_torchrl.interop import TokenTrajectory
+    from ar_torchrl.models import build_char_tokenizer
+
+    ex = _example()
+    env = ex.make_env(worker, prompts_per_batch=2, group_size=2, seed=0)
+    policy = ex.make_policy(max_new_tokens=6, greedy=True)
+    collector = LLMCollector(
+        env,
+        policy=policy,
+        dialog_turns_per_batch=4,
+        postproc=TokenTrajectory(build_char_tokenizer(), max_new_tokens=6),
+        track_policy_version=True,
+    )
+    return collector, policy
+
+
+def _load(policy, model) -> None:
+    from ar_torchrl.weight_sync import named_policy_tensors
+
+    with torch.no_grad():
+        state = dict(named_policy_tensors(model))
+        missing, unexpected = policy.model.load_state_dict(state, strict=False)
+        assert unexpected == [] and set(missing) <= {"lm_head.weight"}
+
+
+def _engine_weights(collector) -> dict[str, torch.Tensor]:
+    """Run in a worker's actor: its engine's weights."""
+    return {k: v.clone() for k, v in collector.policy.model.state_dict().items()}
+
+
+def _assert_engines_hold(rollout, model) -> None:
+    """Every worker's engine holds the learner's policy tensors, bit for bit (a copy)."""
+    from ar_torchrl.weight_sync import named_policy_tensors
+
+    want = dict(named_policy_tensors(model))
+    for got in rollout.run_on_workers(_engine_weights):
+        assert set(want) <= set(got)
+        assert all(torch.equal(got[name], t) for name, t in want.items())
+
+
+def _same_samples(a, b) -> None:
+    assert a.batch_size == b.batch_size
+    for key in ("tokens", "attention_mask", "loss_mask", ("next", "reward")):
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.slow
+def test_workers_on_two_nodes_sample_what_one_process_samples_before_and_after_an_update(cluster):
+    from ar_torchrl.modules import LMActorCritic
+    from ar_torchrl.objectives import TokenGAE, TokenPPOLoss
+    from ar_torchrl.training import (
+        plan_micro_batches,
+        ppo_update,
+        recompute_old_log_probs_and_values,
+    )
+    from ar_torchrl.weight_sync import named_policy_tensors
+
+    torch.set_num_threads(1)
+    model = _learner()
+    with _rollout() as rollout:
+        assert len(set(rollout.nodes)) == 2  # one worker per node
+        publisher = rollout.connect(named_policy_tensors(model))
+        assert not any(name.startswith("value_head") for name, _, _ in publisher.spec)
+        assert any(name.startswith("value_head") for name, _ in model.named_parameters())
+        assert [s[0] for s in publisher.spec] == [n for n, _ in named_policy_tensors(model)]
+        _assert_engines_hold(rollout, model)
+        first = rollout.collect_each()
+
+        local = [_local_collector(i) for i in range(2)]
+        unsynced = [next(iter(c)) for c, _ in local]  # the engines' own weights: other samples
+        assert any(not torch.equal(u["tokens"], f["tokens"]) for u, f in zip(unsynced, first))
+        for collector, _ in local:
+            collector.shutdown()
+        local = [_local_collector(i) for i in range(2)]  # fresh envs: the same prompts again
+        for _, policy in local:
+            _load(policy, model)
+        for (collector, _), got in zip(local, first):
+            _same_samples(next(iter(collector)), got)
+            assert got["policy_version"].unique().tolist() == [0]
+
+        # one PPO update of the learner (critic and policy), then the push as version 1
+        data = rollout._collate(first)
+        actor_critic = LMActorCritic(model)
+        plan = plan_micro_batches(data, token_budget=256)
+        recompute_old_log_probs_and_values(actor_critic, data, plan)
+        TokenGAE(gamma=1.0, lmbda=0.95)(data)
+        loss = TokenPPOLoss(actor_critic, clip_epsilon=0.2, clip_value=0.2)
+        before = model.lm_head.weight.detach().clone()
+        ppo_update(loss, torch.optim.AdamW(loss.parameters(), lr=1e-2), data, plan, epochs=1)
+        assert not torch.equal(before, model.lm_head.weight)
+        rollout.publish(named_policy_tensors(model), version=1)
+        assert rollout.policy_versions == [1, 1]
+        _assert_engines_hold(rollout, model)
+        second = rollout.collect_each()
+        for (collector, policy), got in zip(local, second):
+            _load(policy, model)
+            _same_samples(next(iter(collector)), got)
+            assert got["policy_version"].unique().tolist() == [1]
+        for collector, _ in local:
+            collector.shutdown()
+        merged = rollout.collect()  # both workers' next batches, one trajectory
+        assert merged.batch_size[0] == 8 and merged["loss_mask"].any(1).all()
+
+
+@pytest.mark.slow
+def test_a_killed_worker_is_named_and_the_rollout_stops(cluster):
+    rollout = _rollout()
+    pids = list(rollout.pids)
+    assert len(set(rollout.nodes)) == 2 and all(_state(p) not in ("X", "Z") for p in pids)
+    rollout.collect_each()  # both work
+    os.kill(pids[1], signal.SIGKILL)
+    node = rollout.nodes[1]
+    with pytest.raises(
+        RolloutWorkerLost, match=rf"rollout worker 1 \(Ray node {node}\) is lost: \w*ActorDiedError"
+    ) as info:
+        rollout.collect_each()
+    assert (info.value.worker, info.value.node) == (1, node)
+    assert _wait_gone(pids) == []  # the surviving worker was shut down too
+    with pytest.raises(RuntimeError, match="RayRollout is shut down"):
+        rollout.collect_each()
+
+
+@pytest.mark.slow
+def test_the_example_runs_on_a_local_cluster_and_leaves_nothing_behind(tmp_path):
+    mark = uuid.uuid4().hex
+    env = {**os.environ, MARK: mark, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--local-cluster", "--workers", "2", "--iterations", "2"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line for line in out.stdout.splitlines() if line.startswith("iter")]
+    assert len(lines) == 2, out.stdout[-2000:]
+    assert "versions [0, 0]" in lines[0] and "versions [1, 1]" in lines[1]
+    assert all("ratio min 1.0 max 1.0" in line and "rows 16" in line for line in lines)
+    assert _wait_gone(_marked(mark)) == []
