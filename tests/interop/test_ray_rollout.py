@@ -5,6 +5,7 @@ each, real TorchRL envs and TransformersWrapper engines (examples/torchrl_ray_cr
 - the engines sample, with greedy decoding (deterministic), exactly what one process's
   LLMCollector samples from the learner's weights, before and after a PPO update published over
   the dedicated weight group (never ``value_head.*``); batches carry the learner's version;
+- an FSDP2 learner on two ranks publishes from rank 0 (its lazily gathered FullTensorStream);
 - a killed worker is named and stops the rollout; the other worker's process ends;
 - the example's one command (``--local-cluster``) trains two iterations, ratio exactly 1;
 - nothing outlives a test: every process started by it is found by an environment marker that Ray's
@@ -84,6 +85,11 @@ def _state(pid: int) -> str:
 def cluster():
     """A local cluster (head without CPUs + two one-CPU nodes); afterwards no process it started
     may be left."""
+    from multiprocessing import resource_tracker
+
+    # Python's resource tracker (shared by this process's spawns, e.g. the 2-rank learner below)
+    # lives as long as this process: started before the marker is set, it does not carry it
+    resource_tracker.ensure_running()
     mark = uuid.uuid4().hex
     os.environ[MARK] = mark  # inherited by the raylets, GCS and every worker process
     try:
@@ -95,7 +101,15 @@ def cluster():
             yield c
     finally:
         os.environ.pop(MARK, None)
-    assert _wait_gone(_marked(mark)) == []
+    left = _wait_gone(_marked(mark))
+    assert left == [], [_cmdline(p) for p in left]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+    except OSError:
+        return "?"
 
 
 def _rollout(greedy: bool = True, **kwargs) -> RayRollout:
@@ -308,3 +322,23 @@ def test_the_example_runs_on_a_local_cluster_and_leaves_nothing_behind(tmp_path)
     assert "versions [0, 0]" in lines[0] and "versions [1, 1]" in lines[1]
     assert all("ratio min 1.0 max 1.0" in line and "rows 16" in line for line in lines)
     assert _wait_gone(_marked(mark)) == []
+
+
+@pytest.mark.slow
+def test_an_fsdp2_learner_on_two_ranks_publishes_from_rank_0(cluster, tmp_path, monkeypatch):
+    """The learner as torchrun-style ranks (2 gloo ranks, FSDP2): rank 0 drives the rollout and
+    publishes its lazily all-gathered tensors, rank 1 only takes part in the gathers; the workers'
+    engines then hold the full policy bit for bit, and the learner's own group is untouched."""
+    import json
+
+    from safetensors.torch import load_file
+    from support.dist_workers import RAY_ADDRESS_ENV, ray_publish_checks, spawn
+
+    monkeypatch.setenv(RAY_ADDRESS_ENV, cluster.address)
+    spawn(ray_publish_checks, 2, tmp_path, timeout_s=600)
+    v0, v1 = (json.loads((tmp_path / f"ray_v{v}.json").read_text()) for v in (0, 1))
+    assert v0 == {"versions": [0, 0], "nodes": 2, "equal": [True, True], "value_head_sent": False}
+    assert v1 == {"versions": [1, 1], "nodes": 2, "equal": [True, True], "value_head_sent": False}
+    w0, w1 = (load_file(str(tmp_path / f"ray_v{v}.safetensors")) for v in (0, 1))
+    assert all(torch.equal(w1[n], 1.5 * w0[n]) for n in w0)  # the second push carried new weights
+    assert json.loads((tmp_path / "ray_default_group.json").read_text()) == {"sum": 2.0}

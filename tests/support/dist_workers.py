@@ -490,3 +490,96 @@ def all_checks(ctx, out: Path) -> None:
     resume_checks(ctx, out)
     separate_critic_checks(ctx, out)
     export_checks(ctx, out)
+
+
+# --------------------------------------------------------------------------- Ray rollout (interop.ray)
+RAY_ADDRESS_ENV = "AR_TORCHRL_TEST_RAY_ADDRESS"
+
+
+def engine_weights(collector) -> dict[str, torch.Tensor]:
+    """Run in a Ray worker's actor (``RayRollout.run_on_workers``): its engine's weights."""
+    return {k: v.clone() for k, v in collector.policy.model.state_dict().items()}
+
+
+def ray_publish_checks(ctx, out: Path) -> None:
+    """An FSDP2 learner on 2 ranks drives a RayRollout from rank 0 (the Ray cluster of the test,
+    ``$AR_TORCHRL_TEST_RAY_ADDRESS``): rank 0 publishes its lazy FullTensorStream over the weight
+    group while rank 1 drains its own (the gathers in lockstep); the learner's default group still
+    works afterwards. Rank 0 saves the workers' engine weights and the full policy."""
+    import functools
+    import importlib.util
+    import sys
+
+    from ar_torchrl.distributed import FullTensorStream
+
+    model = build_tiny_qwen3(99, seed=7)  # the example's engines: the char vocabulary, hidden 64
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.5, generator=gen)
+    ac = shard_actor_critic(LMActorCritic(attach_value_head(model)), ctx, compute_dtype="float32")
+    rollout = None
+    if ctx.is_main:
+        import ray
+        from ray import cloudpickle
+
+        script = Path(__file__).resolve().parents[2] / "examples" / "torchrl_ray_critic.py"
+        spec = importlib.util.spec_from_file_location("torchrl_ray_critic", script)
+        ex = importlib.util.module_from_spec(spec)
+        sys.modules["torchrl_ray_critic"] = ex
+        spec.loader.exec_module(ex)
+        ray.init(address=os.environ[RAY_ADDRESS_ENV])
+        ex.register_by_value()
+        cloudpickle.register_pickle_by_value(sys.modules[__name__])
+        from ar_torchrl.interop import TokenTrajectory
+        from ar_torchrl.interop.ray import RayRollout
+        from ar_torchrl.models import build_char_tokenizer
+
+        rollout = RayRollout(
+            functools.partial(ex.make_env, prompts_per_batch=2, group_size=2, seed=0),
+            functools.partial(ex.make_policy, max_new_tokens=6, greedy=True),
+            num_workers=2,
+            dialog_turns_per_batch=4,
+            postproc=TokenTrajectory(build_char_tokenizer(), max_new_tokens=6),
+        )
+    try:
+        for version in (0, 1):
+            if version == 1:  # change every shard, so that the push has something new to carry
+                with torch.no_grad():
+                    for p in ac.parameters():
+                        p.mul_(1.5)
+            if ctx.is_main:
+                stream = FullTensorStream(ac.model)
+                if version == 0:
+                    rollout.connect(stream)
+                else:
+                    rollout.publish(stream, version)
+            else:
+                FullTensorStream(ac.model, keep=False).drain()
+            full = full_state(ac.model)
+            if ctx.is_main:
+                got = rollout.run_on_workers(engine_weights)
+                policy = {n: t for n, t in full.items() if not n.startswith("value_head")}
+                _save(
+                    ctx,
+                    out,
+                    f"ray_v{version}",
+                    policy,
+                    {
+                        "versions": rollout.policy_versions,
+                        "nodes": len(set(rollout.nodes)),
+                        "equal": [
+                            all(torch.equal(g[n], t) for n, t in policy.items()) for g in got
+                        ],
+                        "value_head_sent": any(n.startswith("value_head") for n in got[0]),
+                    },
+                )
+        total = torch.ones(1)
+        torch.distributed.all_reduce(total)  # the learner's own group, after the weight group
+        _save(ctx, out, "ray_default_group", data={"sum": float(total)})
+    finally:
+        if rollout is not None:
+            rollout.shutdown()
+            import ray
+
+            ray.shutdown()
