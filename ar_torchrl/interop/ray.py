@@ -311,8 +311,8 @@ class RayWeightPublisher:
         """Send ``version`` and the policy tensors (``value_head.*`` dropped) to every worker.
 
         Raises:
-            WeightSyncError: a tensor's name or shape is not the ``spec``'s (nothing more is sent;
-                the workers' receive fails and the rollout must be rebuilt).
+            WeightSyncError: a tensor's name or shape is not the ``spec``'s; nothing more is sent
+                and the rollout is shut down (its engines may hold part of the push).
             RolloutWorkerLost: a worker died during the push.
         """
         from ar_torchrl.weight_sync import policy_only
@@ -345,7 +345,9 @@ class RayWeightPublisher:
                     partial=True,
                 )
         except BaseException:
-            self.close()  # the workers' receives fail instead of waiting for the rest
+            # the workers wait in a receive that will not complete: stop them (their update calls
+            # then fail at once instead of after the group's timeout) and stop the rollout
+            self.rollout.shutdown(graceful=False)
             with contextlib.suppress(Exception):
                 self.rollout._gather(receiving)
             raise
@@ -466,7 +468,7 @@ class RayRollout:
             i, err = lost
             reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0]}"
             logger.error("rollout worker %d on node %s is lost: %s", i, self.nodes[i], reason)
-            self.shutdown()
+            self.shutdown(graceful=False)
             raise RolloutWorkerLost(i, self.nodes[i], reason) from err
         return results
 
@@ -516,8 +518,13 @@ class RayRollout:
         """Each worker's ``LLMCollector`` policy version."""
         return self._each(lambda _, c: c.policy_version)
 
-    def shutdown(self) -> None:
-        """Stop every worker's collector and kill its actor (idempotent; dead workers skipped)."""
+    def shutdown(self, *, graceful: bool = True, timeout_s: float = 30.0) -> None:
+        """Stop every worker and kill its actor (idempotent; dead workers skipped).
+
+        ``graceful``: first ask each collector to shut down (its env and engine), waiting at most
+        ``timeout_s`` (a call queues behind the actor's running one); ``False``: kill at once (what
+        the error paths do: a worker may be blocked in a receive that will not complete).
+        """
         import ray
 
         if self._closed:
@@ -526,9 +533,11 @@ class RayRollout:
         if self.publisher is not None:
             self.publisher.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
-        for c in self.collectors:
+        if graceful:
+            pending = [_actor(c).shutdown.remote() for c in self.collectors]
             with contextlib.suppress(Exception):
-                c.shutdown()
+                ray.wait(pending, num_returns=len(pending), timeout=timeout_s)
+        for c in self.collectors:
             with contextlib.suppress(Exception):
                 ray.kill(_actor(c), no_restart=True)
         # Drop them while Ray is up: a RayLLMCollector's __del__ calls its actor again, which after

@@ -305,6 +305,28 @@ def test_a_killed_worker_is_named_and_the_rollout_stops(cluster):
 
 
 @pytest.mark.slow
+def test_a_push_that_does_not_match_the_spec_is_refused_and_stops_the_rollout(cluster):
+    from ar_torchrl.weight_sync import WeightSyncError, named_policy_tensors
+
+    model = _learner()
+    rollout = _rollout()
+    pids = list(rollout.pids)
+    rollout.connect(named_policy_tensors(model))
+    tensors = list(named_policy_tensors(model))
+    renamed = [("model.bogus.weight", tensors[0][1]), *tensors[1:]]
+    start = time.monotonic()
+    with pytest.raises(
+        WeightSyncError,
+        match=r"tensor 0 is 'model.bogus.weight' \(99, 64\), the spec's is \('model.embed_tokens.weight', \(99, 64\)\)",
+    ):
+        rollout.publish(renamed, version=1)
+    assert time.monotonic() - start < 60  # not the weight group's 300 s timeout
+    assert _wait_gone(pids) == []
+    with pytest.raises(RuntimeError, match="RayRollout is shut down"):
+        rollout.collect_each()
+
+
+@pytest.mark.slow
 def test_the_example_runs_on_a_local_cluster_and_leaves_nothing_behind(tmp_path):
     mark = uuid.uuid4().hex
     env = {**os.environ, MARK: mark, "OMP_NUM_THREADS": "1"}
