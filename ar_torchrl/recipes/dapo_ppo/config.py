@@ -299,7 +299,7 @@ class RolloutConfig:
     token_budget: int = MISSING
     max_rows: Optional[int] = None
     packing: Any = "auto"  # False | True | "auto" (plan_micro_batches; measured faster on CPU)
-    shared_prefix: Any = False  # False | True | "auto": a prompt's samples compute it once
+    shared_prefix: Any = "auto"  # False | True | "auto": a prompt's samples compute it once
     overlong_buffer: Optional[int] = None
     overlong_penalty: float = 1.0
     dynamic_sampling: bool = False  # DAPO: keep groups whose rewards differ, refill (the collector)
