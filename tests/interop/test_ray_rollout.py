@@ -29,6 +29,8 @@ import pytest
 import torch
 
 ray = pytest.importorskip("ray", reason="the [ray] extra (pip install 'ar_torchrl[ray]')")
+# no usage report to Ray's servers from a test (CI has no network); inherited by every Ray process
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 from ar_torchrl.interop.ray import RayRollout, RolloutWorkerLost, local_cluster  # noqa: E402
 
