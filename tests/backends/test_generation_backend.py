@@ -166,28 +166,39 @@ def test_trainside_sync_through_the_base_class():
     assert torch.equal(engine.model.lm_head.weight, trainer.lm_head.weight)
 
 
-def _imported(modules: str) -> list[str]:
-    """``requests`` and the SGLang client's modules, if importing ``modules`` imports them."""
+def _imported(*imports: str) -> list[list[str]]:
+    """For each comma-separated module list: ``requests`` and the SGLang client's modules, if
+    importing it imports them (one fresh interpreter each, run side by side)."""
     code = (
-        f"import sys, {modules}; "
+        "import sys, {}; "
         "print(sorted(m for m in sys.modules if m == 'requests' or m.startswith('ar_torchrl.backends.sglang')))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return eval(out.stdout.strip())  # a printed list of module names
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code.format(m)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for m in imports
+    ]
+    found = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-2000:]
+        found.append(eval(out.strip()))  # a printed list of module names
+    return found
 
 
 def test_importing_the_library_does_not_import_requests():
     """The SGLang client (and its HTTP stack) is imported only when used. TorchRL imports Ray when
     Ray is installed (the [ray] extra), and Ray imports requests: the library adds nothing to what
     importing TorchRL's own modules does."""
-    torchrl_alone = _imported("torchrl.envs, torchrl.collectors, torchrl.objectives")
-    assert (
-        _imported(
-            "ar_torchrl.objectives, ar_torchrl.envs, ar_torchrl.collectors, ar_torchrl.backends"
-        )
-        == torchrl_alone
+    torchrl_alone, library = _imported(
+        "torchrl.envs, torchrl.collectors, torchrl.objectives",
+        "ar_torchrl.objectives, ar_torchrl.envs, ar_torchrl.collectors, ar_torchrl.backends",
     )
+    assert library == torchrl_alone
     assert torchrl_alone in ([], ["requests"])
     assert torchrl_alone == ([] if importlib.util.find_spec("ray") is None else ["requests"])
 
