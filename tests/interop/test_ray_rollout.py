@@ -14,8 +14,6 @@ each, real TorchRL envs and TransformersWrapper engines (examples/torchrl_ray_cr
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import inspect
 import os
 import signal
@@ -32,21 +30,19 @@ ray = pytest.importorskip("ray", reason="the [ray] extra (pip install 'ar_torchr
 # no usage report to Ray's servers from a test (CI has no network); inherited by every Ray process
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
+from support.dist_workers import (  # noqa: E402
+    engine_weights,
+    ray_example,
+    ray_learner_model,
+    ray_rollout,
+)
+
 from ar_torchrl.interop.ray import RayRollout, RolloutWorkerLost, local_cluster  # noqa: E402
+from ar_torchrl.modules import attach_value_head  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "torchrl_ray_critic.py"
 MARK = "AR_TORCHRL_RAY_TEST_MARK"
-
-
-def _example():
-    name = "torchrl_ray_critic"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 def _marked(mark: str) -> list[int]:
@@ -96,9 +92,7 @@ def cluster():
     os.environ[MARK] = mark  # inherited by the raylets, GCS and every worker process
     try:
         with local_cluster(2) as c:
-            ex = _example()
-            ex.register_by_value()
-            ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # _engine_weights
+            ray_example()  # its factories pickled by value for the workers
             assert len(_marked(mark)) >= 3  # the marker does reach Ray's processes
             yield c
     finally:
@@ -112,21 +106,6 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
     except OSError:
         return "?"
-
-
-def _rollout(greedy: bool = True, **kwargs) -> RayRollout:
-    ex = _example()
-    from ar_torchrl.interop import TokenTrajectory
-    from ar_torchrl.models import build_char_tokenizer
-
-    return RayRollout(
-        functools.partial(ex.make_env, prompts_per_batch=2, group_size=2, seed=0),
-        functools.partial(ex.make_policy, max_new_tokens=6, greedy=greedy),
-        num_workers=2,
-        dialog_turns_per_batch=4,
-        postproc=TokenTrajectory(build_char_tokenizer(), max_new_tokens=6),
-        **kwargs,
-    )
 
 
 # -- TorchRL 0.14.1's RayLLMCollector, as this module relies on it ---------------------------------
@@ -165,21 +144,6 @@ def test_ray_rollout_checks_its_arguments():
 # -- on the local cluster ----------------------------------------------------------------------------
 
 
-def _learner():
-    from ar_torchrl.models import build_char_tokenizer, build_tiny_qwen3
-    from ar_torchrl.modules import attach_value_head
-
-    tok = build_char_tokenizer()
-    # not the workers' own engine weights (their samples match only after the sync), and weights
-    # larger than at init: a freshly initialised tiny model greedily repeats one token everywhere
-    model = build_tiny_qwen3(len(tok), seed=7)
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.5, generator=gen)
-    return attach_value_head(model)
-
-
 def _local_collector(worker: int):
     """One process's TorchRL loop for worker ``worker``: its env, a greedy engine, LLMCollector."""
     from torchrl.collectors.llm import LLMCollector
@@ -187,7 +151,7 @@ def _local_collector(worker: int):
     from ar_torchrl.interop import TokenTrajectory
     from ar_torchrl.models import build_char_tokenizer
 
-    ex = _example()
+    ex = ray_example()
     env = ex.make_env(worker, prompts_per_batch=2, group_size=2, seed=0)
     policy = ex.make_policy(max_new_tokens=6, greedy=True)
     collector = LLMCollector(
@@ -209,17 +173,12 @@ def _load(policy, model) -> None:
         assert unexpected == [] and set(missing) <= {"lm_head.weight"}
 
 
-def _engine_weights(collector) -> dict[str, torch.Tensor]:
-    """Run in a worker's actor: its engine's weights."""
-    return {k: v.clone() for k, v in collector.policy.model.state_dict().items()}
-
-
 def _assert_engines_hold(rollout, model) -> None:
     """Every worker's engine holds the learner's policy tensors, bit for bit (a copy)."""
     from ar_torchrl.weight_sync import named_policy_tensors
 
     want = dict(named_policy_tensors(model))
-    for got in rollout.run_on_workers(_engine_weights):
+    for got in rollout.run_on_workers(engine_weights):
         assert set(want) <= set(got)
         assert all(torch.equal(got[name], t) for name, t in want.items())
 
@@ -242,8 +201,8 @@ def test_workers_on_two_nodes_sample_what_one_process_samples_before_and_after_a
     from ar_torchrl.weight_sync import named_policy_tensors
 
     torch.set_num_threads(1)
-    model = _learner()
-    with _rollout() as rollout:
+    model = attach_value_head(ray_learner_model())
+    with ray_rollout() as rollout:
         assert len(set(rollout.nodes)) == 2  # one worker per node
         publisher = rollout.connect(named_policy_tensors(model))
         assert not any(name.startswith("value_head") for name, _, _ in publisher.spec)
@@ -290,7 +249,7 @@ def test_workers_on_two_nodes_sample_what_one_process_samples_before_and_after_a
 
 @pytest.mark.slow
 def test_a_killed_worker_is_named_and_the_rollout_stops(cluster):
-    rollout = _rollout()
+    rollout = ray_rollout()
     pids = list(rollout.pids)
     assert len(set(rollout.nodes)) == 2 and all(_state(p) not in ("X", "Z") for p in pids)
     rollout.collect_each()  # both work
@@ -310,8 +269,8 @@ def test_a_killed_worker_is_named_and_the_rollout_stops(cluster):
 def test_a_push_that_does_not_match_the_spec_is_refused_and_stops_the_rollout(cluster):
     from ar_torchrl.weight_sync import WeightSyncError, named_policy_tensors
 
-    model = _learner()
-    rollout = _rollout()
+    model = attach_value_head(ray_learner_model())
+    rollout = ray_rollout()
     pids = list(rollout.pids)
     rollout.connect(named_policy_tensors(model))
     tensors = list(named_policy_tensors(model))

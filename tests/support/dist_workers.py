@@ -501,47 +501,73 @@ def engine_weights(collector) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in collector.policy.model.state_dict().items()}
 
 
+def ray_example():
+    """examples/torchrl_ray_critic.py, imported once by path (the examples folder is not a
+    package); its factories and this module (:func:`engine_weights`) are pickled by value for
+    Ray's workers, where neither folder is importable."""
+    import importlib.util
+    import sys
+
+    from ray import cloudpickle
+
+    name = "torchrl_ray_critic"
+    if name not in sys.modules:
+        script = Path(__file__).resolve().parents[2] / "examples" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, script)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        module.register_by_value()
+        cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    return sys.modules[name]
+
+
+def ray_learner_model():
+    """The learner's HF policy for the Ray tests: the example engines' architecture (the char
+    vocabulary, hidden 64), not their weights (their samples match only after a sync), and
+    weights larger than at init (a freshly initialised tiny model greedily repeats one token)."""
+    model = build_tiny_qwen3(99, seed=7)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.5, generator=gen)
+    return model
+
+
+def ray_rollout(greedy: bool = True, **kwargs):
+    """Two example workers (2 prompts x 2 samples, 6 new tokens each) as a ``RayRollout``."""
+    import functools
+
+    from ar_torchrl.interop import TokenTrajectory
+    from ar_torchrl.interop.ray import RayRollout
+    from ar_torchrl.models import build_char_tokenizer
+
+    ex = ray_example()
+    return RayRollout(
+        functools.partial(ex.make_env, prompts_per_batch=2, group_size=2, seed=0),
+        functools.partial(ex.make_policy, max_new_tokens=6, greedy=greedy),
+        num_workers=2,
+        dialog_turns_per_batch=4,
+        postproc=TokenTrajectory(build_char_tokenizer(), max_new_tokens=6),
+        **kwargs,
+    )
+
+
 def ray_publish_checks(ctx, out: Path) -> None:
     """An FSDP2 learner on 2 ranks drives a RayRollout from rank 0 (the Ray cluster of the test,
     ``$AR_TORCHRL_TEST_RAY_ADDRESS``): rank 0 publishes its lazy FullTensorStream over the weight
     group while rank 1 drains its own (the gathers in lockstep); the learner's default group still
     works afterwards. Rank 0 saves the workers' engine weights and the full policy."""
-    import functools
-    import importlib.util
-    import sys
-
     from ar_torchrl.distributed import FullTensorStream
 
-    model = build_tiny_qwen3(99, seed=7)  # the example's engines: the char vocabulary, hidden 64
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.5, generator=gen)
+    model = ray_learner_model()
     ac = shard_actor_critic(LMActorCritic(attach_value_head(model)), ctx, compute_dtype="float32")
     rollout = None
     if ctx.is_main:
         import ray
-        from ray import cloudpickle
 
-        script = Path(__file__).resolve().parents[2] / "examples" / "torchrl_ray_critic.py"
-        spec = importlib.util.spec_from_file_location("torchrl_ray_critic", script)
-        ex = importlib.util.module_from_spec(spec)
-        sys.modules["torchrl_ray_critic"] = ex
-        spec.loader.exec_module(ex)
         ray.init(address=os.environ[RAY_ADDRESS_ENV])
-        ex.register_by_value()
-        cloudpickle.register_pickle_by_value(sys.modules[__name__])
-        from ar_torchrl.interop import TokenTrajectory
-        from ar_torchrl.interop.ray import RayRollout
-        from ar_torchrl.models import build_char_tokenizer
-
-        rollout = RayRollout(
-            functools.partial(ex.make_env, prompts_per_batch=2, group_size=2, seed=0),
-            functools.partial(ex.make_policy, max_new_tokens=6, greedy=True),
-            num_workers=2,
-            dialog_turns_per_batch=4,
-            postproc=TokenTrajectory(build_char_tokenizer(), max_new_tokens=6),
-        )
+        rollout = ray_rollout()
     try:
         for version in (0, 1):
             if version == 1:  # change every shard, so that the push has something new to carry
