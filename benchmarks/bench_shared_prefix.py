@@ -56,7 +56,7 @@ from ar_torchrl.modules import LMActorCritic, attach_value_head
 from ar_torchrl.training import plan_micro_batches, recompute_old_log_probs_and_values
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PATHS = ("padded", "shared")
+PATHS = ("padded", "shared", "packed", "tree")
 STAGES = ("anchor", "train", "total")
 
 
@@ -167,16 +167,18 @@ def train_pass(ac, td, plan) -> None:
 
 
 def check_equal(ac, td, plans) -> float:
-    """Max |diff| of the shared plan's old log-probs and values vs the padded plan's."""
+    """Max |diff| of every plan's old log-probs and values vs the padded plan's."""
     outs = {name: anchor_pass(ac, x := td.clone(), plan) or x for name, plan in plans.items()}
     mask = td["attention_mask"]
     defined = torch.cat([torch.zeros_like(mask[:, :1]), mask[:, 1:] & mask[:, :-1]], dim=1)
     diff = 0.0
     for key in ("sample_log_prob", "state_value"):
-        a, b = (outs[p][key].reshape(mask.shape) for p in PATHS)
-        diff = max(diff, float((a - b)[defined].abs().max()))
+        base = outs["padded"][key].reshape(mask.shape)
+        for path in PATHS[1:]:
+            other = outs[path][key].reshape(mask.shape)
+            diff = max(diff, float((other - base)[defined].abs().max()))
     if diff > 1e-5:
-        raise AssertionError(f"shared-prefix plan differs from the padded one by {diff:.3g}")
+        raise AssertionError(f"a plan differs from the padded one by {diff:.3g}")
     return diff
 
 
@@ -196,9 +198,12 @@ def time_round(ac, td, plans) -> dict[str, dict[str, tuple[float, float]]]:
 
 def bench_n(args, ac, vocab: int, n: int) -> dict:
     td = make_batch(args, n, vocab)
+    budget = args.token_budget
     plans = {
-        "padded": plan_micro_batches(td, args.token_budget),
-        "shared": plan_micro_batches(td, args.token_budget, shared_prefix=True),
+        "padded": plan_micro_batches(td, budget),
+        "shared": plan_micro_batches(td, budget, shared_prefix=True),
+        "packed": plan_micro_batches(td, budget, packing=True),
+        "tree": plan_micro_batches(td, budget, packing=True, shared_prefix=True),
     }
     diff = check_equal(ac, td, plans)
     time_round(ac, td, plans)  # warm-up

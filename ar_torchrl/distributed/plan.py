@@ -21,7 +21,13 @@ import torch.distributed as dist
 from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 
-from ar_torchrl.training.micro_batch import MicroBatch, MicroBatchPlan, ReduceOp, _row_spans
+from ar_torchrl.training.micro_batch import (
+    MicroBatch,
+    MicroBatchPlan,
+    ReduceOp,
+    _halve,
+    _row_spans,
+)
 
 __all__ = ["ShardedPlan", "shard_plan"]
 
@@ -143,16 +149,6 @@ class ShardedPlan:
         return tensor
 
 
-def _split(mb: MicroBatch, first: torch.Tensor, last: torch.Tensor) -> list[MicroBatch]:
-    """Two micro-batches from the longer and the shorter half of ``mb``'s rows, each re-cropped."""
-    rows = sorted(mb.rows, key=lambda r: (-int(last[r] - first[r]), r))
-    halves = [rows[: len(rows) // 2], rows[len(rows) // 2 :]]
-    return [
-        MicroBatch(tuple(sorted(h)), min(int(first[r]) for r in h), max(int(last[r]) for r in h))
-        for h in halves
-    ]
-
-
 def _filler(first: torch.Tensor, last: torch.Tensor, length: int) -> MicroBatch:
     """A 1-row, 2-token padding pass over real tokens of the shortest row that has two."""
     if length < 2:
@@ -186,7 +182,8 @@ def shard_plan(
     """Give every micro-batch of ``plan`` an owner rank, balancing padded tokens.
 
     While there are fewer micro-batches than ranks, the largest one with at least two rows is split
-    in two (its longer and shorter rows, each re-cropped), so no rank idles when the rows allow it.
+    in two (padded: its longer and shorter rows; packed and shared ones keep their layout, shared
+    ones split between whole groups; each half re-cropped), so no rank idles when the rows allow it.
     Every rank must call this with the same ``plan`` and ``td`` (it is deterministic).
 
     Args:
@@ -204,7 +201,8 @@ def shard_plan(
         raise ValueError(
             f"shard_plan: plan was made for batch size {plan.batch_size}, got {tuple(td.batch_size)}"
         )
-    first, last = _row_spans(td.get(attention_mask_key).bool())
+    mask = td.get(attention_mask_key).bool()
+    first, last = _row_spans(mask)
     micro = list(plan.micro_batches)
     while len(micro) < world_size:
         splittable = [mb for mb in micro if len(mb.rows) > 1]
@@ -212,7 +210,7 @@ def shard_plan(
             break
         largest = max(splittable, key=lambda mb: (mb.num_tokens, -micro.index(mb)))
         at = micro.index(largest)
-        micro[at : at + 1] = _split(largest, first, last)
+        micro[at : at + 1] = _halve(largest, mask)
     new_plan = MicroBatchPlan(tuple(micro), plan.batch_size, plan.token_budget)
     return ShardedPlan(
         new_plan,

@@ -20,6 +20,7 @@ from ar_torchrl.modules.shared_prefix import (
     shared_hidden_states,
     supports_shared_prefix,
     why_not_shared,
+    why_not_tree,
 )
 from ar_torchrl.modules.value_head import (
     VALUE_HEAD_FILE,
@@ -60,4 +61,5 @@ __all__ = [
     "supports_shared_prefix",
     "token_log_probs",
     "why_not_shared",
+    "why_not_tree",
 ]

@@ -36,9 +36,12 @@ from ar_torchrl.modules.packing import PACKED_KEY, PackedLayout, is_varlen, pack
 from ar_torchrl.modules.shared_prefix import (
     SHARED_KEY,
     SharedPrefix,
+    TreeLayout,
     per_row,
     shared_hidden_states,
+    tree_hidden_states,
     why_not_shared,
+    why_not_tree,
 )
 from ar_torchrl.modules.value_head import confidence_of
 from ar_torchrl.utils.checks import check_actor_args, check_bool
@@ -209,7 +212,10 @@ class LMActorCritic(TensorDictModuleBase):
                 f"shape [B, L]; got {tuple(tokens.shape)} and {tuple(attention_mask.shape)}"
             )
         shared = shared_prefix_of(tensordict, self.model)
-        if tensordict.get_non_tensor(PACKED_KEY, False):
+        packed = tensordict.get_non_tensor(PACKED_KEY, False)
+        if packed and shared is not None:
+            log_prob, value, next_value, entropy = self._tree(tokens, attention_mask, shared)
+        elif packed:
             log_prob, value, next_value, entropy = self._packed(tokens, attention_mask)
         elif shared is not None:
             log_prob, value, next_value, entropy = self._shared(tokens, attention_mask, shared)
@@ -271,6 +277,30 @@ class LMActorCritic(TensorDictModuleBase):
             return log_prob, None, None, entropy
         hidden = per_row(shared, prefix, rest)
         value, next_value = shifted_values(self.model.value_head, hidden)
+        return log_prob, value, next_value, entropy
+
+    def _tree(
+        self, tokens: Tensor, attention_mask: Tensor, shared: SharedPrefix
+    ) -> tuple[Tensor | None, ...]:
+        """Packed shared-prefix forward (:class:`~ar_torchrl.modules.shared_prefix.TreeLayout`):
+        one backbone call; the LM head and the value head run once per packed position, so a
+        group's prefix log-probs are computed once."""
+        hidden, layout = tree_hidden_states(self.model, tokens, attention_mask, shared)
+        has = layout.parent >= 0  # packed tokens with a token before them in their row
+        lp, ent = _chunked_log_probs(
+            hidden[layout.parent[has]],
+            layout.input_ids.reshape(-1)[has],
+            self.model.get_output_embeddings(),
+            temperature=self.temperature,
+            chunk_tokens=self._chunk_tokens(),
+            with_entropy=self.return_entropy,
+            use_checkpoint=torch.is_grad_enabled(),
+        )
+        log_prob = tree_per_row(layout, lp, has)
+        entropy = tree_per_row(layout, ent, has) if ent is not None else None
+        if not self.critic:
+            return log_prob, None, None, entropy
+        value, next_value = tree_values(self.model.value_head, hidden, layout)
         return log_prob, value, next_value, entropy
 
     def _packed(self, tokens: Tensor, attention_mask: Tensor) -> tuple[Tensor | None, ...]:
@@ -351,10 +381,15 @@ def shared_prefix_of(tensordict: TensorDictBase, model: nn.Module) -> SharedPref
 
     Raises:
         ValueError: the crop shares prefixes but ``model`` cannot run that (its padded forward
-            would compute more tokens than the plan budgeted).
+            would compute more tokens than the plan budgeted): a padded crop needs
+            :func:`~ar_torchrl.modules.why_not_shared`, a packed one (the tree layout)
+            :func:`~ar_torchrl.modules.shared_prefix.why_not_tree`, to say ``None``.
     """
     shared = tensordict.get_non_tensor(SHARED_KEY, None)
-    if shared is not None and (reason := why_not_shared(model)) is not None:
+    if shared is None:
+        return None
+    packed = tensordict.get_non_tensor(PACKED_KEY, False)
+    if (reason := (why_not_tree if packed else why_not_shared)(model)) is not None:
         raise ValueError(
             f"a shared-prefix micro-batch reached {type(model).__name__}, which cannot compute a "
             f"prefix once per group: {reason}; plan without shared_prefix "
@@ -394,6 +429,26 @@ def packed_hidden_states(
         input_ids=layout.input_ids, position_ids=layout.position_ids, use_cache=False
     )
     return out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1]), layout
+
+
+def tree_per_row(layout: TreeLayout, values: Tensor, has: Tensor) -> Tensor:
+    """``[R, w]`` float32: each row's value of the packed tokens ``values`` (``[has.sum()]``, one
+    per packed token with a parent), 0 where a row's token has no real token before it."""
+    flat = values.new_zeros(has.shape).masked_scatter(has, values)
+    prev = layout.previous
+    out = torch.zeros(prev.shape, dtype=values.dtype, device=values.device)
+    return out.masked_scatter(prev, flat[layout.index[prev]])
+
+
+def tree_values(head: nn.Module, hidden: Tensor, layout: TreeLayout) -> tuple[Tensor, Tensor]:
+    """:func:`shifted_values` of a tree forward, in the crop's ``[R, w, 1]`` layout: 0 on
+    padding (and, for ``state_value``, on each row's first real token)."""
+    real, prev = layout.index >= 0, layout.previous
+    values = head(hidden)  # [N, 1]: V(h) at every packed position
+    zeros = torch.zeros((*real.shape, 1), dtype=values.dtype, device=values.device)
+    next_value = zeros.masked_scatter(real[..., None], values[layout.index[real]])
+    value = zeros.masked_scatter(prev[..., None], values[layout.parent[layout.index[prev]]])
+    return value, next_value
 
 
 def packed_values(

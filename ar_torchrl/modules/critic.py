@@ -34,9 +34,10 @@ from ar_torchrl.modules.actor_critic import (
     rename_keys,
     shared_prefix_of,
     shifted_values,
+    tree_values,
 )
 from ar_torchrl.modules.packing import PACKED_KEY
-from ar_torchrl.modules.shared_prefix import per_row, shared_hidden_states
+from ar_torchrl.modules.shared_prefix import per_row, shared_hidden_states, tree_hidden_states
 from ar_torchrl.modules.value_head import attach_value_head
 
 __all__ = ["LMCritic", "build_separate_critic", "check_same_tokenizer"]
@@ -117,7 +118,11 @@ class LMCritic(TensorDictModuleBase):
                 f"{tuple(tokens.shape)} and {tuple(attention_mask.shape)}"
             )
         head, shared = self.model.value_head, shared_prefix_of(tensordict, self.model)
-        if tensordict.get_non_tensor(PACKED_KEY, False):
+        packed = tensordict.get_non_tensor(PACKED_KEY, False)
+        if packed and shared is not None:  # packed shared prefixes: the tree layout
+            hidden, tree = tree_hidden_states(self.model, tokens, attention_mask, shared)
+            value, next_value = tree_values(head, hidden, tree)
+        elif packed:
             hidden, layout = packed_hidden_states(self.model, tokens, attention_mask)
             value, next_value = packed_values(head, hidden, layout, attention_mask)
         elif shared is not None:  # the shared prefix once per group (modules.shared_prefix)

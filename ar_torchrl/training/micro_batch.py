@@ -28,7 +28,7 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 
-from ar_torchrl.modules.packing import PACKED_KEY
+from ar_torchrl.modules.packing import PACKED_KEY, pack_rows
 from ar_torchrl.modules.shared_prefix import SHARED_KEY, SharedPrefix
 from ar_torchrl.utils.checks import check_token_budget
 
@@ -222,6 +222,7 @@ def plan_micro_batches(
     *,
     packing: bool | Literal["auto"] = False,
     shared_prefix: bool | Literal["auto"] = False,
+    shared_padded: bool = True,
     attention_mask_key: NestedKey = "attention_mask",
     tokens_key: NestedKey = "tokens",
     loss_mask_key: NestedKey = "loss_mask",
@@ -239,12 +240,19 @@ def plan_micro_batches(
     (:func:`~ar_torchrl.modules.packed_layout`), so there the budget is an upper bound. ``"auto"``
     packs when padding is at least ``AUTO_PACKING_MIN_PADDING`` of the padded plan's tokens.
 
-    Shared prefixes (``shared_prefix=True``, padded crops): rows whose tokens and attention mask
-    are the same up to their first trained token (``loss_mask``) form a group; groups, longest
-    first, fill micro-batches while ``groups x prefix + rows x rest`` stays within the budget (a
-    group too large for one is split), and each group's prefix is computed once
-    (:mod:`ar_torchrl.modules.shared_prefix`). A micro-batch whose groups are single rows is an
-    ordinary padded one. ``"auto"`` shares when that computes at least ``AUTO_SHARED_MIN_SAVING``
+    Shared prefixes (``shared_prefix=True``): rows whose tokens and attention mask are the same
+    up to their first trained token (``loss_mask``) form a group; groups, longest first, fill
+    micro-batches within the budget (a group too large for one is split), and each group's prefix
+    is computed once (:mod:`ar_torchrl.modules.shared_prefix`). Padded (``packing=False``), a
+    micro-batch costs ``groups x prefix + rows x rest`` (two backbone calls: the prefixes with
+    their cache, then the rests); a micro-batch whose groups are single rows is an ordinary padded
+    one. Packed (``packing=True`` or ``"auto"``: the *tree* layout, one backbone call), each group
+    is one unit, its prefix once followed by its rows' real tokens, and units are packed
+    first-fit like rows (``bins x bin width``); a micro-batch that shares nothing is an ordinary
+    packed one (benchmarks/bench_shared_prefix.py: the tree was 1.15-1.3x the padded shared
+    forward's speed at n = 4-8 on the CPU default). ``shared_padded=False`` allows only the
+    packed layout (where the two-call forward cannot run: FSDP2, activation checkpointing; with
+    ``packing=False`` nothing is then shared). ``"auto"`` shares when that computes at least ``AUTO_SHARED_MIN_SAVING``
     fewer tokens than the padded plan and no more than the packed plan ``packing`` would choose,
     else plans as ``packing`` says (a batch without ``tokens``/``loss_mask`` is not shared).
 
@@ -254,8 +262,9 @@ def plan_micro_batches(
         token_budget: max computed tokens per micro-batch.
         max_rows: optional max rows per micro-batch.
         packing: ``False`` (padded crops), ``True`` (padding-free forwards) or ``"auto"``.
-        shared_prefix: ``False``, ``True`` (padded crops only: ``packing`` must not be ``True``)
-            or ``"auto"`` (never with ``packing=True``).
+        shared_prefix: ``False``, ``True`` or ``"auto"``.
+        shared_padded: whether a shared micro-batch may be padded (``False``: packed only; with
+            ``packing=False`` nothing is then shared, and ``shared_prefix=True`` is an error).
 
     Raises:
         ValueError: a row longer than ``token_budget`` on its own, a row without any real token,
@@ -270,10 +279,11 @@ def plan_micro_batches(
         raise ValueError(f"packing must be True, False or 'auto', got {packing!r}")
     if shared_prefix not in (True, False, "auto"):
         raise ValueError(f"shared_prefix must be True, False or 'auto', got {shared_prefix!r}")
-    if shared_prefix is True and packing is True:
+    if shared_prefix is True and packing is False and not shared_padded:
         raise ValueError(
-            "plan_micro_batches: shared_prefix=True runs padded crops; packing=True cannot be "
-            "combined with it (use packing=False or 'auto', or shared_prefix='auto')"
+            "plan_micro_batches: shared_prefix=True with shared_padded=False needs packed "
+            "micro-batches (the tree layout), but packing=False; use packing=True or 'auto', or "
+            "shared_prefix='auto'"
         )
     if td.batch_dims < 2:
         raise ValueError(
@@ -299,8 +309,11 @@ def plan_micro_batches(
         _group_padded(order, first, last, token_budget, max_rows), size, token_budget
     )
     shared = None
-    if shared_prefix is True or (shared_prefix == "auto" and packing is not True):
-        shared = _shared_plan(td, mask, first, last, token_budget, max_rows, keys, shared_prefix)
+    if shared_prefix is not False and (packing is not False or shared_padded):
+        tree = packing is not False  # one backbone call: faster where it can run (bench)
+        shared = _shared_plan(
+            td, mask, first, last, token_budget, max_rows, keys, shared_prefix, tree
+        )
         if shared_prefix is True:
             return shared
     pack = packing is True or (
@@ -316,8 +329,11 @@ def plan_micro_batches(
     return packed if packed is not None else padded
 
 
-def _shared_plan(td, mask, first, last, budget, max_rows, keys, mode) -> MicroBatchPlan | None:
-    """The shared-prefix plan (``None`` for ``"auto"`` on a batch without the keys it needs)."""
+def _shared_plan(
+    td, mask, first, last, budget, max_rows, keys, mode, tree
+) -> MicroBatchPlan | None:
+    """The shared-prefix plan, padded or (``tree``) packed (``None`` for ``"auto"`` on a batch
+    without the keys it needs)."""
     present = [k for k in keys if k in td.keys(include_nested=True)]
     if len(present) < len(keys):
         if mode == "auto":
@@ -327,7 +343,12 @@ def _shared_plan(td, mask, first, last, budget, max_rows, keys, mode) -> MicroBa
             f"first trained token ({keys[1]!r}); the batch has no {sorted(set(keys) - set(present))}"
         )
     tokens, loss_mask = td.get(keys[0]), td.get(keys[1]).bool()
-    micro = _group_shared(_prefix_groups(tokens, mask, loss_mask), first, last, budget, max_rows)
+    groups = _prefix_groups(tokens, mask, loss_mask)
+    if tree:
+        counts = torch.nn.functional.pad(mask.long().cumsum(-1), (1, 0)).tolist()
+        micro = _group_shared(groups, first, last, budget, max_rows, counts)
+    else:
+        micro = _group_shared(groups, first, last, budget, max_rows)
     return MicroBatchPlan(micro, (mask.shape[0], mask.shape[1]), budget)
 
 
@@ -441,23 +462,34 @@ def _prefix_groups(
     ]
 
 
-def _group_shared(groups: list[_Group], first, last, budget, max_rows) -> tuple[MicroBatch, ...]:
-    """Micro-batches of whole groups (longest first) within ``budget`` counted as ``groups x
-    prefix + rows x rest``; a group too large for one micro-batch is split into several."""
+def _group_shared(
+    groups: list[_Group], first, last, budget, max_rows, counts=None
+) -> tuple[MicroBatch, ...]:
+    """Micro-batches of whole groups (longest first) within ``budget``, counted as ``groups x
+    prefix + rows x rest`` (padded) or, given ``counts`` (``[B][L + 1]`` real tokens before each
+    column), as the tree layout's ``bins x bin width``; a group too large for one micro-batch is
+    split into several (sized by the padded count, which is never below the tree's)."""
     units = [piece for g in groups for piece in _split_group(g, first, last, budget, max_rows)]
     units.sort(key=lambda u: (-(u.end - u.start), u.rows[0]))
+
+    def make(current: list[_Group]) -> MicroBatch:
+        if counts is None:
+            return _shared_micro_batch(current)
+        return _tree_micro_batch(current, counts)
+
     micro, current = [], []
     for unit in units:
         candidate = [*current, unit]
         rows = sum(len(u.rows) for u in candidate)
         if current and (
-            _shared_cost(candidate) > budget or (max_rows is not None and rows > max_rows)
+            (_shared_cost(candidate) if counts is None else make(candidate).num_tokens) > budget
+            or (max_rows is not None and rows > max_rows)
         ):
-            micro.append(_shared_micro_batch(current))
+            micro.append(make(current))
             candidate = [unit]
         current = candidate
     if current:
-        micro.append(_shared_micro_batch(current))
+        micro.append(make(current))
     return tuple(micro)
 
 
@@ -489,3 +521,72 @@ def _shared_micro_batch(units: list[_Group]) -> MicroBatch:
         return MicroBatch(rows, start, end)
     group_of = {r: k for k, u in enumerate(units) for r in u.rows}
     return MicroBatch(rows, start, end, shared=(split, tuple(group_of[r] for r in rows)))
+
+
+def _tree_micro_batch(units: list[_Group], counts: list[list[int]]) -> MicroBatch:
+    """A packed micro-batch of ``units``: the tree layout (each unit its prefix once, then its
+    rows' own tokens; :func:`~ar_torchrl.modules.shared_prefix.tree_layout`) when they share a
+    prefix, else an ordinary packed one; ``packed_shape`` from the same :func:`pack_rows` call
+    the forward makes, on the same lengths in the same order."""
+    start, end = min(u.start for u in units), max(u.end for u in units)
+    split = min(u.split for u in units)
+    rows = tuple(sorted(r for u in units for r in u.rows))
+    if all(len(u.rows) == 1 for u in units) or split <= start:
+        lengths = [counts[r][end] - counts[r][start] for r in rows]
+        bins, _ = pack_rows(lengths)
+        return MicroBatch(rows, start, end, packed_shape=(bins, max(lengths)))
+    lengths = [counts[u.rows[0]][split] - counts[u.rows[0]][start] for u in units]
+    for k, unit in enumerate(units):
+        lengths[k] += sum(counts[r][end] - counts[r][split] for r in unit.rows)
+    group_of = {r: k for k, u in enumerate(units) for r in u.rows}
+    bins, _ = pack_rows(lengths)
+    return MicroBatch(
+        rows,
+        start,
+        end,
+        packed_shape=(bins, max(lengths)),
+        shared=(split, tuple(group_of[r] for r in rows)),
+    )
+
+
+def _halve(mb: MicroBatch, mask: torch.Tensor) -> list[MicroBatch]:
+    """Two micro-batches from ``mb``'s rows (:func:`~ar_torchrl.distributed.shard_plan`, when
+    there are fewer micro-batches than ranks), each re-cropped and keeping ``mb``'s layout: a
+    padded one splits into its longer and shorter rows; a packed one into two packed halves; a
+    shared one into two halves of whole groups (a single group: of its rows), balanced by the
+    tokens they compute, each sharing as ``mb`` did."""
+    first, last = (x.tolist() for x in _row_spans(mask))
+    if mb.shared is None and not mb.packed:
+        rows = sorted(mb.rows, key=lambda r: (-(last[r] - first[r]), r))
+        halves = [rows[: len(rows) // 2], rows[len(rows) // 2 :]]
+        return [
+            MicroBatch(tuple(sorted(h)), min(first[r] for r in h), max(last[r] for r in h))
+            for h in halves
+        ]
+    if mb.shared is None:  # packed rows: single-row units share nothing
+        units = [[r] for r in mb.rows]
+        split = -1
+    else:
+        split, groups = mb.shared
+        by_group: dict[int, list[int]] = {}
+        for row, group in zip(mb.rows, groups):
+            by_group.setdefault(group, []).append(row)
+        units = list(by_group.values())
+        if len(units) == 1:
+            rows = units[0]
+            units = [rows[: len(rows) // 2], rows[len(rows) // 2 :]]
+    counts = torch.nn.functional.pad(mask.long().cumsum(-1), (1, 0)).tolist()
+    size = [sum(counts[r][last[r]] - counts[r][first[r]] for r in u) for u in units]
+    halves: list[list[list[int]]] = [[], []]
+    load = [0, 0]
+    for k in sorted(range(len(units)), key=lambda k: (-size[k], k)):
+        side = 0 if load[0] <= load[1] else 1
+        halves[side].append(units[k])
+        load[side] += size[k]
+    out = []
+    for half in halves:
+        pieces = [
+            _Group(tuple(u), split, min(first[r] for r in u), max(last[r] for r in u)) for u in half
+        ]
+        out.append(_tree_micro_batch(pieces, counts) if mb.packed else _shared_micro_batch(pieces))
+    return out

@@ -21,6 +21,8 @@ from support.dist_workers import (
     prepare,
     separate_optimizer,
     spawn,
+    tree_batch,
+    tree_plan,
 )
 from transformers import AutoModelForCausalLM
 
@@ -78,6 +80,37 @@ def test_two_ranks_train_like_one_process(two_ranks, mode):
         "explained_variance",  # from sums over both ranks
         "explained_variance_finite",
     ):
+        assert metrics[f"train/{key}"] == pytest.approx(want[f"train/{key}"], rel=1e-5, abs=1e-6)
+    for name, param in ac.model.state_dict().items():
+        torch.testing.assert_close(got[name], param, atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.slow  # a multi-process run: full tier only
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_two_ranks_with_packed_shared_prefixes_train_like_one_process(two_ranks, checkpointing):
+    """Packed shared-prefix (tree) micro-batches under FSDP2 (one backbone call per forward), with
+    and without activation checkpointing: the first update's ratio is exactly 1 on every rank and
+    2 epochs on 2 ranks equal one process on the same plan."""
+    got = load_file(str(two_ranks / f"tree_{checkpointing}.safetensors"))
+    info = _json(two_ranks, f"tree_{checkpointing}")
+    assert all(all(rank) and rank for rank in info["owned"]), "every rank runs tree micro-batches"
+    assert {v for rank in info["ratios"] for pair in rank for v in pair} == {1.0}
+    ac = actor_critic(seed=21)
+    td = tree_batch()
+    plan = tree_plan(td)
+    td = prepare(ac, td, plan)
+    want = ppo_update(
+        ppo_loss(ac),
+        torch.optim.SGD(ac.parameters(), lr=0.5),
+        td,
+        plan,
+        epochs=2,
+        grad_clip=0.05,
+        generator=torch.Generator().manual_seed(0),
+    )
+    metrics = info["metrics"]
+    assert metrics["train/optimizer_steps"] == want["train/optimizer_steps"] == 2.0
+    for key in ("loss_objective", "loss_critic", "grad_norm", "mean_ratio", "explained_variance"):
         assert metrics[f"train/{key}"] == pytest.approx(want[f"train/{key}"], rel=1e-5, abs=1e-6)
     for name, param in ac.model.state_dict().items():
         torch.testing.assert_close(got[name], param, atol=1e-5, rtol=0, msg=name)

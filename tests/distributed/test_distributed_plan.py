@@ -74,6 +74,49 @@ def test_fewer_micro_batches_than_ranks_are_split_or_padded():
     assert shards[1].owned() == () and shards[1].local_plan.micro_batches[0].padding
 
 
+@pytest.mark.parametrize("groups", [1, 3])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_splitting_keeps_packed_and_shared_layouts(groups, world_size):
+    """A packed shared-prefix (tree) micro-batch split for more ranks keeps the tree layout:
+    halves of whole groups (one group: of its rows), each re-planned with the counts its forward
+    lays out; a packed one without groups stays packed; the outputs equal the unsplit plan's."""
+    from support.trajectories import shared_prompt_batch
+
+    from ar_torchrl.modules.shared_prefix import tree_layout
+    from ar_torchrl.training import recompute_old_log_probs_and_values
+
+    td = shared_prompt_batch(groups=groups, n=4, seed=2)
+    plan = plan_micro_batches(td, 10_000, packing=True, shared_prefix=True)
+    assert len(plan) == 1 and plan.micro_batches[0].shared
+    shards = [shard_plan(plan, td, rank=r, world_size=world_size) for r in range(world_size)]
+    split = shards[0].plan
+    assert len(split) == world_size
+    assert sorted(r for mb in split.micro_batches for r in mb.rows) == list(range(4 * groups))
+    for mb in split.micro_batches:
+        assert mb.packed and bool(mb.shared) == (len(mb.rows) > 1), mb  # one row shares nothing
+        if not mb.shared:
+            continue
+        if groups > 1 and world_size == 2:  # whole groups on each side
+            ids = {int(td["prompt_id"][r, 0]) for r in mb.rows}
+            assert len(mb.rows) == 4 * len(ids)
+        crop = split.crop(td, mb)
+        layout = tree_layout(
+            crop["tokens"], crop["attention_mask"], crop.get_non_tensor("shared_prefix")
+        )
+        assert tuple(layout.input_ids.shape) == mb.packed_shape
+    ac = actor_critic(seed=3)
+    a = recompute_old_log_probs_and_values(ac, td.clone(), plan)
+    b = recompute_old_log_probs_and_values(ac, td.clone(), split)
+    mask = td["attention_mask"]
+    defined = torch.cat([torch.zeros_like(mask[:, :1]), mask[:, 1:] & mask[:, :-1]], dim=1)
+    for key in ("sample_log_prob", "state_value"):
+        x, y = a[key].reshape(mask.shape), b[key].reshape(mask.shape)
+        torch.testing.assert_close(x[defined], y[defined], atol=1e-6, rtol=0)
+    packed = plan_micro_batches(td, 10_000, packing=True)
+    halves = shard_plan(packed, td, rank=0, world_size=2).plan.micro_batches
+    assert len(halves) == 2 and all(mb.packed and not mb.shared for mb in halves)
+
+
 def test_world_size_1_sharded_update_is_bitwise_the_plain_one():
     ac_a, ac_b = actor_critic(seed=1), actor_critic(seed=1)
     td = batch()

@@ -1,5 +1,6 @@
 """Shared-prefix forwards (issue 31 item 1): the n samples of a prompt compute it once; the same
-log-probs, values, entropies and gradients as the padded forward, and ratio exactly 1."""
+log-probs, values, entropies and gradients as the padded forward, and ratio exactly 1, for padded
+shared crops (two backbone calls, the prefix's cache) and packed ones (the tree layout, one call)."""
 
 from __future__ import annotations
 
@@ -37,21 +38,25 @@ def defined(td) -> torch.Tensor:
     return torch.cat([torch.zeros_like(mask[:, :1]), mask[:, 1:] & mask[:, :-1]], dim=1)
 
 
-def shared_and_padded(td, budget):
-    shared = plan_micro_batches(td, budget, shared_prefix=True)
-    assert all(mb.shared is not None for mb in shared.micro_batches)
+def shared_and_padded(td, budget, packed=False):
+    shared = plan_micro_batches(td, budget, shared_prefix=True, packing=packed)
+    assert all(mb.shared is not None and mb.packed == packed for mb in shared.micro_batches)
     padded = plan_micro_batches(td, budget)
     return shared, padded
 
 
+LAYOUTS = pytest.mark.parametrize("packed", [False, True], ids=["padded", "tree"])
+
+
+@LAYOUTS
 @pytest.mark.parametrize("budget", [64, 10_000])
-def test_shared_prefix_forward_gives_the_padded_log_probs_values_and_entropies(budget):
+def test_shared_prefix_forward_gives_the_padded_log_probs_values_and_entropies(budget, packed):
     td = shared_prompt_batch(groups=5, n=4)
     ac = actor_critic(return_entropy=True)
-    shared, padded = shared_and_padded(td, budget)
+    shared, padded = shared_and_padded(td, budget, packed)
     for mb in shared.micro_batches:  # crop by crop, and the same crop without sharing
         crop = shared.crop(td, mb)
-        plain = shared.crop(td, dataclasses.replace(mb, shared=None))
+        plain = shared.crop(td, dataclasses.replace(mb, shared=None, packed_shape=None))
         with torch.no_grad():
             a, b = ac(ac.select_inputs(crop)), ac(ac.select_inputs(plain))
         real = defined(plain)
@@ -67,9 +72,10 @@ def test_shared_prefix_forward_gives_the_padded_log_probs_values_and_entropies(b
         torch.testing.assert_close(x[real], y[real], atol=1e-6, rtol=0)
 
 
-def test_shared_prefix_gradients_equal_the_padded_ones_for_both_critics():
+@LAYOUTS
+def test_shared_prefix_gradients_equal_the_padded_ones_for_both_critics(packed):
     td = shared_prompt_batch(groups=4, n=3, seed=1)
-    shared, padded = shared_and_padded(td, 10_000)
+    shared, padded = shared_and_padded(td, 10_000, packed)
     ac = actor_critic()
     policy = build_tiny_qwen3(99, seed=2)
     actor, critic = LMActorCritic(policy, critic=False), build_separate_critic(policy)
@@ -98,16 +104,17 @@ def test_shared_prefix_gradients_equal_the_padded_ones_for_both_critics():
         assert trunk  # the gradient reached the shared prefix's computation
 
 
-def test_the_first_update_has_ratio_exactly_one_on_a_shared_prefix_plan():
+@LAYOUTS
+def test_the_first_update_has_ratio_exactly_one_on_a_shared_prefix_plan(packed):
     td = shared_prompt_batch(groups=5, n=4, seed=3)
-    plan = plan_micro_batches(td, 64, shared_prefix=True)
-    assert len(plan) > 1 and all(mb.shared for mb in plan.micro_batches)
+    plan = plan_micro_batches(td, 64, shared_prefix=True, packing=packed)
+    assert len(plan) > 1 and all(mb.shared and mb.packed == packed for mb in plan.micro_batches)
     first_update_has_ratio_one(actor_critic(), td, plan)
     # a separate critic: old values from the same geometry, ratio 1, values unclipped
     policy = build_tiny_qwen3(99, seed=4)
     actor, critic = LMActorCritic(policy, critic=False), build_separate_critic(policy)
     td = shared_prompt_batch(groups=5, n=4, seed=4)
-    plan = plan_micro_batches(td, 64, shared_prefix=True)
+    plan = plan_micro_batches(td, 64, shared_prefix=True, packing=packed)
     loss = TokenPPOLoss(actor, critic, clip_value=0.2)
     recompute_old_log_probs_and_values(actor, td, plan, loss=loss)
     td = TokenGAE(gamma=1.0, lmbda=0.95)(td)
@@ -144,10 +151,31 @@ def test_a_model_that_cannot_share_refuses_a_shared_prefix_crop(checkpointing):
             module(module.select_inputs(crop))
     plain = plan_micro_batches(td, 10_000)  # without sharing: as before
     first_update_has_ratio_one(ac, td, plain)
+    # the tree layout is one backbone call without a cache: it runs under checkpointing
+    tree = plan_micro_batches(td, 10_000, packing=True, shared_prefix=True, shared_padded=False)
+    assert all(mb.shared and mb.packed for mb in tree.micro_batches)
+    first_update_has_ratio_one(ac, td, tree)
 
 
+def test_a_kernel_without_dense_masks_refuses_a_tree_crop():
+    """flash/flex kernels take no dense 4D mask: a packed shared crop is an error naming the
+    kernel, and supports_shared_prefix (the padded layout) is unaffected."""
+    from ar_torchrl.modules.shared_prefix import why_not_tree
+
+    ac = actor_critic()
+    assert why_not_tree(ac.model) is None
+    td = shared_prompt_batch(groups=3, n=4, seed=5)
+    plan = plan_micro_batches(td, 10_000, packing=True, shared_prefix=True)
+    crop = plan.crop(td, plan.micro_batches[0])
+    ac.model.config._attn_implementation = "flash_attention_2"  # only read, never run here
+    assert "'flash_attention_2' takes no dense 4D mask" in why_not_tree(ac.model)
+    with pytest.raises(ValueError, match=r"cannot compute a prefix once per group: its attention"):
+        ac(ac.select_inputs(crop))
+
+
+@LAYOUTS
 @pytest.mark.parametrize("separate", [False, True])
-def test_ppo_update_on_a_shared_prefix_plan_matches_the_padded_plan(separate):
+def test_ppo_update_on_a_shared_prefix_plan_matches_the_padded_plan(separate, packed):
     """recompute_old_log_probs_and_values + ppo_update: on the shared-prefix plan the first update's
     ratio is exactly 1 and values unclipped, and its losses, gradient norm and updated weights
     are those of the same update on the padded plan."""
@@ -177,9 +205,10 @@ def test_ppo_update_on_a_shared_prefix_plan_matches_the_padded_plan(separate):
         out = ppo_update(loss, opt, td, plan, epochs=1, num_minibatches=1, grad_clip=None)
         return plan, out, before, {n: p.detach().clone() for n, p in named.items()}
 
-    plan_s, out_s, before, w_s = run({"shared_prefix": True})
+    plan_s, out_s, before, w_s = run({"shared_prefix": True, "packing": packed})
     plan_p, out_p, _, w_p = run({})
     assert len(plan_s) > 1 and all(mb.shared for mb in plan_s.micro_batches)
+    assert all(mb.packed == packed for mb in plan_s.micro_batches)
     assert plan_s.num_tokens < plan_p.num_tokens
     assert out_s["train/min_ratio"] == out_s["train/max_ratio"] == 1.0
     assert out_s["train/value_clip_fraction"] == 0.0 and out_s["train/optimizer_steps"] == 1.0

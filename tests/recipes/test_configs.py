@@ -255,18 +255,18 @@ RANGE_ERRORS = [
         r"config: rollout.shared_prefix='sometimes' must be false, true or auto",
     ),
     (
-        ["rollout.shared_prefix=true", "rollout.packing=true"],
-        r"config: rollout.shared_prefix=true runs padded micro-batches, rollout.packing=true "
-        r"padding-free ones: set one of them to false or auto",
+        [
+            "rollout.shared_prefix=true",
+            "rollout.packing=false",
+            "model.gradient_checkpointing=true",
+        ],
+        r"config: rollout.shared_prefix=true with rollout.packing=false \(padded shared "
+        r"micro-batches\) cannot run with model.gradient_checkpointing=true",
     ),
     (
-        ["rollout.shared_prefix=true", "model.gradient_checkpointing=true"],
-        r"config: rollout.shared_prefix=true cannot run with model.gradient_checkpointing=true",
-    ),
-    (
-        ["rollout.shared_prefix=true", "model.dtype=bfloat16"],
-        r"config: rollout.shared_prefix=true cannot run with FSDP2 .*set rollout.shared_prefix="
-        r"false \(or auto",
+        ["rollout.shared_prefix=true", "rollout.packing=false", "model.dtype=bfloat16"],
+        r"config: rollout.shared_prefix=true with rollout.packing=false .* cannot run with FSDP2 "
+        r".*set rollout.packing=auto or true \(packed shared micro-batches, one backbone call\)",
     ),
     (["algo.loss_agg_mode=mean"], r"algo.loss_agg_mode='mean' is not one of \['token_mean'"),
     (["data=dapo_math", "data.path=${oc.env:NO_SUCH_VAR_AR}"], r"NO_SUCH_VAR_AR"),

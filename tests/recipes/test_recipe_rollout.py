@@ -90,8 +90,19 @@ def test_rollout_shared_prefix_is_the_plan_of_the_old_log_prob_pass_and_the_upda
     from ar_torchrl.recipes.strategy import LocalStrategy
 
     td = shared_prompt_batch(groups=4, n=4)
-    for value, shared in (("true", True), ("auto", True), ("false", False)):
-        cfg = typed([f"rollout.shared_prefix={value}", "rollout.token_budget=64"])
+    for value, packing, shared in (
+        ("true", "auto", True),
+        ("auto", "auto", True),
+        ("true", "false", True),
+        ("false", "auto", False),
+    ):
+        cfg = typed(
+            [
+                f"rollout.shared_prefix={value}",
+                "rollout.token_budget=64",
+                f"rollout.packing={packing}",
+            ]
+        )
         ac = tiny_actor_critic()
         mode = loop.shared_prefix_mode(cfg, ac, None, None)
         run = SimpleNamespace(
@@ -105,16 +116,32 @@ def test_rollout_shared_prefix_is_the_plan_of_the_old_log_prob_pass_and_the_upda
         plan = loop.old_log_probs_and_values(run, td.clone())
         assert len(plan) > 1, value
         assert all(bool(mb.shared) == shared for mb in plan.micro_batches), value
+        if shared:  # packing=auto: the tree layout (packed), packing=false: padded
+            assert all(mb.packed == (packing == "auto") for mb in plan.micro_batches), value
+    # activation checkpointing: packed shared micro-batches only (the tree: one call, no cache)
     checkpointed = tiny_actor_critic()
     checkpoint_decoder_layers(checkpointed.model)
     auto, true = typed(["rollout.shared_prefix=auto"]), typed(["rollout.shared_prefix=true"])
-    assert loop.shared_prefix_mode(auto, tiny_actor_critic(), None, checkpointed) is False
+    assert loop.shared_prefix_mode(auto, tiny_actor_critic(), None, checkpointed) == ("auto", False)
+    assert loop.shared_prefix_mode(true, tiny_actor_critic(), None, checkpointed) == (True, False)
+    padded_only = ["rollout.packing=false"]
+    auto, true = (
+        typed(["rollout.shared_prefix=auto", *padded_only]),
+        typed(["rollout.shared_prefix=true", *padded_only]),
+    )
+    assert loop.shared_prefix_mode(auto, tiny_actor_critic(), None, checkpointed) == (False, True)
     with pytest.raises(
         ValueError,
-        match=r"config: rollout.shared_prefix=true, but Qwen3ForCausalLM cannot compute a prefix "
-        r"once per group: it runs activation checkpointing; set rollout.shared_prefix=false",
+        match=r"config: rollout.shared_prefix=true, but no shared-prefix forward can run \(padded "
+        r"ones: it runs activation checkpointing; packed ones: rollout.packing=false\); set "
+        r"rollout.shared_prefix=false or auto",
     ):
         loop.shared_prefix_mode(true, tiny_actor_critic(), None, checkpointed)
+    # a model that can run neither (a kernel without dense masks, and checkpointing)
+    flash = tiny_actor_critic()
+    checkpoint_decoder_layers(flash.model)
+    flash.model.config._attn_implementation = "flash_attention_2"  # read, never run
+    assert loop.shared_prefix_mode(typed(["rollout.shared_prefix=auto"]), flash) == (False, True)
 
 
 @pytest.mark.slow
@@ -128,6 +155,9 @@ def test_a_run_with_shared_prefixes_trains_as_the_padded_run(tmp_path, cache_dir
     for h in shared:
         assert h["train/skipped_steps"] == 0.0 and math.isfinite(h["train/loss_objective"])
     first, want = shared[0], padded[0]
+    assert all(h["plan/shared"] == h["plan/packed"] > 0 for h in shared)  # the tree layout
+    assert all(h["plan/shared"] == 0 for h in padded)
+    assert first["plan/computed_tokens"] < want["plan/computed_tokens"]
     drift = "rollout/logprob_drift"  # the trainer's old log-probs against the engine's
     sampled = {k for k in want if k.startswith("rollout/")} - {drift}
     assert {k: first[k] for k in sampled} == {k: want[k] for k in sampled}

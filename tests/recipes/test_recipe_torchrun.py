@@ -152,6 +152,7 @@ def test_two_ranks_learn_and_resume_exactly(tmp_path, cache_dir):
         assert math.isfinite(h["train/loss_objective"]) and math.isfinite(h["train/loss_critic"])
         assert h["train/skipped_steps"] == 0 and h["train/optimizer_steps"] == 2
         assert h["rollout/logprob_drift"] < 1e-4  # rank 0's fp32 rollout copy got every update
+        assert h["plan/shared"] == h["plan/packed"] > 0  # FSDP2: the tree layout only
     assert out.count("SUMMARY reward_first=") == 1  # rank 0 speaks for the run
     assert f"train further: {LAUNCH} {SCRIPT} " in out  # the command that trains further
     checkpoints = straight / "checkpoints"
@@ -238,6 +239,10 @@ def test_two_ranks_with_a_separate_critic_match_one_process_and_resume_exactly(
     assert two[1]["rollout/tool_calls"] > 0 and two[1]["rollout/turns"] > 1.0
     for a, b in zip(one[1:], two[1:]):
         assert a["rollout/reward_mean"] == b["rollout/reward_mean"]  # the same samples
+        # rollout.shared_prefix=auto: the tree layout (packed shared micro-batches) on both sides
+        # (under FSDP2 a micro-batch split for the second rank: halves of whole groups)
+        assert a["plan/shared"] == a["plan/packed"] > 0
+        assert b["plan/shared"] == b["plan/packed"] >= a["plan/shared"]
         assert b["rollout/logprob_drift"] < 1e-4  # rank 0's rollout copy got every update
         for key in ("loss_objective", "loss_critic", "grad_norm", "grad_norm_critic", "kl_ref"):
             assert b[f"train/{key}"] == pytest.approx(a[f"train/{key}"], rel=1e-4, abs=1e-6), key

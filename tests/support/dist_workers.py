@@ -37,7 +37,7 @@ from ar_torchrl.models.tiny import build_tiny_qwen3
 from ar_torchrl.modules import LMActorCritic, LMCritic, attach_value_head, save_policy
 from ar_torchrl.objectives import TokenGAE, TokenPPOLoss
 from ar_torchrl.training import plan_micro_batches, ppo_update, recompute_old_log_probs_and_values
-from support.trajectories import VOCAB, make_trajectory
+from support.trajectories import VOCAB, make_trajectory, shared_prompt_batch
 
 PROMPTS = [3, 1, 4, 2, 5, 1, 3, 2, 4]
 RESPONSES = [5, 2, 7, 1, 3, 6, 4, 8, 2]
@@ -483,9 +483,67 @@ def export_checks(ctx, out: Path) -> None:
     _save(ctx, out, "export", data={"per_rank": per_rank})
 
 
+TREE_BUDGET = 60  # 4 prompts x 3 samples: several tree micro-batches, uneven over 2 ranks
+
+
+def tree_batch():
+    return shared_prompt_batch(groups=4, n=3, seed=11)
+
+
+def tree_plan(td):
+    """Packed shared-prefix micro-batches only (the tree layout: what FSDP2 plans)."""
+    return plan_micro_batches(
+        td, TREE_BUDGET, packing=True, shared_prefix=True, shared_padded=False
+    )
+
+
+def tree_checks(ctx, out: Path) -> None:
+    """Packed shared-prefix (tree) micro-batches under FSDP2, with and without activation
+    checkpointing: first-update ratios on every rank, and a 2-epoch ppo_update (the one process
+    reference is computed by the test)."""
+    for checkpointing in (False, True):
+        ac = shard_actor_critic(
+            actor_critic(seed=21),
+            ctx,
+            compute_dtype="float32",
+            activation_checkpointing=checkpointing,
+        )
+        opt = torch.optim.SGD(ac.parameters(), lr=0.5)
+        td = broadcast_batch(tree_batch() if ctx.is_main else None, ctx)
+        sharded = shard_plan(tree_plan(td), td, rank=ctx.rank, world_size=2)
+        td = prepare(ac, td, None, sharded)
+        loss = ppo_loss(ac)
+        ratios = []
+        for mb in sharded.local_plan.micro_batches:
+            res = loss(sharded.crop(td, mb))
+            if not mb.padding:
+                ratios.append([res["min_ratio"].item(), res["max_ratio"].item()])
+        reshard(ac)  # forwards without backward leave FSDP2's root gathered
+        metrics = ppo_update(
+            loss,
+            opt,
+            td,
+            sharded,
+            epochs=2,
+            grad_clip=0.05,
+            generator=torch.Generator().manual_seed(0),
+        )
+        all_ratios = [None, None]
+        torch.distributed.all_gather_object(all_ratios, ratios)
+        owned = [[bool(mb.shared and mb.packed) for mb in sharded.owned(r)] for r in range(2)]
+        _save(
+            ctx,
+            out,
+            f"tree_{checkpointing}",
+            full_state(ac.model),
+            {"metrics": metrics, "ratios": all_ratios, "owned": owned},
+        )
+
+
 def all_checks(ctx, out: Path) -> None:
     """Every multi-process check in one spawn (each spawn costs seconds of imports per rank)."""
     train_checks(ctx, out)
+    tree_checks(ctx, out)
     load_checks(ctx, out)
     resume_checks(ctx, out)
     separate_critic_checks(ctx, out)

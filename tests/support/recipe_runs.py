@@ -98,11 +98,6 @@ SEPARATE = [
     "train.plot=false",
     "algo.critic_warmup_iters=1",
     "algo.value_lr_schedule=linear",
-    # padded plans: tests/recipes/test_recipe_torchrun.py compares this one-process run with 2
-    # FSDP2 ranks, where rollout.shared_prefix=auto plans without sharing; the same geometry on
-    # both sides keeps that comparison at float rounding of one plan (shared vs padded plans
-    # differed by 1.3e-4 relative in train/loss_objective after one update)
-    "rollout.shared_prefix=false",
     "algo.value_lr_warmup_iters=1",
 ]
 

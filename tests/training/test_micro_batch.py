@@ -115,22 +115,61 @@ def test_shared_prefix_plans_keep_groups_together_within_budget(budget, max_rows
         assert plan.num_tokens < plan_micro_batches(td, budget).num_tokens
 
 
-def test_auto_shares_where_groups_save_tokens_and_packing_is_refused():
+def test_auto_shares_where_groups_save_tokens_packed_with_the_tree_layout():
     grouped, single = shared_prompt_batch(6, 4, seed=1), shared_prompt_batch(12, 1, seed=1)
-    assert all(
-        mb.shared for mb in plan_micro_batches(grouped, 10_000, shared_prefix="auto").micro_batches
-    )
+    padded = plan_micro_batches(grouped, 10_000, shared_prefix="auto")
+    assert all(mb.shared and not mb.packed for mb in padded.micro_batches)
     alone = plan_micro_batches(single, 10_000, shared_prefix=True)  # n = 1: nothing to share
     assert all(mb.shared is None for mb in alone.micro_batches)
     assert plan_micro_batches(single, 10_000, shared_prefix="auto") == plan_micro_batches(
         single, 10_000
     )
-    packed = plan_micro_batches(grouped, 10_000, packing=True, shared_prefix="auto")
-    assert all(mb.packed and mb.shared is None for mb in packed.micro_batches)
-    with pytest.raises(ValueError, match=r"shared_prefix=True runs padded crops; packing=True"):
-        plan_micro_batches(grouped, 10_000, packing=True, shared_prefix=True)
+    # packed (True or auto): the tree layout, one unit per group, fewer tokens than packing alone
+    for packing in (True, "auto"):
+        tree = plan_micro_batches(grouped, 10_000, packing=packing, shared_prefix="auto")
+        assert all(mb.packed and mb.shared for mb in tree.micro_batches), packing
+        assert tree == plan_micro_batches(grouped, 10_000, packing=True, shared_prefix=True)
+    assert tree.num_tokens < plan_micro_batches(grouped, 10_000, packing=True).num_tokens
+    # shared_padded=False (FSDP2, activation checkpointing): packed or nothing shared
+    assert plan_micro_batches(grouped, 10_000, shared_prefix="auto", shared_padded=False) == (
+        plan_micro_batches(grouped, 10_000)
+    )
+    only_tree = plan_micro_batches(
+        grouped, 10_000, packing="auto", shared_prefix=True, shared_padded=False
+    )
+    assert only_tree == tree
+    with pytest.raises(ValueError, match=r"shared_padded=False needs packed micro-batches"):
+        plan_micro_batches(grouped, 10_000, shared_prefix=True, shared_padded=False)
     with pytest.raises(ValueError, match=r"shared_prefix must be True, False or 'auto', got 'yes'"):
         plan_micro_batches(grouped, 10_000, shared_prefix="yes")
+
+
+@pytest.mark.parametrize("budget", [40, 90, 10_000])
+def test_tree_plans_count_what_the_tree_layout_computes(budget):
+    """Every packed shared micro-batch's ``packed_shape`` is the shape of the input the tree
+    forward lays out for its crop (the same lengths, the same first-fit call); the budget holds;
+    every row is in exactly one micro-batch."""
+    from ar_torchrl.modules.shared_prefix import tree_layout
+
+    td = shared_prompt_batch(groups=5, n=4, seed=7)
+    plan = plan_micro_batches(td, budget, packing=True, shared_prefix=True)
+    assert sorted(r for mb in plan.micro_batches for r in mb.rows) == list(range(td.shape[0]))
+    assert any(mb.shared for mb in plan.micro_batches)
+    for mb in plan.micro_batches:
+        assert mb.packed and mb.num_tokens <= budget
+        crop = plan.crop(td, mb)
+        if mb.shared is None:
+            continue
+        layout = tree_layout(
+            crop["tokens"], crop["attention_mask"], crop.get_non_tensor("shared_prefix")
+        )
+        assert tuple(layout.input_ids.shape) == mb.packed_shape
+        # every real token sits where its row's padded forward had it: the same ids and positions
+        mask = crop["attention_mask"]
+        ids = layout.input_ids.reshape(-1)[layout.index[mask]]
+        assert torch.equal(ids, crop["tokens"][mask])
+        pos = layout.position_ids.reshape(-1)[layout.index[mask]]
+        assert torch.equal(pos, (mask.long().cumsum(-1) - 1)[mask])
 
 
 @pytest.mark.parametrize(("n", "max_response"), [(4, 9), (2, 40), (1, 40)])
@@ -141,7 +180,7 @@ def test_auto_takes_the_plan_that_computes_fewest_tokens(n, max_response):
 
     td = shared_prompt_batch(groups=6, n=n, seed=3, max_response=max_response)
     padded = plan_micro_batches(td, 10_000)
-    shared = plan_micro_batches(td, 10_000, shared_prefix=True)
+    shared = plan_micro_batches(td, 10_000, packing=True, shared_prefix=True)  # the tree
     packed = plan_micro_batches(td, 10_000, packing=True)
     chosen = plan_micro_batches(td, 10_000, packing="auto", shared_prefix="auto")
     real = int(td["attention_mask"].sum())

@@ -343,12 +343,6 @@ class RolloutConfig:
             raise ValueError(
                 f"{prefix}shared_prefix={self.shared_prefix!r} must be false, true or auto"
             )
-        if self.shared_prefix is True and self.packing is True:
-            raise ValueError(
-                f"{prefix}shared_prefix=true runs padded micro-batches, "
-                f"{prefix.rsplit(' ', 1)[-1]}packing=true padding-free ones: set one of them to "
-                "false or auto"
-            )
         check_number(
             prefix,
             "overlong_buffer",
@@ -621,17 +615,23 @@ class Config:
                 "config: critic.confidence_features=true is not verified under FSDP2 (dist.fsdp, "
                 "torchrun or model.dtype) yet; run it in one float32 process"
             )
-        if self.rollout.shared_prefix is True and (self.sharded or self.model_checkpoints):
+        r = self.rollout
+        if (
+            r.shared_prefix is True
+            and r.packing is False
+            and (self.sharded or self.model_checkpoints)
+        ):
             why = (
                 "model.gradient_checkpointing=true (a recomputed layer would write the prefix's "
                 "cache twice)"
                 if self.model_checkpoints
-                else "FSDP2 (dist.fsdp, torchrun or model.dtype): a shared-prefix forward is not "
-                "verified under fully_shard"
+                else "FSDP2 (dist.fsdp, torchrun or model.dtype): its two backbone calls per "
+                "forward are not verified under fully_shard"
             )
             raise ValueError(
-                f"config: rollout.shared_prefix=true cannot run with {why}; set "
-                "rollout.shared_prefix=false (or auto: it then plans without sharing)"
+                f"config: rollout.shared_prefix=true with rollout.packing=false (padded shared "
+                f"micro-batches) cannot run with {why}; set rollout.packing=auto or true (packed "
+                "shared micro-batches, one backbone call) or rollout.shared_prefix=false"
             )
         if self.sharded and self.device.startswith("cuda:"):
             raise ValueError(

@@ -27,7 +27,13 @@ from ar_torchrl.collectors import WeightSyncCollector
 from ar_torchrl.collectors.sampling import episode_stats
 from ar_torchrl.envs import LLMEnv
 from ar_torchrl.functional import masked_mean
-from ar_torchrl.modules import LMActorCritic, LMCritic, attach_confidence_features, why_not_shared
+from ar_torchrl.modules import (
+    LMActorCritic,
+    LMCritic,
+    attach_confidence_features,
+    why_not_shared,
+    why_not_tree,
+)
 from ar_torchrl.objectives import TokenPPOLoss
 from ar_torchrl.objectives.metrics import critic_health
 from ar_torchrl.recipes.dapo_ppo import build, rollouts
@@ -164,7 +170,7 @@ class Run:
     tokenizer: Any = None  # the policy's, written with the exported models
     warmup: CriticWarmup | None = None  # algo.critic_warmup_iters / critic_warmup_until_ev
     watch: CriticWatch | None = None  # train.critic_warn_iters
-    shared_prefix: Any = False  # rollout.shared_prefix as the plans take it (shared_prefix_mode)
+    shared_prefix: Any = (False, True)  # (rollout.shared_prefix, shared_padded): shared_prefix_mode
 
     @property
     def is_main(self) -> bool:
@@ -362,6 +368,7 @@ def train(run: Run, stop: Any) -> int:
             engine_memory(run, release=True)
             with run.timer("old_log_probs"):
                 plan = old_log_probs_and_values(run, td)
+            losses.update(plan_metrics(plan))
             # 3. Advantages (GAE, GRPO or RLOO), identical on every rank; the critic's health:
             #    its old values (before the update) against the Monte-Carlo returns.
             with run.timer("advantage"):
@@ -473,43 +480,67 @@ def old_log_probs_and_values(run: Run, td):
     """The micro-batch plan (this rank's share under FSDP2) and the old log-probs and values of ``td`` computed with
     exactly those micro-batches (ratio exactly 1 on the first update)."""
     r = run.cfg.rollout
+    mode, shared_padded = run.shared_prefix
     plan = plan_micro_batches(
-        td, r.token_budget, r.max_rows, packing=r.packing, shared_prefix=run.shared_prefix
+        td,
+        r.token_budget,
+        r.max_rows,
+        packing=r.packing,
+        shared_prefix=mode,
+        shared_padded=shared_padded,
     )
     return run.strategy.old_log_probs_and_values(
         run.actor_critic, td, plan, run.ref_actor, run.critic
     )
 
 
-def shared_prefix_mode(cfg: Config, *modules: LMActorCritic | LMCritic | None) -> bool | str:
-    """``rollout.shared_prefix`` as the run's plans take it (the old-log-prob pass and the update
-    share one plan, so one geometry). ``auto`` plans without sharing under FSDP2 or when a model
-    cannot share a prefix (:func:`~ar_torchrl.modules.why_not_shared`); ``true`` there is an error
-    naming the key (the config check refuses FSDP2 and gradient checkpointing already)."""
-    mode = cfg.rollout.shared_prefix
+def plan_metrics(plan) -> dict[str, float]:
+    """The geometry the old-log-prob pass and the update ran (the whole plan, every rank's share):
+    ``plan/micro_batches``, how many were ``plan/packed`` and ``plan/shared`` (both: the tree
+    layout), and ``plan/computed_tokens`` (padding and bin slack included)."""
+    whole = getattr(plan, "plan", plan)  # a ShardedPlan's global plan
+    micro = whole.micro_batches
+    return {
+        "plan/micro_batches": float(len(micro)),
+        "plan/packed": float(sum(mb.packed for mb in micro)),
+        "plan/shared": float(sum(mb.shared is not None for mb in micro)),
+        "plan/computed_tokens": float(whole.num_tokens),
+    }
+
+
+def shared_prefix_mode(
+    cfg: Config, *modules: LMActorCritic | LMCritic | None
+) -> tuple[bool | str, bool]:
+    """``(rollout.shared_prefix, shared_padded)`` as the run's plans take them (the old-log-prob
+    pass and the update share one plan, so one geometry). Padded shared micro-batches (two
+    backbone calls, the prefix's cache) are left out under FSDP2 and when a model cannot run them
+    (:func:`~ar_torchrl.modules.why_not_shared`: activation checkpointing); packed ones (the tree
+    layout, one call) then still share, unless a model cannot run them either
+    (:func:`~ar_torchrl.modules.why_not_tree`: a kernel without dense masks) or
+    ``rollout.packing=false``. ``auto`` then plans without sharing; ``true`` is an error naming
+    the key."""
+    mode, packing = cfg.rollout.shared_prefix, cfg.rollout.packing
     if mode is False:
-        return False
-    if cfg.sharded:
-        if mode is True:
-            raise ValueError(
-                "config: rollout.shared_prefix=true is not supported under FSDP2; set "
-                "rollout.shared_prefix=false or auto"
+        return False, True
+    models = [m.model for m in modules if m is not None]
+    padded_reason = "FSDP2 runs it unverified" if cfg.sharded else None
+    padded_reason = padded_reason or next(filter(None, map(why_not_shared, models)), None)
+    tree_reason = "rollout.packing=false" if packing is False else None
+    tree_reason = tree_reason or next(filter(None, map(why_not_tree, models)), None)
+    if padded_reason is None or tree_reason is None:
+        if padded_reason is not None:
+            logger.info(
+                "rollout.shared_prefix: packed shared micro-batches only (%s)", padded_reason
             )
-        logger.info("rollout.shared_prefix=auto: FSDP2 plans without shared prefixes")
-        return False
-    for module in modules:
-        reason = None if module is None else why_not_shared(module.model)
-        if reason is None:
-            continue
-        if mode is True:
-            raise ValueError(
-                f"config: rollout.shared_prefix=true, but {type(module.model).__name__} cannot "
-                f"compute a prefix once per group: {reason}; set rollout.shared_prefix=false or "
-                "auto"
-            )
-        logger.info("rollout.shared_prefix=auto plans without shared prefixes: %s", reason)
-        return False
-    return mode
+        return mode, padded_reason is None
+    reason = f"padded ones: {padded_reason}; packed ones: {tree_reason}"
+    if mode is True:
+        raise ValueError(
+            f"config: rollout.shared_prefix=true, but no shared-prefix forward can run ({reason}); "
+            "set rollout.shared_prefix=false or auto"
+        )
+    logger.info("rollout.shared_prefix=auto plans without shared prefixes (%s)", reason)
+    return False, True
 
 
 def engine_memory(run: Run, *, release: bool) -> None:
