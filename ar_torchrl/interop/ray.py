@@ -158,8 +158,8 @@ with warnings.catch_warnings():
             spec: TensorSpec,
             timeout_s: float,
         ) -> None:
-            """Join the weight group as ``rank`` of ``world_size`` and allocate the buffers."""
-            self._check_spec(spec)
+            """Join the weight group as ``rank`` of ``world_size`` and allocate the buffers (the
+            learner checked ``spec`` against this worker's engine first: ``_spec_mismatch``)."""
             timeout = timedelta(seconds=timeout_s)
             self._store = torch.distributed.TCPStore(
                 address, port, is_master=False, timeout=timeout
@@ -172,27 +172,6 @@ with warnings.catch_warnings():
             logger.info(
                 "rank %d of the weight group %s: %d policy tensors", rank, prefix, len(spec)
             )
-
-        def _check_spec(self, spec: TensorSpec) -> None:
-            """A ``TransformersWrapper``'s model must have exactly these tensors and shapes."""
-            from ar_torchrl.weight_sync import named_policy_tensors
-
-            model = getattr(self._policy(), "model", None)
-            if not isinstance(model, torch.nn.Module):
-                return  # a server-backed wrapper: its sender checks against the server
-            have = {name: tuple(t.shape) for name, t in named_policy_tensors(model)}
-            want = {name: shape for name, shape, _ in spec}
-            if have != want:
-                unknown = sorted(set(want) - set(have))[:5]
-                missing = sorted(set(have) - set(want))[:5]
-                wrong = [(n, want[n], have[n]) for n in want if n in have and want[n] != have[n]]
-                raise WeightSyncError(
-                    f"{type(self).__name__}: the worker's model and the learner's policy differ "
-                    f"(learner-only tensors {unknown}, worker-only {missing}, shapes "
-                    f"(name, learner, worker) {wrong[:3]}); build the worker's engine from the "
-                    "same architecture",
-                    partial=False,
-                )
 
         def _policy(self) -> Any:
             collector = self.collector
@@ -244,6 +223,30 @@ with warnings.catch_warnings():
                 tracker.version = version - 1
 
 
+def _spec_mismatch(spec: TensorSpec, collector: Any) -> str | None:
+    """Run on a worker (``RayRollout.run_on_workers``) before it joins the weight group: how its
+    ``TransformersWrapper`` model's policy tensors differ from ``spec`` (``None``: they match, or
+    a server-backed wrapper, whose sender checks against the server). A message, not an
+    exception: the learner raises it, so a mismatch never leaves it waiting in the group's
+    rendezvous for a worker that will not join."""
+    from ar_torchrl.weight_sync import named_policy_tensors
+
+    model = getattr(collector.policy, "model", None)
+    if not isinstance(model, torch.nn.Module):
+        return None
+    have = {name: tuple(t.shape) for name, t in named_policy_tensors(model)}
+    want = {name: tuple(shape) for name, shape, _ in spec}
+    if have == want:
+        return None
+    unknown = sorted(set(want) - set(have))[:5]
+    missing = sorted(set(have) - set(want))[:5]
+    wrong = [(n, want[n], have[n]) for n in want if n in have and want[n] != have[n]]
+    return (
+        f"learner-only tensors {unknown}, worker-only {missing}, shapes (name, learner, worker) "
+        f"{wrong[:3]}"
+    )
+
+
 class RayWeightPublisher:
     """The learner's end of the weight push to :class:`RayRollout`'s workers (module docstring).
 
@@ -273,8 +276,16 @@ class RayWeightPublisher:
             raise ValueError("RayWeightPublisher: the policy has no tensors to publish (spec=[])")
         import ray
 
-        self.rollout = rollout
         self.spec = list(spec)
+        differ = rollout.run_on_workers(functools.partial(_spec_mismatch, self.spec))
+        for worker, message in enumerate(differ):
+            if message is not None:
+                raise WeightSyncError(
+                    f"RayWeightPublisher: worker {worker}'s model and the learner's policy differ "
+                    f"({message}); build the workers' engines from the learner's architecture",
+                    partial=False,
+                )
+        self.rollout = rollout
         self.timeout_s = float(timeout_s)
         self.address = address or ray.util.get_node_ip_address()
         self.world_size = rollout.num_workers + 1
@@ -311,8 +322,9 @@ class RayWeightPublisher:
         """Send ``version`` and the policy tensors (``value_head.*`` dropped) to every worker.
 
         Raises:
-            WeightSyncError: a tensor's name or shape is not the ``spec``'s; nothing more is sent
-                and the rollout is shut down (its engines may hold part of the push).
+            WeightSyncError: a tensor's name or shape is not the ``spec``'s (nothing more is
+                sent), or a worker's engine refused the tensors (the worker is named); the rollout
+                is shut down (its engines may hold part of the push, or no longer agree).
             RolloutWorkerLost: a worker died during the push.
         """
         from ar_torchrl.weight_sync import policy_only
@@ -351,12 +363,36 @@ class RayWeightPublisher:
             with contextlib.suppress(Exception):
                 self.rollout._gather(receiving)
             raise
+        self._loaded(receiving, version)
+
+    def _loaded(self, receiving: list[concurrent.futures.Future], version: int) -> None:
+        """Wait for every worker's load; one that failed (its engine refused the tensors) stops
+        the rollout, named in a :class:`WeightSyncError` (the engines no longer agree)."""
+        import ray
+
+        for worker, future in enumerate(receiving):
+            try:
+                future.result()
+            except ray.exceptions.RayActorError:
+                break  # a lost worker: _gather below names it
+            except Exception as err:
+                lines = [line for line in str(err).strip().splitlines() if line.strip()]
+                self.rollout.shutdown(graceful=False)
+                raise WeightSyncError(
+                    f"RayWeightPublisher: worker {worker} failed to load version {version}: "
+                    f"{lines[-1] if lines else type(err).__name__}; the rollout was stopped",
+                    partial=True,
+                ) from err
         self.rollout._gather(receiving)
 
     def close(self) -> None:
         """Drop the group and the store (idempotent)."""
         self._group = None
         self._store = None
+
+
+#: Batches a RayRollout worker's collector is sized for (never reached; see RayRollout.__init__).
+_NEVER_REACHED_BATCHES = 2**40
 
 
 class RayRollout:
@@ -427,6 +463,12 @@ class RayRollout:
                 functools.partial(make_env, i),
                 policy_factory=make_policy,
                 dialog_turns_per_batch=dialog_turns_per_batch,
+                # TorchRL 0.14.1: a non-terminating collector (total_dialog_turns=-1, total_frames
+                # inf) has a __len__ that returns inf, so bool(collector) raises TypeError; Ray
+                # evaluates the actor's truth when it stores a task's exception, so any error in
+                # a worker killed its actor instead of reaching the learner. A finite total that
+                # is never reached keeps __len__ an int (tests/interop/test_ray_rollout.py pins both)
+                total_dialog_turns=dialog_turns_per_batch * _NEVER_REACHED_BATCHES,
                 postproc=postproc,
                 weight_updater=GroupWeightReceiver(),
                 remote_config=dict(remote_config),

@@ -38,6 +38,7 @@ from support.dist_workers import (  # noqa: E402
 )
 
 from ar_torchrl.interop.ray import RayRollout, RolloutWorkerLost, local_cluster  # noqa: E402
+from ar_torchrl.models.tiny import build_tiny_qwen3  # noqa: E402
 from ar_torchrl.modules import attach_value_head  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -282,6 +283,57 @@ def test_a_push_that_does_not_match_the_spec_is_refused_and_stops_the_rollout(cl
     ):
         rollout.publish(renamed, version=1)
     assert time.monotonic() - start < 60  # not the weight group's 300 s timeout
+    assert _wait_gone(pids) == []
+    with pytest.raises(RuntimeError, match="RayRollout is shut down"):
+        rollout.collect_each()
+
+
+@pytest.mark.slow
+def test_an_engine_of_another_architecture_is_refused_and_named(cluster):
+    """At connect (before any worker joins the weight group: no wait in its rendezvous) a learner
+    of another architecture is refused naming the worker and the shapes, the workers usable;
+    after it, a worker whose engine refuses a push is named with the engine's reason (an error
+    inside a worker reaches the learner: TorchRL's collector __len__ workaround) and the rollout
+    stops."""
+    from support.dist_workers import collector_is_truthy, shrink_engine
+    from torchrl.collectors.llm import LLMCollector
+
+    from ar_torchrl.weight_sync import WeightSyncError, named_policy_tensors
+
+    # TorchRL 0.14.1: a non-terminating collector cannot be tested for truth (its __len__ is
+    # inf); RayRollout's workers are sized finite (ar_torchrl/interop/ray.py). When this fails,
+    # TorchRL fixed it and the workaround can go.
+    ex = ray_example()
+    env, policy = (
+        ex.make_env(0, prompts_per_batch=2, group_size=2, seed=0),
+        ex.make_policy(max_new_tokens=6, greedy=True),
+    )
+    with pytest.raises(TypeError, match="'float' object cannot be interpreted as an integer"):
+        bool(LLMCollector(env, policy=policy, dialog_turns_per_batch=4))
+    model = attach_value_head(ray_learner_model())
+    rollout = ray_rollout()
+    pids = list(rollout.pids)
+    assert rollout.run_on_workers(collector_is_truthy) == [True, True]
+    other = build_tiny_qwen3(99, hidden_size=32, num_heads=2, seed=7)
+    start = time.monotonic()
+    with pytest.raises(
+        WeightSyncError,
+        match=r"worker 0's model and the learner's policy differ \(learner-only tensors \[\], "
+        r"worker-only \[\], shapes \(name, learner, worker\) \[\('model.embed_tokens.weight', "
+        r"\(99, 32\), \(99, 64\)\)",
+    ):
+        rollout.connect(named_policy_tensors(other))
+    assert time.monotonic() - start < 30
+    assert rollout.collect_each()[0]["tokens"].shape[0] == 4
+    rollout.connect(named_policy_tensors(model))
+    rollout.run_on_workers(shrink_engine)
+    with pytest.raises(
+        WeightSyncError,
+        match=r"worker 0 failed to load version 1: .*StrategySender: tensor "
+        r"'model.embed_tokens.weight' has shape \(99, 64\), the engine's model \(99, 32\).*; the "
+        r"rollout was stopped",
+    ):
+        rollout.publish(named_policy_tensors(model), version=1)
     assert _wait_gone(pids) == []
     with pytest.raises(RuntimeError, match="RayRollout is shut down"):
         rollout.collect_each()

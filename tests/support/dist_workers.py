@@ -580,6 +580,20 @@ def ray_example():
     return sys.modules[name]
 
 
+def shrink_engine(collector) -> bool:
+    """Run in a Ray worker's actor: give its engine an embedding of another width (hidden 32
+    instead of 64), so that it refuses the learner's next push."""
+    model = collector.policy.model
+    model.model.embed_tokens.weight = torch.nn.Parameter(torch.zeros(99, 32))
+    return True
+
+
+def collector_is_truthy(collector) -> bool:
+    """Run in a Ray worker's actor: ``bool(collector)`` (what Ray evaluates when it stores a
+    task's exception)."""
+    return bool(collector)
+
+
 def ray_learner_model():
     """The learner's HF policy for the Ray tests: the example engines' architecture (the char
     vocabulary, hidden 64), not their weights (their samples match only after a sync), and
