@@ -5,8 +5,11 @@ times by the old-log-prob/value pass and by every training pass, although the ``
 token for token. A shared-prefix plan (``plan_micro_batches(..., shared_prefix=True)``) keeps the
 rows of a prompt in one micro-batch and computes the prompt once per group
 (:mod:`ar_torchrl.modules.shared_prefix`). For each ``n`` in ``--ns`` (default 1, 4, 8), one batch
-of ``--prompts`` prompts x ``n`` samples is planned both ways with the same token budget and timed
-side by side:
+of ``--prompts`` prompts x ``n`` samples is planned four ways with the same token budget and timed
+side by side: ``padded`` (the baseline), ``shared`` (padded shared micro-batches: the prompts'
+KV cache, then the responses, two backbone calls), ``packed`` (padding-free, no sharing) and
+``tree`` (packed shared micro-batches, ``packing=True, shared_prefix=True``: each prompt once
+followed by its responses, one call with a 4D mask). Per path:
 
 * ``anchor``: :func:`~ar_torchrl.training.recompute_old_log_probs_and_values` over the plan (no
   grad: old log-probs and values);
@@ -15,10 +18,10 @@ side by side:
 * ``total``: anchor + train of the same round.
 
 Reported per ``n`` and path: tokens the forwards compute (``rows x width`` padded, ``groups x prompt
-+ rows x rest`` shared), seconds (median [min, max] of ``--reps`` rounds, default 7, the paths
-interleaved in every round), and the speed-up padded / shared as the median [min, max] of the
++ rows x rest`` shared, ``bins x bin width`` packed and tree), seconds (median [min, max] of
+``--reps`` rounds, default 7, the paths interleaved in every round), and the speed-up padded / path as the median [min, max] of the
 per-round ratios; CPU seconds beside the wall ones (1 thread: the load-insensitive figure). Before
-timing, the script checks that the shared plan gives the padded plan's log-probs and values (1e-5,
+timing, the script checks that every plan gives the padded plan's log-probs and values (1e-5,
 float32) on every position with a real previous token.
 
 Data: the CPU default (``--model tiny``: the recipe's tiny Qwen3, hidden 64, 2 layers, the char
@@ -243,7 +246,7 @@ def report(results: list[dict], args, load: list[float]) -> str:
         f"{max(prompt):.0f} tokens (mean per n), responses 1-{args.max_new} (mean per n "
         f"{min(response):.1f}-{max(response):.1f}), token "
         f"budget {args.token_budget}, {args.reps} rounds (seconds: median; speed-up = padded / "
-        f"shared per round, median [min, max]), load average {load[0]:.1f} -> {load[1]:.1f}",
+        f"path per round, median [min, max]), load average {load[0]:.1f} -> {load[1]:.1f}",
         f"  {'n':>2} {'path':<7} {'tokens':>7} {'anchor s':>9} {'train s':>9} {'total s':>9} "
         f"{'x anchor':>20} {'x train':>20} {'x total':>20} {'x total (CPU)':>20}",
     ]

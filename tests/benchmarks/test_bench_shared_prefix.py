@@ -1,7 +1,7 @@
 """Smoke test: ``benchmarks/bench_shared_prefix.py --quick`` runs and writes a consistent JSON.
 
-No timings are asserted; the script itself checks that the shared-prefix plan gives the padded
-plan's log-probs and values (float32, 1e-5) before timing.
+No timings are asserted; the script itself checks that the shared-prefix plan, the packed one and the
+tree (packed shared) one give the padded plan's log-probs and values (float32, 1e-5) before timing.
 """
 
 from __future__ import annotations
@@ -28,7 +28,10 @@ def test_bench_shared_prefix_quick(tmp_path: Path) -> None:
     assert config["quick"] and config["ns"] == [1, 4] and len(config["load_average"]) == 2
     assert [r["n"] for r in result["results"]] == [1, 4]
     for r in result["results"]:
-        padded, shared = r["padded"], r["shared"]
+        padded, shared, packed, tree = (r[p] for p in ("padded", "shared", "packed", "tree"))
+        assert packed["computed_tokens"] <= padded["computed_tokens"]
+        if r["n"] > 1:  # the tree layout: each prompt once per group, no response padding
+            assert tree["computed_tokens"] < packed["computed_tokens"]
         assert r["rows"] == config["prompts"] * r["n"]
         assert 0 <= r["max_abs_diff"] <= 1e-5
         assert r["prompt_tokens_mean"] > 0 and 1 <= r["response_tokens_mean"] <= config["max_new"]
@@ -37,7 +40,7 @@ def test_bench_shared_prefix_quick(tmp_path: Path) -> None:
             assert shared["computed_tokens"] == padded["computed_tokens"]
         else:
             assert shared["computed_tokens"] < padded["computed_tokens"]
-        for row in (padded, shared):
+        for row in (padded, shared, packed, tree):
             for stage in ("anchor", "train", "total"):
                 assert row[f"{stage}_s"] > 0
                 lo, med, hi = row[f"{stage}_s_speedup"]
