@@ -27,7 +27,11 @@ tokens, so ``ratio - 1`` is the relative cost of splitting an episode into turns
 context that is prefilled (all of it for ``trainside_prefill``; what the cache does not hold
 otherwise), a new KV cache, the call itself (for SGLang an HTTP round trip per request and the
 scheduler picking the requests up), plus the (K - 1) tool deltas of context (forwarded, and
-attended to by every later token). ``prefill s`` is the wall time of the trainside prefill
+attended to by every later token). ``x same context`` separates the last from the rest: the
+same K-turn time over one generation of ``T`` tokens whose prompt already holds the ``K - 1``
+tool answers (the episode's final context length), measured in the same repetition: what the
+turns themselves cost (calls, per-turn prefill forwards, cache handling) beyond the longer
+context the tool answers add, which one long generation of that context pays too. ``prefill s`` is the wall time of the trainside prefill
 forwards (the first forward of each call), timed by forward hooks on its model. ``cached`` is,
 for ``trainside``, the context tokens taken from the kept cache
 (:attr:`~ar_torchrl.backends.EpisodeCache.reused_tokens`) and, for SGLang, the sum of
@@ -341,8 +345,17 @@ def engines(args, model, tok):
         yield out
 
 
-def summarize(name: str, k: int, args, reps: list[dict], ones: list[dict]) -> dict:
-    """Medians over the repetitions; ``ratio``: median of the per-repetition ``t_K / t_1``."""
+def summarize(
+    name: str, k: int, args, reps: list[dict], ones: list[dict], same: list[dict] | None
+) -> dict:
+    """Medians over the repetitions; ``ratio``: median of the per-repetition ``t_K / t_1``;
+    ``same_context_ratio``: of ``t_K / t`` of one generation whose prompt already holds the
+    ``K - 1`` tool answers (the episode's final context length: what the turns cost beyond the
+    longer context the tool answers add)."""
+    same_ratios = sorted(r["seconds"] / o["seconds"] for r, o in zip(reps, same or []))
+    same_context = (
+        [same_ratios[0], statistics.median(same_ratios), same_ratios[-1]] if same_ratios else None
+    )
     med = {
         key: statistics.median(r[key] for r in reps)
         for key in ("seconds", "generated_tokens", "submitted_prompt_tokens", "prefilled_tokens")
@@ -367,6 +380,8 @@ def summarize(name: str, k: int, args, reps: list[dict], ones: list[dict]) -> di
         cpu_ratio_range=[cpu_ratios[0], cpu_ratios[-1]],
         ratio_reps=ratios,
         ratio_of_medians=med["seconds"] / statistics.median(o["seconds"] for o in ones),
+        same_context_ratio=same_context,
+        same_context_seconds=statistics.median(o["seconds"] for o in same) if same else None,
         submitted_prompt_tokens=med["submitted_prompt_tokens"],
         cached_tokens=statistics.median(cached) if cached else None,
         prefilled_tokens=med["prefilled_tokens"],
@@ -411,8 +426,12 @@ def run(args) -> tuple[dict, dict]:
                     seed = args.seed + 10_000 * (rep + 1)  # the same seeds on both backends
                     r = episode_batch(e, prompts, k, args, seed, deltas, eos)
                     runs.setdefault((e.name, k), []).append(r)
+                    if k > 1:  # one generation from the K-turn episode's final context length
+                        longer = [p + deltas[False] * (k - 1) for p in prompts]
+                        r = episode_batch(e, longer, 1, args, seed, deltas, eos)
+                        runs.setdefault((e.name, -k), []).append(r)
     rows = [
-        summarize(name, k, args, runs[name, k], runs[name, 1])
+        summarize(name, k, args, runs[name, k], runs[name, 1], runs.get((name, -k)))
         for name in args.backends
         for k in args.ks
     ]
@@ -428,7 +447,7 @@ def report(result: dict, args) -> str:
     head = (
         f"  {'backend':<17} {'K':>2} {'tok/turn':>8} {'s/batch':>8} {'ms/tok':>7} "
         f"{'ratio [min, max]':>20} {'CPU ratio [min, max]':>21} {'submitted':>9} {'cached':>7} "
-        f"{'prefilled':>9} {'prefill s':>9}"
+        f"{'prefilled':>9} {'prefill s':>9} {'x same context [min, max]':>26}"
     )
     lines = [
         f"{args.batch} episodes x {args.total_tokens} generated tokens, K turns of "
@@ -445,16 +464,22 @@ def report(result: dict, args) -> str:
         if r["backend"] == "sglang":  # this process's CPU: the client, not the server's compute
             cpu = "-"
         prefill = "-" if r["prefill_seconds"] is None else f"{r['prefill_seconds']:.3f}"
+        same = "-"
+        if r["same_context_ratio"] is not None:
+            lo, med, hi = r["same_context_ratio"]
+            same = f"{med:.2f} [{lo:.2f}, {hi:.2f}]"
         lines.append(
             f"  {r['backend']:<17} {r['turns']:>2} {r['max_new_tokens_per_turn']:>8} "
             f"{r['seconds']:>8.3f} {r['ms_per_generated_token']:>7.3f} {ratio:>20} {cpu:>21} "
             f"{r['submitted_prompt_tokens']:>9.0f} {cached:>7} {r['prefilled_tokens']:>9.0f} "
-            f"{prefill:>9}"
+            f"{prefill:>9} {same:>26}"
         )
     lines.append(
         "  (submitted: prompt tokens sent over all turns; cached: taken from the kept KV cache "
         "(trainside) or SGLang's meta_info.cached_tokens; prefilled = submitted - cached; "
-        "prefill s: the trainside model's prefill forwards, hooks)"
+        "prefill s: the trainside model's prefill forwards, hooks; x same context: time(K turns) / "
+        "time(1 generation whose prompt already holds the K - 1 tool answers), per rep: the cost "
+        "of the turns beyond the longer context the tool answers add)"
     )
     return "\n".join(lines) + "\n"
 

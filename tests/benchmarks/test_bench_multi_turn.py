@@ -57,6 +57,12 @@ def check(data: dict, backends: list[str]) -> None:
             assert result["ratios"][name][str(k)] == r["ratio"] > 0
             assert r["ratio_reps"] == [r["ratio"]]
             assert r["ratio"] == pytest.approx(rep["seconds"] / rows[name, 1]["reps"][0]["seconds"])
+            # the same-context reference: one generation from the final context length (k > 1)
+            if k == 1:
+                assert r["same_context_ratio"] is None and r["same_context_seconds"] is None
+            else:
+                lo, med, hi = r["same_context_ratio"]
+                assert lo == med == hi == pytest.approx(rep["seconds"] / r["same_context_seconds"])
             # EOS is switched off: every episode generates exactly T tokens in k turns of T // k
             assert r["max_new_tokens_per_turn"] == T // k
             assert rep["generated_tokens"] == r["generated_tokens"] == B * T
