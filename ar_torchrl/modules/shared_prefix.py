@@ -214,6 +214,14 @@ class TreeLayout:
         parent: ``[bins * W]`` int64 flat position of the real token before each packed token in
             its row (-1: a row's first real token, and slack).
         previous: ``[R, w]`` bool, real tokens with a real token before them in their row.
+
+    Example:
+        >>> mask = torch.ones(2, 3, dtype=torch.bool)  # two rows sharing their first 2 tokens
+        >>> layout = tree_layout(torch.tensor([[5, 6, 7], [5, 6, 8]]), mask, SharedPrefix(2, (0, 0)))
+        >>> layout.input_ids.tolist(), layout.index.tolist()
+        ([[5, 6, 7, 8]], [[0, 1, 2], [0, 1, 3]])
+        >>> layout.attention_mask[0, 0].int().tolist()  # token 8 sees 5, 6 and itself, not 7
+        [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 0, 1]]
     """
 
     input_ids: Tensor

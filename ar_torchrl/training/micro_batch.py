@@ -46,6 +46,10 @@ AUTO_PACKING_MIN_PADDING = 0.2
 # "auto" shares prefixes when the shared plan computes at least this fraction fewer backbone tokens
 # than the padded plan (benchmarks/bench_shared_prefix.py measures what that buys).
 AUTO_SHARED_MIN_SAVING = 0.2
+# "auto" packing lays shared micro-batches out as a tree only while its bins are at most this wide:
+# the tree's dense attention mask holds bins x width^2 elements (at 4096: 16 M per bin), beyond
+# that it takes the padded shared layout (the prefix's KV cache) where that can run.
+AUTO_TREE_MAX_WIDTH = 4096
 
 
 @dataclass(frozen=True, order=True)
@@ -249,7 +253,8 @@ def plan_micro_batches(
     one. Packed (``packing=True`` or ``"auto"``: the *tree* layout, one backbone call), each group
     is one unit, its prefix once followed by its rows' real tokens, and units are packed
     first-fit like rows (``bins x bin width``); a micro-batch that shares nothing is an ordinary
-    packed one (benchmarks/bench_shared_prefix.py: the tree was 1.15-1.3x the padded shared
+    packed one (with ``packing="auto"`` only while no bin is wider than ``AUTO_TREE_MAX_WIDTH``:
+    its dense mask holds ``bins x width^2`` elements; benchmarks/bench_shared_prefix.py: the tree was 1.15-1.3x the padded shared
     forward's speed at n = 4-8 on the CPU default). ``shared_padded=False`` allows only the
     packed layout (where the two-call forward cannot run: FSDP2, activation checkpointing; with
     ``packing=False`` nothing is then shared). ``"auto"`` shares when that computes at least ``AUTO_SHARED_MIN_SAVING``
@@ -314,6 +319,10 @@ def plan_micro_batches(
         shared = _shared_plan(
             td, mask, first, last, token_budget, max_rows, keys, shared_prefix, tree
         )
+        if tree and packing == "auto" and shared_padded and _too_wide(shared):
+            shared = _shared_plan(
+                td, mask, first, last, token_budget, max_rows, keys, shared_prefix, False
+            )
         if shared_prefix is True:
             return shared
     pack = packing is True or (
@@ -327,6 +336,13 @@ def plan_micro_batches(
         if packed is None or shared.num_tokens <= packed.num_tokens:
             return shared
     return packed if packed is not None else padded
+
+
+def _too_wide(plan: MicroBatchPlan | None) -> bool:
+    """Whether a tree plan has a bin wider than ``AUTO_TREE_MAX_WIDTH`` (its dense mask would
+    hold ``bins x W x W`` elements)."""
+    widths = [mb.packed_shape[1] for mb in plan.micro_batches if mb.packed] if plan else []
+    return max(widths, default=0) > AUTO_TREE_MAX_WIDTH
 
 
 def _shared_plan(

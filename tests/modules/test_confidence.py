@@ -124,9 +124,11 @@ def test_every_plan_gives_the_same_values_and_the_first_ratio_is_one(budget):
         "padded": plan_micro_batches(td, budget),
         "packed": plan_micro_batches(td, budget, packing=True),
         "shared": plan_micro_batches(td, budget, shared_prefix=True),
+        "tree": plan_micro_batches(td, budget, shared_prefix=True, packing=True),
     }
+    assert all(mb.shared and mb.packed for mb in plans["tree"].micro_batches)
     got = {name: recompute_old_log_probs_and_values(ac, td.clone(), p) for name, p in plans.items()}
-    for name in ("packed", "shared"):
+    for name in ("packed", "shared", "tree"):
         for key in ("sample_log_prob", "state_value"):
             x, y = got[name][key].reshape(real.shape), got["padded"][key].reshape(real.shape)
             torch.testing.assert_close(x[real], y[real], atol=1e-6, rtol=0, msg=f"{name} {key}")

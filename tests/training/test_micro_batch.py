@@ -144,6 +144,25 @@ def test_auto_shares_where_groups_save_tokens_packed_with_the_tree_layout():
         plan_micro_batches(grouped, 10_000, shared_prefix="yes")
 
 
+def test_auto_packing_keeps_wide_trees_padded(monkeypatch):
+    """``packing="auto"`` lays shared micro-batches out as a tree only while every bin is at most
+    ``AUTO_TREE_MAX_WIDTH`` wide (its dense mask: bins x width^2); wider, the padded shared
+    layout; ``packing=True`` (asked for) and ``shared_padded=False`` (nothing else runs) keep it."""
+    from ar_torchrl.training import micro_batch
+
+    td = shared_prompt_batch(6, 4, seed=1)
+    tree = plan_micro_batches(td, 10_000, packing="auto", shared_prefix="auto")
+    width = max(mb.packed_shape[1] for mb in tree.micro_batches)
+    assert all(mb.packed and mb.shared for mb in tree.micro_batches)
+    monkeypatch.setattr(micro_batch, "AUTO_TREE_MAX_WIDTH", width - 1)
+    wide = plan_micro_batches(td, 10_000, packing="auto", shared_prefix="auto")
+    assert all(mb.shared and not mb.packed for mb in wide.micro_batches)
+    assert wide == plan_micro_batches(td, 10_000, shared_prefix=True)
+    assert plan_micro_batches(td, 10_000, packing=True, shared_prefix="auto") == tree
+    only = plan_micro_batches(td, 10_000, packing="auto", shared_prefix="auto", shared_padded=False)
+    assert only == tree
+
+
 @pytest.mark.parametrize("budget", [40, 90, 10_000])
 def test_tree_plans_count_what_the_tree_layout_computes(budget):
     """Every packed shared micro-batch's ``packed_shape`` is the shape of the input the tree
