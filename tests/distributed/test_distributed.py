@@ -17,6 +17,7 @@ from support.dist_workers import (
     actor_critic,
     all_checks,
     batch,
+    compared_update,
     ppo_loss,
     prepare,
     separate_optimizer,
@@ -54,15 +55,7 @@ def test_two_ranks_train_like_one_process(two_ranks, mode):
     td = batch()
     plan = plan_micro_batches(td, BUDGET)
     td = prepare(ac, td, plan)
-    want = ppo_update(
-        ppo_loss(ac, mode),
-        torch.optim.SGD(ac.parameters(), lr=0.5),
-        td,
-        plan,
-        epochs=2,
-        grad_clip=0.05,
-        generator=torch.Generator().manual_seed(0),
-    )
+    want = compared_update(ppo_loss(ac, mode), torch.optim.SGD(ac.parameters(), lr=0.5), td, plan)
     assert max(info["padding"]) >= 1, "the plan must be uneven over the ranks"
     assert want["train/grad_norm"] > 0.05, "clipping must be active"
     metrics = info["metrics"]
@@ -99,15 +92,7 @@ def test_two_ranks_with_packed_shared_prefixes_train_like_one_process(two_ranks,
     td = tree_batch()
     plan = tree_plan(td)
     td = prepare(ac, td, plan)
-    want = ppo_update(
-        ppo_loss(ac),
-        torch.optim.SGD(ac.parameters(), lr=0.5),
-        td,
-        plan,
-        epochs=2,
-        grad_clip=0.05,
-        generator=torch.Generator().manual_seed(0),
-    )
+    want = compared_update(ppo_loss(ac), torch.optim.SGD(ac.parameters(), lr=0.5), td, plan)
     metrics = info["metrics"]
     assert metrics["train/optimizer_steps"] == want["train/optimizer_steps"] == 2.0
     for key in ("loss_objective", "loss_critic", "grad_norm", "mean_ratio", "explained_variance"):
@@ -209,15 +194,7 @@ def test_two_ranks_with_a_separate_critic_train_like_one_process(two_ranks):
     loss = ppo_loss(actor, critic=critic)
     recompute_old_log_probs_and_values(actor, td, plan, loss=loss)
     td = TokenGAE(gamma=1.0, lmbda=0.95, normalize_advantage=True)(td)
-    want = ppo_update(
-        loss,
-        separate_optimizer(actor, critic),
-        td,
-        plan,
-        epochs=2,
-        grad_clip=0.05,
-        generator=torch.Generator().manual_seed(0),
-    )
+    want = compared_update(loss, separate_optimizer(actor, critic), td, plan)
     assert want["train/grad_norm"] > 0.05 and want["train/grad_norm_critic"] > 0.05  # both clip
     for key in ("loss_objective", "loss_critic", "grad_norm", "grad_norm_critic", "mean_ratio"):
         assert metrics[f"train/{key}"] == pytest.approx(want[f"train/{key}"], rel=1e-5, abs=1e-6)

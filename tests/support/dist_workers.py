@@ -94,6 +94,28 @@ def prepare(ac, td, plan, sharded=None):
     return TokenGAE(gamma=1.0, lmbda=0.95, normalize_advantage=True)(td)
 
 
+def compared_update(loss, opt, td, plan) -> dict:
+    """The update that the 2-rank checks and their one-process references both run: 2 epochs,
+    gradients clipped at 0.05 (active on these batches), the micro-batch order seeded."""
+    return ppo_update(
+        loss, opt, td, plan, epochs=2, grad_clip=0.05, generator=torch.Generator().manual_seed(0)
+    )
+
+
+def first_update_ratios(ac, loss, td, sharded) -> list:
+    """Every rank's ``[min, max]`` ratio of each micro-batch it owns at the old weights (the same
+    number of forwards on both ranks: padding passes included, not reported), gathered."""
+    ratios = []
+    for mb in sharded.local_plan.micro_batches:
+        res = loss(sharded.crop(td, mb))
+        if not mb.padding:
+            ratios.append([res["min_ratio"].item(), res["max_ratio"].item()])
+    reshard(ac)  # forwards without backward leave FSDP2's root gathered
+    gathered = [None] * sharded.world_size
+    torch.distributed.all_gather_object(gathered, ratios)
+    return gathered
+
+
 def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every rank: the full fp32 tensors of ``module.state_dict()`` (collective under FSDP)."""
     out = {}
@@ -171,15 +193,7 @@ def train_checks(ctx, out: Path) -> None:
         td = broadcast_batch(batch() if ctx.is_main else None, ctx)
         sharded = shard_plan(plan_micro_batches(td, BUDGET), td, rank=ctx.rank, world_size=2)
         td = prepare(ac, td, None, sharded)
-        metrics = ppo_update(
-            ppo_loss(ac, mode),
-            opt,
-            td,
-            sharded,
-            epochs=2,
-            grad_clip=0.05,
-            generator=torch.Generator().manual_seed(0),
-        )
+        metrics = compared_update(ppo_loss(ac, mode), opt, td, sharded)
         padding = [len(sharded.local_plan) - len(sharded.owned(r)) for r in range(2)]
         _save(
             ctx,
@@ -208,19 +222,12 @@ def _bf16_checks(ctx, out: Path) -> None:
     sharded = shard_plan(plan_micro_batches(td, BUDGET), td, rank=ctx.rank, world_size=2)
     td = prepare(ac, td, None, sharded)
     loss = ppo_loss(ac)
-    ratios = []
-    for mb in sharded.local_plan.micro_batches:  # the same number of forwards on both ranks
-        res = loss(sharded.crop(td, mb))
-        if not mb.padding:
-            ratios.append([res["min_ratio"].item(), res["max_ratio"].item()])
-    reshard(ac)  # forwards without backward leave FSDP2's root gathered
+    all_ratios = first_update_ratios(ac, loss, td, sharded)
     policy = [p for n, p in ac.named_parameters() if "value_head" not in n]
     before = [p.to_local().detach().clone() for p in policy]
     ppo_update(loss, opt, td, sharded, grad_clip=1.0)
     changed = sum(int((p.to_local() != b).sum()) for p, b in zip(policy, before))
     counts = ctx.all_reduce(torch.tensor([changed, sum(b.numel() for b in before)]))
-    all_ratios = [None, None]
-    torch.distributed.all_gather_object(all_ratios, ratios)
     _save(
         ctx,
         out,
@@ -420,9 +427,7 @@ def separate_critic_checks(ctx, out: Path) -> None:
     loss = ppo_loss(actor, critic=critic)
     recompute_sharded_old_log_probs_and_values(actor, td, sharded, loss=loss)
     td = TokenGAE(gamma=1.0, lmbda=0.95, normalize_advantage=True)(td)
-    metrics = ppo_update(
-        loss, opt, td, sharded, epochs=2, grad_clip=0.05, generator=torch.Generator().manual_seed(0)
-    )
+    metrics = compared_update(loss, opt, td, sharded)
     _save(ctx, out, "separate_equal", _both_states(actor, critic), {"metrics": metrics})
 
     ckpt = out / "separate_ckpt"
@@ -513,23 +518,8 @@ def tree_checks(ctx, out: Path) -> None:
         sharded = shard_plan(tree_plan(td), td, rank=ctx.rank, world_size=2)
         td = prepare(ac, td, None, sharded)
         loss = ppo_loss(ac)
-        ratios = []
-        for mb in sharded.local_plan.micro_batches:
-            res = loss(sharded.crop(td, mb))
-            if not mb.padding:
-                ratios.append([res["min_ratio"].item(), res["max_ratio"].item()])
-        reshard(ac)  # forwards without backward leave FSDP2's root gathered
-        metrics = ppo_update(
-            loss,
-            opt,
-            td,
-            sharded,
-            epochs=2,
-            grad_clip=0.05,
-            generator=torch.Generator().manual_seed(0),
-        )
-        all_ratios = [None, None]
-        torch.distributed.all_gather_object(all_ratios, ratios)
+        all_ratios = first_update_ratios(ac, loss, td, sharded)
+        metrics = compared_update(loss, opt, td, sharded)
         owned = [[bool(mb.shared and mb.packed) for mb in sharded.owned(r)] for r in range(2)]
         _save(
             ctx,
