@@ -20,6 +20,7 @@ rows x rest``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
@@ -227,6 +228,7 @@ def plan_micro_batches(
     packing: bool | Literal["auto"] = False,
     shared_prefix: bool | Literal["auto"] = False,
     shared_padded: bool = True,
+    shared_packed: bool = True,
     attention_mask_key: NestedKey = "attention_mask",
     tokens_key: NestedKey = "tokens",
     loss_mask_key: NestedKey = "loss_mask",
@@ -257,7 +259,8 @@ def plan_micro_batches(
     its dense mask holds ``bins x width^2`` elements; benchmarks/bench_shared_prefix.py: the tree was 1.15-1.3x the padded shared
     forward's speed at n = 4-8 on the CPU default). ``shared_padded=False`` allows only the
     packed layout (where the two-call forward cannot run: FSDP2, activation checkpointing; with
-    ``packing=False`` nothing is then shared). ``"auto"`` shares when that computes at least ``AUTO_SHARED_MIN_SAVING``
+    ``packing=False`` nothing is then shared), ``shared_packed=False`` only the padded one (a
+    model whose attention kernel takes no dense mask; with ``packing=True`` nothing is shared). ``"auto"`` shares when that computes at least ``AUTO_SHARED_MIN_SAVING``
     fewer tokens than the padded plan and no more than the packed plan ``packing`` would choose,
     else plans as ``packing`` says (a batch without ``tokens``/``loss_mask`` is not shared).
 
@@ -270,6 +273,8 @@ def plan_micro_batches(
         shared_prefix: ``False``, ``True`` or ``"auto"``.
         shared_padded: whether a shared micro-batch may be padded (``False``: packed only; with
             ``packing=False`` nothing is then shared, and ``shared_prefix=True`` is an error).
+        shared_packed: whether it may be packed (``False``: padded only; with ``packing=True``
+            nothing is then shared, and ``shared_prefix=True`` is an error).
 
     Raises:
         ValueError: a row longer than ``token_budget`` on its own, a row without any real token,
@@ -284,11 +289,18 @@ def plan_micro_batches(
         raise ValueError(f"packing must be True, False or 'auto', got {packing!r}")
     if shared_prefix not in (True, False, "auto"):
         raise ValueError(f"shared_prefix must be True, False or 'auto', got {shared_prefix!r}")
-    if shared_prefix is True and packing is False and not shared_padded:
+    can_tree = packing is not False and shared_packed  # the layouts a shared plan may take
+    can_pad = packing is not True and shared_padded
+    if shared_prefix is True and packing is False and not can_pad:
         raise ValueError(
             "plan_micro_batches: shared_prefix=True with shared_padded=False needs packed "
             "micro-batches (the tree layout), but packing=False; use packing=True or 'auto', or "
             "shared_prefix='auto'"
+        )
+    if shared_prefix is True and not (can_tree or can_pad):
+        raise ValueError(
+            "plan_micro_batches: shared_prefix=True with shared_packed=False needs padded "
+            "micro-batches, but packing=True; use packing=False or 'auto', or shared_prefix='auto'"
         )
     if td.batch_dims < 2:
         raise ValueError(
@@ -314,12 +326,12 @@ def plan_micro_batches(
         _group_padded(order, first, last, token_budget, max_rows), size, token_budget
     )
     shared = None
-    if shared_prefix is not False and (packing is not False or shared_padded):
-        tree = packing is not False  # one backbone call: faster where it can run (bench)
+    if shared_prefix is not False and (can_tree or can_pad):
+        tree = can_tree  # one backbone call: faster where it can run (bench)
         shared = _shared_plan(
             td, mask, first, last, token_budget, max_rows, keys, shared_prefix, tree
         )
-        if tree and packing == "auto" and shared_padded and _too_wide(shared):
+        if tree and can_pad and _too_wide(shared):
             shared = _shared_plan(
                 td, mask, first, last, token_budget, max_rows, keys, shared_prefix, False
             )
@@ -360,11 +372,8 @@ def _shared_plan(
         )
     tokens, loss_mask = td.get(keys[0]), td.get(keys[1]).bool()
     groups = _prefix_groups(tokens, mask, loss_mask)
-    if tree:
-        counts = torch.nn.functional.pad(mask.long().cumsum(-1), (1, 0)).tolist()
-        micro = _group_shared(groups, first, last, budget, max_rows, counts)
-    else:
-        micro = _group_shared(groups, first, last, budget, max_rows)
+    counts = _real_counts(mask) if tree else None
+    micro = _group_shared(groups, first, last, budget, max_rows, counts)
     return MicroBatchPlan(micro, (mask.shape[0], mask.shape[1]), budget)
 
 
@@ -539,30 +548,30 @@ def _shared_micro_batch(units: list[_Group]) -> MicroBatch:
     return MicroBatch(rows, start, end, shared=(split, tuple(group_of[r] for r in rows)))
 
 
+def _real_counts(mask: torch.Tensor) -> list[list[int]]:
+    """``[B][L + 1]``: each row's real tokens before each column (``counts[r][b] - counts[r][a]``
+    are the real tokens of ``[a, b)``)."""
+    return torch.nn.functional.pad(mask.long().cumsum(-1), (1, 0)).tolist()
+
+
 def _tree_micro_batch(units: list[_Group], counts: list[list[int]]) -> MicroBatch:
-    """A packed micro-batch of ``units``: the tree layout (each unit its prefix once, then its
-    rows' own tokens; :func:`~ar_torchrl.modules.shared_prefix.tree_layout`) when they share a
-    prefix, else an ordinary packed one; ``packed_shape`` from the same :func:`pack_rows` call
-    the forward makes, on the same lengths in the same order."""
-    start, end = min(u.start for u in units), max(u.end for u in units)
-    split = min(u.split for u in units)
-    rows = tuple(sorted(r for u in units for r in u.rows))
-    if all(len(u.rows) == 1 for u in units) or split <= start:
-        lengths = [counts[r][end] - counts[r][start] for r in rows]
-        bins, _ = pack_rows(lengths)
-        return MicroBatch(rows, start, end, packed_shape=(bins, max(lengths)))
-    lengths = [counts[u.rows[0]][split] - counts[u.rows[0]][start] for u in units]
-    for k, unit in enumerate(units):
-        lengths[k] += sum(counts[r][end] - counts[r][split] for r in unit.rows)
-    group_of = {r: k for k, u in enumerate(units) for r in u.rows}
+    """:func:`_shared_micro_batch` of ``units``, packed: the tree layout (each unit its prefix
+    once, then its rows' own tokens; :func:`~ar_torchrl.modules.shared_prefix.tree_layout`) when
+    they share a prefix, else an ordinary packed micro-batch; ``packed_shape`` from the same
+    :func:`pack_rows` call the forward makes, on the same lengths in the same (group) order."""
+    mb = _shared_micro_batch(units)
+    if mb.shared is None:
+        lengths = [counts[r][mb.end] - counts[r][mb.start] for r in mb.rows]
+    else:
+        split = mb.shared[0]
+        lengths = [
+            counts[u.rows[0]][split]
+            - counts[u.rows[0]][mb.start]
+            + sum(counts[r][mb.end] - counts[r][split] for r in u.rows)
+            for u in units
+        ]
     bins, _ = pack_rows(lengths)
-    return MicroBatch(
-        rows,
-        start,
-        end,
-        packed_shape=(bins, max(lengths)),
-        shared=(split, tuple(group_of[r] for r in rows)),
-    )
+    return dataclasses.replace(mb, packed_shape=(bins, max(lengths)))
 
 
 def _halve(mb: MicroBatch, mask: torch.Tensor) -> list[MicroBatch]:
@@ -591,7 +600,7 @@ def _halve(mb: MicroBatch, mask: torch.Tensor) -> list[MicroBatch]:
         if len(units) == 1:
             rows = units[0]
             units = [rows[: len(rows) // 2], rows[len(rows) // 2 :]]
-    counts = torch.nn.functional.pad(mask.long().cumsum(-1), (1, 0)).tolist()
+    counts = _real_counts(mask)
     size = [sum(counts[r][last[r]] - counts[r][first[r]] for r in u) for u in units]
     halves: list[list[list[int]]] = [[], []]
     load = [0, 0]

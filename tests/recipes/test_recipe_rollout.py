@@ -122,14 +122,26 @@ def test_rollout_shared_prefix_is_the_plan_of_the_old_log_prob_pass_and_the_upda
     checkpointed = tiny_actor_critic()
     checkpoint_decoder_layers(checkpointed.model)
     auto, true = typed(["rollout.shared_prefix=auto"]), typed(["rollout.shared_prefix=true"])
-    assert loop.shared_prefix_mode(auto, tiny_actor_critic(), None, checkpointed) == ("auto", False)
-    assert loop.shared_prefix_mode(true, tiny_actor_critic(), None, checkpointed) == (True, False)
+    assert loop.shared_prefix_mode(auto, tiny_actor_critic(), None, checkpointed) == (
+        "auto",
+        False,
+        True,
+    )
+    assert loop.shared_prefix_mode(true, tiny_actor_critic(), None, checkpointed) == (
+        True,
+        False,
+        True,
+    )
     padded_only = ["rollout.packing=false"]
     auto, true = (
         typed(["rollout.shared_prefix=auto", *padded_only]),
         typed(["rollout.shared_prefix=true", *padded_only]),
     )
-    assert loop.shared_prefix_mode(auto, tiny_actor_critic(), None, checkpointed) == (False, True)
+    assert loop.shared_prefix_mode(auto, tiny_actor_critic(), None, checkpointed) == (
+        False,
+        True,
+        True,
+    )
     with pytest.raises(
         ValueError,
         match=r"config: rollout.shared_prefix=true, but no shared-prefix forward can run \(padded "
@@ -137,11 +149,30 @@ def test_rollout_shared_prefix_is_the_plan_of_the_old_log_prob_pass_and_the_upda
         r"rollout.shared_prefix=false or auto",
     ):
         loop.shared_prefix_mode(true, tiny_actor_critic(), None, checkpointed)
-    # a model that can run neither (a kernel without dense masks, and checkpointing)
+    # a kernel without dense masks: padded shared micro-batches only, planned so with
+    # packing=auto (the tree would reach a model that cannot run it)
     flash = tiny_actor_critic()
-    checkpoint_decoder_layers(flash.model)
     flash.model.config._attn_implementation = "flash_attention_2"  # read, never run
-    assert loop.shared_prefix_mode(typed(["rollout.shared_prefix=auto"]), flash) == (False, True)
+    auto = typed(["rollout.shared_prefix=auto", "rollout.token_budget=64"])
+    mode = loop.shared_prefix_mode(auto, flash)
+    assert mode == ("auto", True, False)
+    shared_prefix, shared_padded, shared_packed = mode
+    plan = loop.plan_micro_batches(
+        td,
+        64,
+        packing="auto",
+        shared_prefix=shared_prefix,
+        shared_padded=shared_padded,
+        shared_packed=shared_packed,
+    )
+    assert all(mb.shared and not mb.packed for mb in plan.micro_batches)
+    # a model that can run neither (a kernel without dense masks, and checkpointing)
+    checkpoint_decoder_layers(flash.model)
+    assert loop.shared_prefix_mode(typed(["rollout.shared_prefix=auto"]), flash) == (
+        False,
+        True,
+        True,
+    )
 
 
 @pytest.mark.slow

@@ -140,6 +140,21 @@ def test_auto_shares_where_groups_save_tokens_packed_with_the_tree_layout():
     assert only_tree == tree
     with pytest.raises(ValueError, match=r"shared_padded=False needs packed micro-batches"):
         plan_micro_batches(grouped, 10_000, shared_prefix=True, shared_padded=False)
+    # shared_packed=False (a kernel without dense masks): padded or nothing shared
+    for packing in ("auto", False):
+        only_padded = plan_micro_batches(
+            grouped, 10_000, packing=packing, shared_prefix="auto", shared_packed=False
+        )
+        assert only_padded == padded, packing
+    assert plan_micro_batches(
+        grouped, 10_000, packing=True, shared_prefix="auto", shared_packed=False
+    ) == plan_micro_batches(grouped, 10_000, packing=True)
+    with pytest.raises(
+        ValueError,
+        match=r"shared_prefix=True with shared_packed=False needs padded micro-batches, but "
+        r"packing=True",
+    ):
+        plan_micro_batches(grouped, 10_000, packing=True, shared_prefix=True, shared_packed=False)
     with pytest.raises(ValueError, match=r"shared_prefix must be True, False or 'auto', got 'yes'"):
         plan_micro_batches(grouped, 10_000, shared_prefix="yes")
 

@@ -170,7 +170,8 @@ class Run:
     tokenizer: Any = None  # the policy's, written with the exported models
     warmup: CriticWarmup | None = None  # algo.critic_warmup_iters / critic_warmup_until_ev
     watch: CriticWatch | None = None  # train.critic_warn_iters
-    shared_prefix: Any = (False, True)  # (rollout.shared_prefix, shared_padded): shared_prefix_mode
+    # (rollout.shared_prefix, shared_padded, shared_packed) as the plans take them: shared_prefix_mode
+    shared_prefix: Any = (False, True, True)
 
     @property
     def is_main(self) -> bool:
@@ -480,7 +481,7 @@ def old_log_probs_and_values(run: Run, td):
     """The micro-batch plan (this rank's share under FSDP2) and the old log-probs and values of ``td`` computed with
     exactly those micro-batches (ratio exactly 1 on the first update)."""
     r = run.cfg.rollout
-    mode, shared_padded = run.shared_prefix
+    mode, shared_padded, shared_packed = run.shared_prefix
     plan = plan_micro_batches(
         td,
         r.token_budget,
@@ -488,6 +489,7 @@ def old_log_probs_and_values(run: Run, td):
         packing=r.packing,
         shared_prefix=mode,
         shared_padded=shared_padded,
+        shared_packed=shared_packed,
     )
     return run.strategy.old_log_probs_and_values(
         run.actor_critic, td, plan, run.ref_actor, run.critic
@@ -510,29 +512,29 @@ def plan_metrics(plan) -> dict[str, float]:
 
 def shared_prefix_mode(
     cfg: Config, *modules: LMActorCritic | LMCritic | None
-) -> tuple[bool | str, bool]:
-    """``(rollout.shared_prefix, shared_padded)`` as the run's plans take them (the old-log-prob
-    pass and the update share one plan, so one geometry). Padded shared micro-batches (two
-    backbone calls, the prefix's cache) are left out under FSDP2 and when a model cannot run them
-    (:func:`~ar_torchrl.modules.why_not_shared`: activation checkpointing); packed ones (the tree
-    layout, one call) then still share, unless a model cannot run them either
-    (:func:`~ar_torchrl.modules.why_not_tree`: a kernel without dense masks) or
-    ``rollout.packing=false``. ``auto`` then plans without sharing; ``true`` is an error naming
-    the key."""
+) -> tuple[bool | str, bool, bool]:
+    """``(rollout.shared_prefix, shared_padded, shared_packed)`` as the run's plans take them (the
+    old-log-prob pass and the update share one plan, so one geometry). Padded shared micro-batches
+    (two backbone calls, the prefix's cache) are left out under FSDP2 and when a model cannot run
+    them (:func:`~ar_torchrl.modules.why_not_shared`: activation checkpointing); packed ones (the
+    tree layout, one call) when a model cannot run them (:func:`~ar_torchrl.modules.why_not_tree`:
+    a kernel without dense masks) or ``rollout.packing=false``. With neither, ``auto`` plans
+    without sharing and ``true`` is an error naming the key."""
     mode, packing = cfg.rollout.shared_prefix, cfg.rollout.packing
     if mode is False:
-        return False, True
+        return False, True, True
     models = [m.model for m in modules if m is not None]
     padded_reason = "FSDP2 runs it unverified" if cfg.sharded else None
     padded_reason = padded_reason or next(filter(None, map(why_not_shared, models)), None)
     tree_reason = "rollout.packing=false" if packing is False else None
     tree_reason = tree_reason or next(filter(None, map(why_not_tree, models)), None)
     if padded_reason is None or tree_reason is None:
-        if padded_reason is not None:
-            logger.info(
-                "rollout.shared_prefix: packed shared micro-batches only (%s)", padded_reason
-            )
-        return mode, padded_reason is None
+        for layout, reason in (("packed", padded_reason), ("padded", tree_reason)):
+            if reason is not None:
+                logger.info(
+                    "rollout.shared_prefix: %s shared micro-batches only (%s)", layout, reason
+                )
+        return mode, padded_reason is None, tree_reason is None
     reason = f"padded ones: {padded_reason}; packed ones: {tree_reason}"
     if mode is True:
         raise ValueError(
@@ -540,7 +542,7 @@ def shared_prefix_mode(
             "set rollout.shared_prefix=false or auto"
         )
     logger.info("rollout.shared_prefix=auto plans without shared prefixes (%s)", reason)
-    return False, True
+    return False, True, True
 
 
 def engine_memory(run: Run, *, release: bool) -> None:
