@@ -69,40 +69,71 @@ VARIANT_SETS: dict[str, dict[str, tuple[str, ...]]] = {
     },
 }
 #: ``--variants matched``: the same samples (and so about the same generated tokens) per iteration,
-#: 256 = 64 prompts x 4 samples (critic_arithmetic's own batch), split into prompts x samples per
-#: prompt differently per estimator: a critic needs no group, a group baseline needs one.
+#: split into prompts x samples per prompt differently per estimator (a critic needs no group, a
+#: group baseline needs one): 256 = 64 prompts x 4 samples on critic_arithmetic (its own batch),
+#: 32 = 8 x 4 on the SmolLM2 tasks (theirs).
 MATCHED_SAMPLES = 256
+MATCHED_SAMPLES_BY_TASK = {"critic_arithmetic": 256, "smollm2_mixed": 32, "tool_smollm2": 32}
 
-
-def _matched(prompts: int, *overrides: str) -> tuple[str, ...]:
-    n = MATCHED_SAMPLES // prompts
-    return (f"rollout.prompts_per_iter={prompts}", f"rollout.samples_per_prompt={n}", *overrides)
-
-
-VARIANT_SETS["matched"] = {
-    "ppo_n1": _matched(256, "critic=shared"),
-    "ppo_n2": _matched(128, "critic=shared"),
-    "ppo_separate_n2": _matched(128, "critic=separate"),
-    "grpo_n4": _matched(64, "algo=grpo"),
-    "grpo_n8": _matched(32, "algo=grpo"),
-    "rloo_n4": _matched(64, "algo=rloo"),
-    "rloo_n8": _matched(32, "algo=rloo"),
-    "reinforce_pp_n1": _matched(256, "algo=reinforce_pp"),
+#: arm -> (samples per prompt, overrides): the arms the issue asks for on every task ...
+MATCHED_ARMS: dict[str, tuple[int, tuple[str, ...]]] = {
+    "ppo_n1": (1, ("critic=shared",)),
+    "ppo_n2": (2, ("critic=shared",)),
+    "ppo_separate_n2": (2, ("critic=separate",)),
+    "grpo_n4": (4, ("algo=grpo",)),
+    "grpo_n8": (8, ("algo=grpo",)),
+    "rloo_n4": (4, ("algo=rloo",)),
+    "rloo_n8": (8, ("algo=rloo",)),
+    "reinforce_pp_n1": (1, ("algo=reinforce_pp",)),
+}
+#: ... and the further arms measured on critic_arithmetic only
+MATCHED_EXTRA_ARMS: dict[str, tuple[int, tuple[str, ...]]] = {
     # the critics given the policy's sampling log-probs (critic.confidence_features)
-    "ppo_n1_confidence": _matched(256, "critic=shared", "critic.confidence_features=true"),
-    "ppo_n2_confidence": _matched(128, "critic=shared", "critic.confidence_features=true"),
-    "ppo_separate_n2_confidence": _matched(
-        128, "critic=separate", "critic.confidence_features=true"
-    ),
+    "ppo_n1_confidence": (1, ("critic=shared", "critic.confidence_features=true")),
+    "ppo_n2_confidence": (2, ("critic=shared", "critic.confidence_features=true")),
+    "ppo_separate_n2_confidence": (2, ("critic=separate", "critic.confidence_features=true")),
     # lambda = 1: the advantage is the Monte-Carlo return minus the critic's value (unbiased
     # whatever the critic predicts; the critic only reduces variance)
-    "ppo_n1_confidence_lmbda1": _matched(
-        256, "critic=shared", "critic.confidence_features=true", "algo.gae.lmbda=1.0"
+    "ppo_n1_confidence_lmbda1": (
+        1,
+        ("critic=shared", "critic.confidence_features=true", "algo.gae.lmbda=1.0"),
     ),
-    "ppo_n1_lmbda1": _matched(256, "critic=shared", "algo.gae.lmbda=1.0"),  # its control
+    "ppo_n1_lmbda1": (1, ("critic=shared", "algo.gae.lmbda=1.0")),  # its control
     # between the recipe's 0.95 and 1 (issue 27: not measured before)
-    "ppo_n1_lmbda099": _matched(256, "critic=shared", "algo.gae.lmbda=0.99"),
+    "ppo_n1_lmbda099": (1, ("critic=shared", "algo.gae.lmbda=0.99")),
 }
+
+
+def matched_arms(task: str) -> dict[str, tuple[str, ...]]:
+    """``task``'s matched arms: name -> recipe overrides, every arm ``MATCHED_SAMPLES_BY_TASK[task]``
+    samples per iteration.
+
+    Example:
+        >>> matched_arms("tool_smollm2")["grpo_n8"]
+        ('rollout.prompts_per_iter=4', 'rollout.samples_per_prompt=8', 'algo=grpo')
+        >>> "ppo_n1_lmbda1" in matched_arms("critic_arithmetic"), "ppo_n1_lmbda1" in matched_arms("tool_smollm2")
+        (True, False)
+    """
+    if task not in MATCHED_SAMPLES_BY_TASK:
+        raise ValueError(
+            f"--variants matched has no sample count for --task {task!r}; "
+            f"tasks with one: {sorted(MATCHED_SAMPLES_BY_TASK)}"
+        )
+    samples = MATCHED_SAMPLES_BY_TASK[task]
+    arms = dict(MATCHED_ARMS)
+    if task == "critic_arithmetic":
+        arms.update(MATCHED_EXTRA_ARMS)
+    return {
+        name: (
+            f"rollout.prompts_per_iter={samples // n}",
+            f"rollout.samples_per_prompt={n}",
+            *overrides,
+        )
+        for name, (n, overrides) in arms.items()
+    }
+
+
+VARIANT_SETS["matched"] = matched_arms("critic_arithmetic")
 VARIANTS = {name: o for variants in VARIANT_SETS.values() for name, o in variants.items()}
 COLORS = {
     "sync": "tab:blue",
@@ -133,6 +164,9 @@ TASKS: dict[str, tuple[tuple[str, ...], int, int, int, int]] = {
     "cpu": ((), 5, 100, 100, 50),
     "smollm2": (("--config-name", "smollm2_arithmetic"), 3, 10, 5, 1),
     "critic_arithmetic": (("--config-name", "critic_arithmetic"), 5, 100, 100, 50),
+    # the SmolLM2 tasks of the matched table (``--variants matched``)
+    "smollm2_mixed": (("--config-name", "smollm2_arithmetic_mixed"), 3, 10, 5, 1),
+    "tool_smollm2": (("--config-name", "tool_arithmetic_smollm2"), 3, 10, 5, 1),
 }
 
 
@@ -178,6 +212,13 @@ def _finished(history: list[dict], iterations: int) -> bool:
     return sum("rollout/reward_mean" in h for h in history) >= iterations
 
 
+def variants_of(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
+    """The variant set ``args.variants`` on ``args.task``: name -> recipe overrides."""
+    if args.variants == "matched":
+        return matched_arms(args.task)
+    return VARIANT_SETS[args.variants]
+
+
 def one_run(args: argparse.Namespace, variant: str, seed: int, run_dir: Path, cache: Path) -> None:
     """Run ``variant`` with ``seed`` into ``run_dir`` until it has ``args.iterations`` iterations
     (resuming a stopped run from its checkpoint)."""
@@ -197,7 +238,7 @@ def one_run(args: argparse.Namespace, variant: str, seed: int, run_dir: Path, ca
         "train.keep_checkpoints=1",
         "logger=none",
         f"seed={seed}",
-        *VARIANTS[variant],
+        *variants_of(args)[variant],
         *resume,
     )
 
@@ -304,16 +345,22 @@ def end_ceiling(run_dir: Path) -> dict | None:
 
 
 def measure(args: argparse.Namespace) -> dict:
-    names = args.only or list(VARIANT_SETS[args.variants])
+    variants = variants_of(args)
+    names = args.only or list(variants)
+    unknown = sorted(set(names) - set(variants))
+    if unknown:
+        raise SystemExit(
+            f"--only {unknown}: not in --variants {args.variants} on --task {args.task}"
+        )
     cache = Path(os.environ.get("AR_TORCHRL_CACHE", ROOT / ".cache" / "ar_torchrl"))
     tmp = tempfile.TemporaryDirectory(prefix="critic_budget_") if args.quick else None
     runs = Path(tmp.name) if tmp else args.runs / args.task
     if args.variants != "critic" and not tmp:
         runs = args.runs.parent / args.variants / args.task
-    dirs = {
+    dirs = {  # seed-major: a sitting that stops early has compared every arm at the first seeds
         (name, seed): runs / f"{name}_it{args.iterations}_s{seed}"
-        for name in names
         for seed in range(args.seeds)
+        for name in names
     }
     if not args.report_only:
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
@@ -327,7 +374,7 @@ def measure(args: argparse.Namespace) -> dict:
     for (name, seed), run_dir in dirs.items():
         history = read_history(run_dir)
         if _finished(history, args.iterations):
-            n = samples_per_prompt(VARIANTS[name])
+            n = samples_per_prompt(variants[name])
             summary = {"seed": seed, **summarize(history, n)}
             if args.ceilings or (run_dir / CEILING_NAME).is_file():
                 ceilings = end_ceiling(run_dir) or {}
@@ -343,7 +390,7 @@ def measure(args: argparse.Namespace) -> dict:
         "variant_set": args.variants,
         "iterations": args.iterations,
         "variants": {
-            name: {"overrides": list(VARIANTS[name]), "runs": results[name]}
+            name: {"overrides": list(variants[name]), "runs": results[name]}
             for name in names
             if name in results
         },
@@ -392,7 +439,9 @@ CEILING_FILE = ROOT / "benchmarks" / "results" / "critic_ceiling_{task}.json"
 
 
 def _ceiling(task: str) -> float | None:
-    path = Path(str(CEILING_FILE).format(task=task))
+    config = TASKS[task][0]  # the ceiling files are named after the config
+    name = config[config.index("--config-name") + 1] if "--config-name" in config else task
+    path = Path(str(CEILING_FILE).format(task=name))
     if not path.is_file():
         return None
     import json
