@@ -87,9 +87,16 @@ def test_matched_arms_share_the_samples_per_iteration_and_table_the_critic_again
 ):
     m = load_benchmark("critic_budget")
     arms = m.VARIANT_SETS["matched"]
-    for name, overrides in arms.items():  # every arm generates the same samples per iteration
-        prompts = next(int(o.split("=")[1]) for o in overrides if "prompts_per_iter" in o)
-        assert prompts * m.samples_per_prompt(overrides) == m.MATCHED_SAMPLES, name
+    for task, samples in m.MATCHED_SAMPLES_BY_TASK.items():
+        task_arms = m.matched_arms(task)
+        assert set(m.MATCHED_ARMS) <= set(task_arms), task  # the arms on every task
+        for name, overrides in task_arms.items():  # every arm: the same samples per iteration
+            prompts = next(int(o.split("=")[1]) for o in overrides if "prompts_per_iter" in o)
+            assert prompts * m.samples_per_prompt(overrides) == samples, (task, name)
+    assert m.matched_arms("critic_arithmetic") == arms and m.MATCHED_SAMPLES == 256
+    with pytest.raises(ValueError, match="no sample count for --task 'cpu'"):
+        m.matched_arms("cpu")
+    assert m._ceiling("smollm2_mixed") is not None  # found by its config's name
     assert m.samples_per_prompt(arms["grpo_n8"]) == 8 and m.samples_per_prompt(()) == 4
     calls = []
     monkeypatch.setattr(m, "run_recipe", lambda run_dir, cache, *o: calls.append(o))
