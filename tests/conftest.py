@@ -54,6 +54,19 @@ def separate_run(tmp_path_factory, cache_dir):
 
 
 @pytest.fixture(scope="session")
+def confidence_run(tmp_path_factory, cache_dir):
+    """One process of the recipe as :func:`separate_run` plus ``support.recipe_runs.CONFIDENCE``:
+    ``(run directory, history)``; tests/recipes/test_recipe_critic.py reads it, the torchrun test
+    compares 2 ranks with it."""
+    from support.recipe_runs import CONFIDENCE, SEPARATE, TOOL_CONFIG, run_recipe
+
+    run_dir = tmp_path_factory.mktemp("confidence")
+    return run_dir, run_recipe(run_dir, cache_dir, *SEPARATE, *CONFIDENCE, config_name=TOOL_CONFIG)[
+        1
+    ]
+
+
+@pytest.fixture(scope="session")
 def sglang_model_dir(tmp_path_factory):
     """A tiny Qwen3 HF dir (``save_tiny_model(seed=0)``): char tokenizer, vocab 99, eos 2."""
     return save_tiny_model(tmp_path_factory.mktemp("sglang") / "model", seed=TINY_SEED)

@@ -33,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ar_torchrl.distributed.context import DistContext
 from ar_torchrl.modules import LMActorCritic
+from ar_torchrl.modules.value_head import confidence_of
 
 __all__ = ["checkpoint_decoder_layers", "decoder_layers", "reshard", "shard_actor_critic"]
 
@@ -143,6 +144,9 @@ def shard_actor_critic(
     head = getattr(model, "value_head", None)
     if isinstance(head, nn.Module):  # its own unit: the critic computes in fp32
         fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        feats = confidence_of(model)
+        if feats is not None:  # called apart from the head's forward (add_confidence): a unit
+            fully_shard(feats, mesh=mesh, mp_policy=fp32)  # that gathers its own parameters
         fully_shard(head, mesh=mesh, mp_policy=fp32)
     fully_shard(actor_critic, mesh=mesh, mp_policy=policy)
     for module in actor_critic.modules():

@@ -6,7 +6,9 @@ the meta device (buffers such as rotary frequencies are computed normally),
 :func:`load_pretrained_weights` allocates each rank's fp32 shards and reads, tensor by tensor, only
 the rows of its shard from the HF ``*.safetensors`` files (``safe_open(...).get_slice``), upcasting
 exactly. The value head is zero after a base checkpoint and loaded from ``value_head.safetensors``
-when the directory has one (a policy saved by :func:`~ar_torchrl.modules.save_policy`).
+when the directory has one (a policy saved by :func:`~ar_torchrl.modules.save_policy`); its
+confidence features (``value_head.confidence``), when attached and not in that file, start from
+:meth:`~ar_torchrl.modules.ConfidenceFeatures.initial_state` (the same on every rank).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from ar_torchrl.modules import LMActorCritic, LMCritic, attach_value_head
-from ar_torchrl.modules.value_head import VALUE_HEAD_FILE
+from ar_torchrl.modules.value_head import VALUE_HEAD_FILE, ConfidenceFeatures, confidence_of
 from ar_torchrl.weight_sync.names import is_policy_tensor
 
 __all__ = ["build_meta_model", "load_pretrained_weights", "parameters_on_meta"]
@@ -172,26 +174,67 @@ def _load_value_head(model: nn.Module, path: Path) -> str:
     if not isinstance(getattr(model, "value_head", None), nn.Module):
         return "none"
     head = dict(model.value_head.named_parameters())
+    # confidence features (value_head.confidence) a file lacks start fresh, as attached eagerly
+    fresh = [n for n in head if n.startswith(CONFIDENCE_PREFIX)]
     file = path / VALUE_HEAD_FILE
     if not file.is_file():
         with torch.no_grad():
-            for param in head.values():
-                (param.to_local() if isinstance(param, DTensor) else param).zero_()
+            for name, param in head.items():
+                if name not in fresh:
+                    (param.to_local() if isinstance(param, DTensor) else param).zero_()
+        _fresh_confidence(model, fresh)
         return "zero"
     buffers = dict(model.value_head.named_buffers())  # PopArt's statistics, when both have them
     with safe_open(str(file), framework="pt", device="cpu") as f:
+        keys = set(f.keys())
+        if any(f"value_head.{n}" in keys for n in fresh):
+            fresh = []  # the file has them: all are loaded (a missing one is named below)
         for name, param in head.items():
             key = f"value_head.{name}"
-            if key not in f.keys():
+            if name in fresh:
+                continue
+            if key not in keys:
                 raise KeyError(
-                    f"load_pretrained_weights: {file} lacks {key}; it has {list(f.keys())}"
+                    f"load_pretrained_weights: {file} lacks {key}; it has {sorted(keys)}"
                 )
             _copy(param, f.get_slice(key), key)
         for name, buffer in buffers.items():
-            if f"value_head.{name}" in f.keys():
+            if f"value_head.{name}" in keys:
                 with torch.no_grad():
                     buffer.copy_(f.get_tensor(f"value_head.{name}"))
+    _fresh_confidence(model, fresh)
     return str(file)
+
+
+CONFIDENCE_PREFIX = "confidence."
+
+
+def _fresh_confidence(model: nn.Module, names: list[str]) -> None:
+    """Write :meth:`ConfidenceFeatures.initial_state` into the value head's confidence parameters
+    ``names`` (their local shards): a meta-built model has no values there, and zeros would leave
+    the MLP without a gradient."""
+    feats = confidence_of(model)
+    if not names or feats is None:
+        return
+    state = ConfidenceFeatures.initial_state(feats.net[0].out_features)
+    head = dict(model.value_head.named_parameters())
+    with torch.no_grad():
+        for name in names:
+            key = name[len(CONFIDENCE_PREFIX) :]
+            _copy(head[name], _TensorReader(state[key]), f"value_head.{name}")
+
+
+class _TensorReader:
+    """A tensor read like a safetensors slice (``get_shape``, ``[a:b]``) by :func:`_copy`."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self._tensor.shape)
+
+    def __getitem__(self, index):
+        return self._tensor[index]
 
 
 def load_pretrained_weights(

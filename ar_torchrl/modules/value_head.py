@@ -207,6 +207,21 @@ class ConfidenceFeatures(nn.Module):
         nn.init.zeros_(self.net[-1].weight)
         nn.init.zeros_(self.net[-1].bias)
 
+    @staticmethod
+    def initial_state(hidden: int = 32, seed: int = 0) -> dict[str, torch.Tensor]:
+        """The state of a fresh ``ConfidenceFeatures(hidden)`` drawn with ``torch.manual_seed(seed)``
+        (the global RNG left as it was): the same on every rank and every run. A model built on
+        the meta device starts from it (:func:`~ar_torchrl.distributed.load_pretrained_weights`).
+
+        Example:
+            >>> a, b = ConfidenceFeatures.initial_state(4), ConfidenceFeatures.initial_state(4)
+            >>> all(torch.equal(a[k], b[k]) for k in a), float(a["net.2.weight"].abs().sum())
+            (True, 0.0)
+        """
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return ConfidenceFeatures(hidden).state_dict()
+
     def forward(self, log_prob: torch.Tensor, loss_mask: torch.Tensor):
         """``(value_term, next_value_term)``, each ``[B, L, 1]`` fp32, 0 off ``loss_mask``: the
         additions to ``state_value`` (the state before each token) and ``("next",

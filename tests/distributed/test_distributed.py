@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 from support.dist_workers import (
     BUDGET,
+    TREE_VARIANTS,
     actor_and_critic,
     actor_critic,
     all_checks,
@@ -22,12 +23,13 @@ from support.dist_workers import (
     prepare,
     separate_optimizer,
     spawn,
+    tree_actor_critic,
     tree_batch,
     tree_plan,
 )
 from transformers import AutoModelForCausalLM
 
-from ar_torchrl.modules import attach_value_head
+from ar_torchrl.modules import ConfidenceFeatures, attach_value_head
 from ar_torchrl.objectives import TokenGAE
 from ar_torchrl.training import plan_micro_batches, ppo_update, recompute_old_log_probs_and_values
 
@@ -79,16 +81,17 @@ def test_two_ranks_train_like_one_process(two_ranks, mode):
 
 
 @pytest.mark.slow  # a multi-process run: full tier only
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_two_ranks_with_packed_shared_prefixes_train_like_one_process(two_ranks, checkpointing):
+@pytest.mark.parametrize("variant", list(TREE_VARIANTS))
+def test_two_ranks_with_packed_shared_prefixes_train_like_one_process(two_ranks, variant):
     """Packed shared-prefix (tree) micro-batches under FSDP2 (one backbone call per forward), with
-    and without activation checkpointing: the first update's ratio is exactly 1 on every rank and
-    2 epochs on 2 ranks equal one process on the same plan."""
-    got = load_file(str(two_ranks / f"tree_{checkpointing}.safetensors"))
-    info = _json(two_ranks, f"tree_{checkpointing}")
+    and without activation checkpointing, and with confidence features on the value head (their
+    own FSDP2 unit): the first update's ratio is exactly 1 on every rank and 2 epochs on 2 ranks
+    equal one process on the same plan."""
+    got = load_file(str(two_ranks / f"tree_{variant}.safetensors"))
+    info = _json(two_ranks, f"tree_{variant}")
     assert all(all(rank) and rank for rank in info["owned"]), "every rank runs tree micro-batches"
     assert {v for rank in info["ratios"] for pair in rank for v in pair} == {1.0}
-    ac = actor_critic(seed=21)
+    ac = tree_actor_critic(confidence=TREE_VARIANTS[variant][1])
     td = tree_batch()
     plan = tree_plan(td)
     td = prepare(ac, td, plan)
@@ -99,6 +102,11 @@ def test_two_ranks_with_packed_shared_prefixes_train_like_one_process(two_ranks,
         assert metrics[f"train/{key}"] == pytest.approx(want[f"train/{key}"], rel=1e-5, abs=1e-6)
     for name, param in ac.model.state_dict().items():
         torch.testing.assert_close(got[name], param, atol=1e-5, rtol=0, msg=name)
+    if TREE_VARIANTS[variant][1]:  # the confidence MLP trained, the same on both sides
+        assert any(".confidence." in name for name in got)
+        start = tree_actor_critic(confidence=True).model.value_head.confidence.state_dict()
+        moved = [not torch.equal(got[f"value_head.confidence.{k}"], v) for k, v in start.items()]
+        assert any(moved)
 
 
 def test_bf16_compute_updates_fp32_masters(two_ranks):
@@ -153,6 +161,21 @@ def test_meta_sharded_load_equals_eager_load(two_ranks):
     assert _json(two_ranks, "meta_policy")["value_head"].endswith("value_head.safetensors")
     assert torch.equal(policy["value_head.weight"], head["value_head.weight"])
     assert policy["value_head.weight"].abs().sum() > 0
+    # confidence features attached to a meta-built model: neither file has them, so they start
+    # from ConfidenceFeatures.initial_state (not zeros: an all-zero MLP gets no gradient)
+    fresh = ConfidenceFeatures.initial_state()
+    for name, want_head in (("base", base), ("policy", policy)):
+        got = load_file(str(two_ranks / f"meta_{name}_confidence.safetensors"))
+        conf = {k: v for k, v in got.items() if k.startswith("value_head.confidence.")}
+        assert sorted(conf) == sorted(f"value_head.confidence.{k}" for k in fresh), name
+        for k, v in fresh.items():
+            assert torch.equal(got[f"value_head.confidence.{k}"], v), (name, k)
+        assert fresh["net.0.weight"].abs().sum() > 0
+        for k, v in want_head.items():  # everything else as loaded without them
+            assert torch.equal(got[k], v), (name, k)
+    assert _json(two_ranks, "meta_policy_confidence")["value_head"].endswith(
+        "value_head.safetensors"
+    )
 
 
 def test_weight_push_gathers_full_tensors_on_rank_0(two_ranks):

@@ -192,10 +192,6 @@ def test_saved_rollouts_round_trip_without_what_a_run_recomputes(tmp_path):
             r"critic.confidence_features=true adds to unnormalised values and "
             r"algo.value_norm=popart",
         ),
-        (
-            ["model.dtype=bfloat16", "critic.confidence_features=true"],
-            r"critic.confidence_features=true is not verified under FSDP2",
-        ),
     ],
 )
 def test_critic_option_errors_name_the_key(overrides, message):

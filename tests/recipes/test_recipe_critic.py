@@ -14,6 +14,7 @@ import pytest
 import torch
 from support.recipe_helpers import typed
 from support.recipe_runs import (
+    CONFIDENCE,
     SEPARATE,
     TOOL_CONFIG,
     assert_policy_is_the_start,
@@ -194,7 +195,7 @@ def test_critic_config_errors_name_the_key(overrides, message):
 
 @pytest.mark.slow
 def test_confidence_features_train_checkpoint_resume_and_stay_out_of_the_policy(
-    tmp_path, cache_dir
+    confidence_run, tmp_path, cache_dir
 ):
     """``critic.confidence_features=true`` on the multi-turn tool task (tool tokens between the
     trained ones) with the separate critic: its MLP trains, is checkpointed with the critic,
@@ -203,9 +204,8 @@ def test_confidence_features_train_checkpoint_resume_and_stay_out_of_the_policy(
 
     from ar_torchrl.models.export import load_critic
 
-    conf = [*SEPARATE, "critic.confidence_features=true", "train.export=true"]
-    run_dir = tmp_path / "run"
-    _, history = run_recipe(run_dir, cache_dir, *conf, config_name=TOOL_CONFIG)
+    conf = [*SEPARATE, *CONFIDENCE]
+    run_dir, history = confidence_run
     assert [h["step"] for h in history] == [0, 1, 2, 3]
     assert all(math.isfinite(h["train/loss_critic"]) for h in history[1:])
     state = _load(run_dir / "checkpoints" / "step_3.pt")

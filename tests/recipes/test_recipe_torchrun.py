@@ -258,6 +258,40 @@ def test_two_ranks_with_a_separate_critic_match_one_process_and_resume_exactly(
     same_runs(two, read_history(resumed))
 
 
+@pytest.mark.slow
+def test_two_ranks_with_confidence_features_match_one_process(confidence_run, tmp_path, cache_dir):
+    """critic.confidence_features=true (an MLP of the sampling log-probs inside the critic's value
+    head, its own FSDP2 unit: called apart from the head's forward) on 2 ranks: the same samples
+    and losses as one process, and the exported critic carries the trained MLP."""
+    from support.recipe_runs import CONFIDENCE, SEPARATE, TOOL_CONFIG
+
+    from ar_torchrl.models.export import load_critic
+
+    one_dir, one = confidence_run
+    run = tmp_path / "run"
+    with torchrun(run, cache_dir, *SEPARATE, *CONFIDENCE, config_name=TOOL_CONFIG) as proc:
+        out = finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    two = read_history(run)
+    assert [h["step"] for h in two] == [h["step"] for h in one] == [0, 1, 2, 3]
+    for a, b in zip(one[1:], two[1:]):
+        assert a["rollout/reward_mean"] == b["rollout/reward_mean"]  # the same samples
+        for key in ("loss_objective", "loss_critic", "grad_norm", "grad_norm_critic"):
+            assert b[f"train/{key}"] == pytest.approx(a[f"train/{key}"], rel=1e-4, abs=1e-6), key
+    one_mlp, two_mlp = (
+        {
+            k: v
+            for k, v in load_critic(d / "critic").model.state_dict().items()
+            if ".confidence." in k
+        }
+        for d in (one_dir, run)
+    )
+    assert two_mlp and sorted(one_mlp) == sorted(two_mlp)
+    assert two_mlp["value_head.confidence.net.2.weight"].abs().sum() > 0  # trained
+    for k, v in one_mlp.items():
+        assert (two_mlp[k] - v).abs().max() < 1e-4, k
+
+
 # ----------------------------------------------------------------------------- resuming
 def test_find_checkpoint_takes_distributed_checkpoints_of_fsdp_runs_only(tmp_path):
     """``train.resume_from`` with a distributed checkpoint: accepted by an FSDP2 run, refused

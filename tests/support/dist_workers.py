@@ -34,7 +34,13 @@ from ar_torchrl.distributed import (
     shard_plan,
 )
 from ar_torchrl.models.tiny import build_tiny_qwen3
-from ar_torchrl.modules import LMActorCritic, LMCritic, attach_value_head, save_policy
+from ar_torchrl.modules import (
+    LMActorCritic,
+    LMCritic,
+    attach_confidence_features,
+    attach_value_head,
+    save_policy,
+)
 from ar_torchrl.objectives import TokenGAE, TokenPPOLoss
 from ar_torchrl.training import plan_micro_batches, ppo_update, recompute_old_log_probs_and_values
 from support.trajectories import VOCAB, make_trajectory, shared_prompt_batch
@@ -274,15 +280,20 @@ def load_checks(ctx, out: Path) -> None:
         save_policy(model, policy)
     ctx.barrier()
     for name, path in (("base", base), ("policy", policy)):
-        ac = shard_actor_critic(LMActorCritic(build_meta_model(path)), ctx)
-        report = load_pretrained_weights(ac, path, device=ctx.device)
-        _save(
-            ctx,
-            out,
-            f"meta_{name}",
-            full_state(ac.model),
-            {"files": len(list(path.glob("*.safetensors"))), "value_head": report["value_head"]},
-        )
+        for suffix in ("", "_confidence"):  # and with confidence features the files lack
+            model = build_meta_model(path)
+            if suffix:
+                attach_confidence_features(model)
+            ac = shard_actor_critic(LMActorCritic(model), ctx)
+            report = load_pretrained_weights(ac, path, device=ctx.device)
+            files = len(list(path.glob("*.safetensors")))
+            _save(
+                ctx,
+                out,
+                f"meta_{name}{suffix}",
+                full_state(ac.model),
+                {"files": files, "value_head": report["value_head"]},
+            )
     recorder = Recorder() if ctx.is_main else None
     push_weights(ac, ctx, recorder.sync(7) if ctx.is_main else None, dtype=torch.bfloat16)
     errors = []
@@ -502,13 +513,34 @@ def tree_plan(td):
     )
 
 
+#: the tree checks: name -> (activation checkpointing, confidence features on the value head)
+TREE_VARIANTS = {
+    "plain": (False, False),
+    "checkpointing": (True, False),
+    "confidence": (False, True),
+}
+
+
+def tree_actor_critic(confidence: bool) -> LMActorCritic:
+    """The tree checks' model; ``confidence``: with ``value_head.confidence`` (non-zero weights,
+    so its term changes the values; it is called apart from the head's forward)."""
+    ac = actor_critic(seed=21)
+    if confidence:
+        attach_confidence_features(ac.model)
+        g = torch.Generator().manual_seed(21)
+        with torch.no_grad():
+            for p in ac.model.value_head.confidence.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return ac
+
+
 def tree_checks(ctx, out: Path) -> None:
     """Packed shared-prefix (tree) micro-batches under FSDP2, with and without activation
-    checkpointing: first-update ratios on every rank, and a 2-epoch ppo_update (the one process
-    reference is computed by the test)."""
-    for checkpointing in (False, True):
+    checkpointing, and with confidence features: first-update ratios on every rank, and a 2-epoch
+    ppo_update (the one process reference is computed by the test)."""
+    for name, (checkpointing, confidence) in TREE_VARIANTS.items():
         ac = shard_actor_critic(
-            actor_critic(seed=21),
+            tree_actor_critic(confidence),
             ctx,
             compute_dtype="float32",
             activation_checkpointing=checkpointing,
@@ -524,7 +556,7 @@ def tree_checks(ctx, out: Path) -> None:
         _save(
             ctx,
             out,
-            f"tree_{checkpointing}",
+            f"tree_{name}",
             full_state(ac.model),
             {"metrics": metrics, "ratios": all_ratios, "owned": owned},
         )

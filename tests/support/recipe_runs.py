@@ -100,6 +100,9 @@ SEPARATE = [
     "algo.value_lr_schedule=linear",
     "algo.value_lr_warmup_iters=1",
 ]
+#: ``critic.confidence_features=true`` on top of :data:`SEPARATE` (the value head also reads the
+#: sampling log-probs), with the end-of-run export
+CONFIDENCE = ("critic.confidence_features=true", "train.export=true")
 
 
 def start_policy(cache_dir, overrides=(), name="dapo_ppo", *, value_head=True):

@@ -610,11 +610,6 @@ class Config:
             raise ValueError(
                 f"config: dist.backend=nccl needs device=cuda, got device={self.device}"
             )
-        if self.critic.confidence_features and self.sharded:
-            raise ValueError(
-                "config: critic.confidence_features=true is not verified under FSDP2 (dist.fsdp, "
-                "torchrun or model.dtype) yet; run it in one float32 process"
-            )
         r = self.rollout
         if (
             r.shared_prefix is True
