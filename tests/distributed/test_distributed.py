@@ -19,6 +19,7 @@ from support.dist_workers import (
     all_checks,
     batch,
     compared_update,
+    fast_checks,
     ppo_loss,
     prepare,
     separate_optimizer,
@@ -37,9 +38,15 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
+def two_ranks(request, tmp_path_factory):
+    """One spawn of 2 ranks for the module: every check when one of its slow tests is selected,
+    else the fast tier's (their results are files the tests read)."""
     out = tmp_path_factory.mktemp("two_ranks")
-    spawn(all_checks, 2, out)
+    slow = any(
+        item.module is request.module and item.get_closest_marker("slow") is not None
+        for item in request.session.items
+    )
+    spawn(all_checks if slow else fast_checks, 2, out)
     return out
 
 

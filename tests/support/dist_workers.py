@@ -572,6 +572,14 @@ def all_checks(ctx, out: Path) -> None:
     export_checks(ctx, out)
 
 
+def fast_checks(ctx, out: Path) -> None:
+    """The checks the fast tier's tests read (bf16 masters and first-update ratios, meta loads and
+    the weight push, resuming), when none of the slow ones is selected."""
+    _bf16_checks(ctx, out)
+    load_checks(ctx, out)
+    resume_checks(ctx, out)
+
+
 # --------------------------------------------------------------------------- Ray rollout (interop.ray)
 RAY_ADDRESS_ENV = "AR_TORCHRL_TEST_RAY_ADDRESS"
 
