@@ -166,7 +166,9 @@ TASKS: dict[str, tuple[tuple[str, ...], int, int, int, int]] = {
     "critic_arithmetic": (("--config-name", "critic_arithmetic"), 5, 100, 100, 50),
     # the SmolLM2 tasks of the matched table (``--variants matched``)
     "smollm2_mixed": (("--config-name", "smollm2_arithmetic_mixed"), 3, 10, 5, 1),
-    "tool_smollm2": (("--config-name", "tool_arithmetic_smollm2"), 3, 10, 5, 1),
+    # its config's 6 iterations (held-out greedy accuracy starts at ~0.98; the sampled reward
+    # rises within a few iterations) at ~2.5 min each on 1 CPU thread
+    "tool_smollm2": (("--config-name", "tool_arithmetic_smollm2"), 3, 6, 3, 1),
 }
 
 
