@@ -8,7 +8,11 @@ where the values come from differ); per task:
 - ``cpu``: the CPU default (``ar_torchrl/configs/dapo_ppo.yaml``), ``--iterations`` (default 100, the CI
   version) over 5 seeds;
 - ``smollm2``: SmolLM2-135M-Instruct on ``--config-name smollm2_arithmetic`` (10 iterations, held-out
-  evaluation every 5) over 3 seeds.
+  evaluation every 5) over 3 seeds;
+- ``critic_arithmetic`` (5 seeds x 100 iterations), ``smollm2_mixed``
+  (``smollm2_arithmetic_mixed``, 3 seeds x 10 iterations) and ``tool_smollm2``
+  (``tool_arithmetic_smollm2``, 3 seeds x 6 iterations): the tasks of the matched-token table
+  (``--variants matched``: every arm the same samples per iteration, the task's own batch).
 
 Per run: reward rise (mean reward of the last 20 % of iterations minus the first 20 %), held-out
 greedy accuracy at step 0 and at the end, the run-mean of ``train/explained_variance`` (PPO and the
@@ -27,6 +31,7 @@ Commands::
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/experiments/critic_budget.py --task cpu --jobs 2
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/experiments/critic_budget.py --task cpu --variants staleness
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/experiments/critic_budget.py --task smollm2 --jobs 2
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/experiments/critic_budget.py --task smollm2_mixed --variants matched
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/experiments/critic_budget.py --task cpu --quick   # smoke test
     .venv/bin/python benchmarks/experiments/critic_budget.py --task cpu --report-only --write-docs
 """
