@@ -489,7 +489,7 @@ def matched_table(result: dict) -> str:
         acc1 = _span([r["eval_accuracy_end"] or 0.0 for r in runs], ".2f")
         lines.append(
             f"| {name} | {' '.join(f'`{o}`' for o in v['overrides'])} | {len(runs)} | "
-            f"{_span([r['generated_tokens'] / 1e6 for r in runs], '.2f')} | "
+            f"{_span([r['generated_tokens'] / 1e6 for r in runs], '.3g')} | "
             f"{_span([r['reward_rise'] for r in runs], '+.2f')} | {acc0} -> {acc1} | "
             f"{_span(ev, '.3f')} | "
             f"{_span([r['ceiling_end'] for r in runs if r.get('ceiling_end') is not None], '.2f')} | "

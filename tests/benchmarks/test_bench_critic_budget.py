@@ -66,6 +66,8 @@ def test_runs_are_summarised_resumed_and_tabled(tmp_path, monkeypatch):
         "critic_budget_smollm2",
         "staleness_cpu",
         "matched_critic_arithmetic",
+        "matched_smollm2_mixed",
+        "matched_tool_smollm2",
     )
     for stem in real:  # the real page
         assert all(marker in m.DOCS_PAGE.read_text() for marker in m.begin_end(stem))
@@ -131,7 +133,7 @@ def test_matched_arms_share_the_samples_per_iteration_and_table_the_critic_again
         0.25
     )
     assert (
-        "| 1 | 0.01 | +0.40 | 0.50 -> 0.75 | 0.500 | - | - (-) | 2.00 |" in table
+        "| 1 | 0.0128 | +0.40 | 0.50 -> 0.75 | 0.500 | - | - (-) | 2.00 |" in table
     )  # no checkpoint
     assert "| 0.50 -> 0.75 | 0.500 | - | 0.250 (-) | 2.00 |" in table  # ppo_n2
     assert "| grpo_n8 |" in table and "| 0.50 -> 0.75 | - | - | - (-) | 2.00 |" in table
