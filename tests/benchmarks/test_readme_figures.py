@@ -93,6 +93,7 @@ def test_the_docs_blocks_are_what_the_committed_results_give():
         "critic_budget_smollm2",
         "staleness_cpu",
         "matched_critic_arithmetic",
+        "matched_smollm2_mixed",
     ):
         blocks.append(budget.docs_block(json.loads((results / f"{stem}.json").read_text())))
     for stem in ("critic_offline", "critic_targets"):

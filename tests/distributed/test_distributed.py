@@ -43,7 +43,8 @@ def two_ranks(request, tmp_path_factory):
     else the fast tier's (their results are files the tests read)."""
     out = tmp_path_factory.mktemp("two_ranks")
     slow = any(
-        item.module is request.module and item.get_closest_marker("slow") is not None
+        getattr(item, "module", None) is request.module  # doctest items have none
+        and item.get_closest_marker("slow") is not None
         for item in request.session.items
     )
     spawn(all_checks if slow else fast_checks, 2, out)
