@@ -12,7 +12,10 @@ where the values come from differ); per task:
 - ``critic_arithmetic`` (5 seeds x 100 iterations), ``smollm2_mixed``
   (``smollm2_arithmetic_mixed``, 3 seeds x 10 iterations) and ``tool_smollm2``
   (``tool_arithmetic_smollm2``, 3 seeds x 6 iterations): the tasks of the matched-token table
-  (``--variants matched``: every arm the same samples per iteration, the task's own batch).
+  (``--variants matched``: every arm the same samples per iteration, the task's own batch). Memory:
+  a SmolLM2 run holds ~5 GB, the tool task's separate-critic arm peaks at ~18 GB (two models and
+  their optimizers, 4,096-token micro-batches): run the tool task with ``--jobs 1`` and nothing
+  else beside it on a 24 GB machine (beside another run it was killed for memory).
 
 Per run: reward rise (mean reward of the last 20 % of iterations minus the first 20 %), held-out
 greedy accuracy at step 0 and at the end, the run-mean of ``train/explained_variance`` (PPO and the
