@@ -94,6 +94,7 @@ def test_the_docs_blocks_are_what_the_committed_results_give():
         "staleness_cpu",
         "matched_critic_arithmetic",
         "matched_smollm2_mixed",
+        "matched_tool_smollm2",
     ):
         blocks.append(budget.docs_block(json.loads((results / f"{stem}.json").read_text())))
     for stem in ("critic_offline", "critic_targets"):
