@@ -61,9 +61,8 @@ def confidence_run(tmp_path_factory, cache_dir):
     from support.recipe_runs import CONFIDENCE, SEPARATE, TOOL_CONFIG, run_recipe
 
     run_dir = tmp_path_factory.mktemp("confidence")
-    return run_dir, run_recipe(run_dir, cache_dir, *SEPARATE, *CONFIDENCE, config_name=TOOL_CONFIG)[
-        1
-    ]
+    _, history = run_recipe(run_dir, cache_dir, *SEPARATE, *CONFIDENCE, config_name=TOOL_CONFIG)
+    return run_dir, history
 
 
 @pytest.fixture(scope="session")

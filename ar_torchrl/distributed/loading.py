@@ -116,7 +116,8 @@ def _local_rows(target: torch.Tensor, shape: list[int]) -> tuple[torch.Tensor, i
 
 @torch.no_grad()
 def _copy(target: torch.Tensor, reader, name: str) -> None:
-    shape = list(reader.get_shape())
+    """Copy ``target``'s local rows from ``reader``: a safetensors slice or a full tensor."""
+    shape = list(reader.shape if isinstance(reader, torch.Tensor) else reader.get_shape())
     if list(target.shape) != shape:
         raise ValueError(
             f"load_pretrained_weights: {name} has shape {shape} in the checkpoint but "
@@ -182,7 +183,7 @@ def _load_value_head(model: nn.Module, path: Path) -> str:
             for name, param in head.items():
                 if name not in fresh:
                     (param.to_local() if isinstance(param, DTensor) else param).zero_()
-        _fresh_confidence(model, fresh)
+        _fresh_confidence(model, head, fresh)
         return "zero"
     buffers = dict(model.value_head.named_buffers())  # PopArt's statistics, when both have them
     with safe_open(str(file), framework="pt", device="cpu") as f:
@@ -202,39 +203,24 @@ def _load_value_head(model: nn.Module, path: Path) -> str:
             if f"value_head.{name}" in keys:
                 with torch.no_grad():
                     buffer.copy_(f.get_tensor(f"value_head.{name}"))
-    _fresh_confidence(model, fresh)
+    _fresh_confidence(model, head, fresh)
     return str(file)
 
 
 CONFIDENCE_PREFIX = "confidence."
 
 
-def _fresh_confidence(model: nn.Module, names: list[str]) -> None:
+def _fresh_confidence(model: nn.Module, head: dict[str, nn.Parameter], names: list[str]) -> None:
     """Write :meth:`ConfidenceFeatures.initial_state` into the value head's confidence parameters
-    ``names`` (their local shards): a meta-built model has no values there, and zeros would leave
-    the MLP without a gradient."""
+    ``names`` (keys of ``head``, the head's named parameters; their local shards): a meta-built
+    model has no values there, and zeros would leave the MLP without a gradient."""
     feats = confidence_of(model)
     if not names or feats is None:
         return
     state = ConfidenceFeatures.initial_state(feats.net[0].out_features)
-    head = dict(model.value_head.named_parameters())
     with torch.no_grad():
         for name in names:
-            key = name[len(CONFIDENCE_PREFIX) :]
-            _copy(head[name], _TensorReader(state[key]), f"value_head.{name}")
-
-
-class _TensorReader:
-    """A tensor read like a safetensors slice (``get_shape``, ``[a:b]``) by :func:`_copy`."""
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self._tensor = tensor
-
-    def get_shape(self) -> list[int]:
-        return list(self._tensor.shape)
-
-    def __getitem__(self, index):
-        return self._tensor[index]
+            _copy(head[name], state[name[len(CONFIDENCE_PREFIX) :]], f"value_head.{name}")
 
 
 def load_pretrained_weights(
