@@ -80,8 +80,8 @@ VARIANT_SETS: dict[str, dict[str, tuple[str, ...]]] = {
 #: split into prompts x samples per prompt differently per estimator (a critic needs no group, a
 #: group baseline needs one): 256 = 64 prompts x 4 samples on critic_arithmetic (its own batch),
 #: 32 = 8 x 4 on the SmolLM2 tasks (theirs).
-MATCHED_SAMPLES = 256
 MATCHED_SAMPLES_BY_TASK = {"critic_arithmetic": 256, "smollm2_mixed": 32, "tool_smollm2": 32}
+MATCHED_SAMPLES = MATCHED_SAMPLES_BY_TASK["critic_arithmetic"]  # its name before the SmolLM2 tasks
 
 #: arm -> (samples per prompt, overrides): the arms the issue asks for on every task ...
 MATCHED_ARMS: dict[str, tuple[int, tuple[str, ...]]] = {
