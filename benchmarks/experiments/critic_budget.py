@@ -354,6 +354,47 @@ def end_ceiling(run_dir: Path) -> dict | None:
     }
 
 
+def recorded_runs(
+    out: Path, args: argparse.Namespace, variants: dict[str, tuple[str, ...]]
+) -> dict[tuple[str, int], dict]:
+    """The finished runs ``out`` (an earlier report of this task and variant set) recorded:
+    ``(variant, seed) -> summary``, only where the variant's overrides and the iteration count are
+    still the same. A report merges them with the runs on disk, so the table grows across sittings
+    on machines that do not keep ``outputs/`` (each summary names the commit it ran at: ``commit``,
+    or the report's for summaries written before runs carried their own).
+
+    Example:
+        >>> import argparse, json, tempfile
+        >>> d = Path(tempfile.mkdtemp())
+        >>> old = {"task": "t", "variant_set": "matched", "iterations": 2,
+        ...        "code": {"commit": "abc"},
+        ...        "variants": {"a": {"overrides": ["x=1"], "runs": [{"seed": 0}]},
+        ...                     "b": {"overrides": ["y=1"], "runs": [{"seed": 0}]}}}
+        >>> _ = (d / "r.json").write_text(json.dumps(old))
+        >>> args = argparse.Namespace(task="t", variants="matched", iterations=2)
+        >>> recorded_runs(d / "r.json", args, {"a": ("x=1",), "b": ("y=2",)})
+        {('a', 0): {'commit': 'abc', 'seed': 0}}
+    """
+    import json
+
+    if not out.is_file():
+        return {}
+    old = json.loads(out.read_text())
+    if (old.get("task"), old.get("variant_set", "critic"), old.get("iterations")) != (
+        args.task,
+        args.variants,
+        args.iterations,
+    ):
+        return {}
+    commit = (old.get("code") or {}).get("commit")
+    kept = {}
+    for name, v in old.get("variants", {}).items():
+        if name in variants and list(v["overrides"]) == list(variants[name]):
+            for run in v["runs"]:
+                kept[name, run["seed"]] = {"commit": commit, **run}
+    return kept
+
+
 def measure(args: argparse.Namespace) -> dict:
     variants = variants_of(args)
     names = args.only or list(variants)
@@ -372,20 +413,30 @@ def measure(args: argparse.Namespace) -> dict:
         for seed in range(args.seeds)
         for name in names
     }
+    # finished runs an earlier sitting recorded in args.out (a fresh machine has no run dirs)
+    recorded = {} if tmp else recorded_runs(args.out, args, variants)
+    on_disk = {key for key, run_dir in dirs.items() if read_history(run_dir)}
+    todo = {key: d for key, d in dirs.items() if key in on_disk or key not in recorded}
+    if recorded:
+        kept = sorted(set(recorded) - on_disk)
+        print(f"{len(kept)} finished runs kept from {args.out} (no run dir here): {kept}")
     if not args.report_only:
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
             futures = [
                 pool.submit(one_run, args, name, seed, run_dir, cache)
-                for (name, seed), run_dir in dirs.items()
+                for (name, seed), run_dir in todo.items()
             ]
             for future in futures:
                 future.result()
     results: dict[str, list[dict]] = {}
+    commit = code_version()["commit"]
     for (name, seed), run_dir in dirs.items():
         history = read_history(run_dir)
-        if _finished(history, args.iterations):
+        if (name, seed) not in on_disk and (name, seed) in recorded:
+            results.setdefault(name, []).append(recorded[name, seed])
+        elif _finished(history, args.iterations):
             n = samples_per_prompt(variants[name])
-            summary = {"seed": seed, **summarize(history, n)}
+            summary = {"seed": seed, "commit": commit, **summarize(history, n)}
             if args.ceilings or (run_dir / CEILING_NAME).is_file():
                 ceilings = end_ceiling(run_dir) or {}
                 summary["ceiling_end"] = ceilings.get("token")
