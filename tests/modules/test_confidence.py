@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.trajectories import first_update_has_ratio_one, shared_prompt_batch
+from support.trajectories import first_update_has_ratio_one, shared_prompt_batch, with_confidence
 
 from ar_torchrl.functional import sampled_log_prob_features
 from ar_torchrl.models.tiny import build_tiny_qwen3
@@ -64,13 +64,10 @@ def _batch(groups=4, n=3, seed=0):
 
 
 def _confident(seed=0, *, trained=True):
-    model = attach_confidence_features(attach_value_head(build_tiny_qwen3(99, seed=seed)))
+    model = attach_value_head(build_tiny_qwen3(99, seed=seed))
     if trained:  # an MLP that is not zero: its term is visible
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for p in model.value_head.confidence.parameters():
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    return model
+        return with_confidence(model, seed)
+    return attach_confidence_features(model)
 
 
 def _defined(td):

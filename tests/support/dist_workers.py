@@ -43,7 +43,7 @@ from ar_torchrl.modules import (
 )
 from ar_torchrl.objectives import TokenGAE, TokenPPOLoss
 from ar_torchrl.training import plan_micro_batches, ppo_update, recompute_old_log_probs_and_values
-from support.trajectories import VOCAB, make_trajectory, shared_prompt_batch
+from support.trajectories import VOCAB, make_trajectory, shared_prompt_batch, with_confidence
 
 PROMPTS = [3, 1, 4, 2, 5, 1, 3, 2, 4]
 RESPONSES = [5, 2, 7, 1, 3, 6, 4, 8, 2]
@@ -526,11 +526,7 @@ def tree_actor_critic(confidence: bool) -> LMActorCritic:
     so its term changes the values; it is called apart from the head's forward)."""
     ac = actor_critic(seed=21)
     if confidence:
-        attach_confidence_features(ac.model)
-        g = torch.Generator().manual_seed(21)
-        with torch.no_grad():
-            for p in ac.model.value_head.confidence.parameters():
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        with_confidence(ac.model, seed=21)
     return ac
 
 

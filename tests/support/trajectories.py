@@ -6,7 +6,7 @@ import torch
 from tensordict import TensorDict
 
 from ar_torchrl.models.tiny import build_tiny_qwen3
-from ar_torchrl.modules import LMActorCritic, attach_value_head
+from ar_torchrl.modules import LMActorCritic, attach_confidence_features, attach_value_head
 
 PAD, EOS, VOCAB = 0, 2, 99
 
@@ -14,6 +14,17 @@ PAD, EOS, VOCAB = 0, 2, 99
 def tiny_actor_critic(seed: int = 0, **kwargs) -> LMActorCritic:
     torch.manual_seed(seed)
     return LMActorCritic(attach_value_head(build_tiny_qwen3(VOCAB, seed=seed)), **kwargs)
+
+
+def with_confidence(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Attach confidence features to ``model``'s value head with non-zero MLP weights (N(0, 0.25),
+    drawn from ``seed``): a fresh MLP's last layer is zero, so its term would change nothing."""
+    attach_confidence_features(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.value_head.confidence.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return model
 
 
 def make_trajectory(
