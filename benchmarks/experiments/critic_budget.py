@@ -14,8 +14,9 @@ where the values come from differ); per task:
   (``tool_arithmetic_smollm2``, 3 seeds x 6 iterations): the tasks of the matched-token table
   (``--variants matched``: every arm the same samples per iteration, the task's own batch). Memory:
   a SmolLM2 run holds ~5 GB, the tool task's separate-critic arm peaks at ~18 GB (two models and
-  their optimizers, 4,096-token micro-batches): run the tool task with ``--jobs 1`` and nothing
-  else beside it on a 24 GB machine (beside another run it was killed for memory).
+  their optimizers, 4,096-token micro-batches), so with ``--jobs 2`` it runs alone
+  (``ALONE``: it waits for the running job and holds both slots; beside another run it was killed
+  for memory on a 24 GB machine); run nothing else beside the script then.
 
 Per run: reward rise (mean reward of the last 20 % of iterations minus the first 20 %), held-out
 greedy accuracy at step 0 and at the end, the run-mean of ``train/explained_variance`` (PPO and the
@@ -26,7 +27,9 @@ mean curves (sampled reward per iteration, held-out accuracy per evaluation) in 
 Runs live in ``--runs`` (default ``outputs/critic_budget``) with a checkpoint every
 ``--checkpoint-every`` iterations: a finished run is not repeated and an unfinished one resumes
 from its checkpoint (``train.resume_from=<run dir>``), so the table can be built over several
-sittings. ``--jobs 2`` runs two at once (then seconds per iteration compare only within a run of the
+sittings. A machine that does not keep ``outputs/`` between sittings starts without run dirs:
+the finished runs the last report (``--out``, committed under ``benchmarks/results/``) recorded
+are kept from it and not run again (:func:`recorded_runs`; only an unfinished run is lost). ``--jobs 2`` runs two at once (then seconds per iteration compare only within a run of the
 script, not with single-job numbers).
 
 Commands::
@@ -46,6 +49,7 @@ import math
 import os
 import sys
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -110,6 +114,62 @@ MATCHED_EXTRA_ARMS: dict[str, tuple[int, tuple[str, ...]]] = {
     # between the recipe's 0.95 and 1 (issue 27: not measured before)
     "ppo_n1_lmbda099": (1, ("critic=shared", "algo.gae.lmbda=0.99")),
 }
+
+
+#: task -> arms that run with no other run beside them (their peak memory; see the docstring)
+ALONE: dict[str, frozenset[str]] = {"tool_smollm2": frozenset({"ppo_separate_n2"})}
+
+
+class Slots:
+    """``jobs`` run slots handed out in submission order: a run takes ``weight`` slots (all of
+    them for a run that must run alone) and starts only when its turn has come and they are free,
+    so a heavy run is never starved by the light ones behind it.
+
+    Example:
+        >>> slots, order = Slots(2), []
+        >>> def job(ticket, name, weight):
+        ...     with slots.hold(ticket, weight):
+        ...         order.append(name)
+        >>> tickets = [slots.ticket() for _ in range(3)]
+        >>> threads = [threading.Thread(target=job, args=(t, n, w))
+        ...            for t, n, w in zip(tickets[::-1], "cba", (1, 2, 1))]
+        >>> for t in threads: t.start()
+        >>> for t in threads: t.join()
+        >>> order
+        ['a', 'b', 'c']
+    """
+
+    def __init__(self, jobs: int) -> None:
+        self.jobs, self.free, self._next, self._issued = jobs, jobs, 0, 0
+        self._cond = threading.Condition()
+
+    def ticket(self) -> int:
+        """The next place in the start order (take them in submission order)."""
+        with self._cond:
+            self._issued += 1
+            return self._issued - 1
+
+    def hold(self, ticket: int, weight: int):
+        """A context manager: wait for ``ticket``'s turn and ``weight`` free slots, then hold them."""
+        import contextlib
+
+        weight = min(weight, self.jobs)
+
+        @contextlib.contextmanager
+        def held():
+            with self._cond:
+                self._cond.wait_for(lambda: self._next == ticket and self.free >= weight)
+                self.free -= weight
+                self._next += 1
+                self._cond.notify_all()
+            try:
+                yield
+            finally:
+                with self._cond:
+                    self.free += weight
+                    self._cond.notify_all()
+
+        return held()
 
 
 def matched_arms(task: str) -> dict[str, tuple[str, ...]]:
@@ -421,9 +481,15 @@ def measure(args: argparse.Namespace) -> dict:
         kept = sorted(set(recorded) - on_disk)
         print(f"{len(kept)} finished runs kept from {args.out} (no run dir here): {kept}")
     if not args.report_only:
+        slots, alone = Slots(args.jobs), ALONE.get(args.task, frozenset())
+
+        def scheduled(ticket: int, name: str, seed: int, run_dir: Path) -> None:
+            with slots.hold(ticket, args.jobs if name in alone else 1):
+                one_run(args, name, seed, run_dir, cache)
+
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
             futures = [
-                pool.submit(one_run, args, name, seed, run_dir, cache)
+                pool.submit(scheduled, slots.ticket(), name, seed, run_dir)
                 for (name, seed), run_dir in todo.items()
             ]
             for future in futures:

@@ -34,6 +34,7 @@ def test_runs_are_summarised_resumed_and_tabled(tmp_path, monkeypatch):
     monkeypatch.setattr(m, "run_recipe", lambda run_dir, cache, *o: calls.append((run_dir, o)))
     args = m.parse_args(
         ["--task", "cpu", "--runs", str(tmp_path), "--seeds", "2", "--iterations", "4"]
+        + ["--out", str(tmp_path / "report.json")]  # no earlier report: every run is on disk
     )
     for name in m.VARIANTS:
         for seed in range(2):
@@ -104,7 +105,7 @@ def test_matched_arms_share_the_samples_per_iteration_and_table_the_critic_again
     monkeypatch.setattr(m, "run_recipe", lambda run_dir, cache, *o: calls.append(o))
     args = m.parse_args(
         ["--task", "critic_arithmetic", "--variants", "matched", "--runs", str(tmp_path / "r")]
-        + ["--seeds", "1", "--iterations", "5"]
+        + ["--seeds", "1", "--iterations", "5", "--out", str(tmp_path / "report.json")]
     )
     runs = tmp_path / "matched" / "critic_arithmetic"
     for name in arms:
@@ -140,3 +141,68 @@ def test_matched_arms_share_the_samples_per_iteration_and_table_the_critic_again
     assert m.docs_block(result).startswith("<!-- matched_critic_arithmetic:begin -->")
     m.plot(result, tmp_path / "matched.png")
     assert (tmp_path / "matched.png").stat().st_size > 1000
+
+
+def test_a_report_keeps_the_runs_an_earlier_report_recorded(tmp_path, monkeypatch):
+    """A fresh machine has no run dirs: the finished runs the committed report recorded are kept
+    (not re-run) where the arm's overrides and the iteration count are unchanged; a run dir on
+    disk wins over the record; an arm whose overrides changed runs again."""
+    m = load_benchmark("critic_budget")
+    calls = []
+    monkeypatch.setattr(m, "run_recipe", lambda run_dir, cache, *o: calls.append(run_dir.name))
+    out = tmp_path / "report.json"
+    argv = ["--task", "tool_smollm2", "--variants", "matched", "--runs", str(tmp_path / "r")]
+    argv += ["--seeds", "2", "--iterations", "3", "--out", str(out)]
+    arms = m.matched_arms("tool_smollm2")
+    runs = tmp_path / "matched" / "tool_smollm2"
+    for name in arms:
+        write_run(runs / f"{name}_it3_s0", 3, 0.1, critic=False)
+    first = m.measure(m.parse_args(argv + ["--report-only"]))
+    assert all(len(v["runs"]) == 1 for v in first["variants"].values())
+    first["variants"]["grpo_n4"]["overrides"].append("algo.something=else")  # an older arm
+    out.write_text(json.dumps(first))
+    for name in arms:  # a new machine: no run dir of seed 0 ...
+        for f in (runs / f"{name}_it3_s0").iterdir():
+            f.unlink()
+        (runs / f"{name}_it3_s0").rmdir()
+    write_run(runs / "ppo_n1_it3_s0", 3, 0.3, critic=False)  # ... but this one
+    result = m.measure(m.parse_args(argv))
+    assert sorted(calls) == sorted([f"{name}_it3_s1" for name in arms] + ["grpo_n4_it3_s0"])
+    assert result["variants"]["ppo_n1"]["runs"][0]["reward_rise"] == pytest.approx(0.6)  # disk
+    kept = result["variants"]["rloo_n8"]["runs"][0]
+    assert kept["reward_rise"] == pytest.approx(0.2) and kept["commit"] == first["code"]["commit"]
+    assert "grpo_n4" not in result["variants"]  # re-run (by the fake: no history), not kept
+    out.write_text(json.dumps({**first, "iterations": 6}))  # another iteration count: none kept
+    assert m.recorded_runs(out, m.parse_args(argv), arms) == {}
+
+
+def test_an_arm_that_must_run_alone_holds_every_job_slot(tmp_path, monkeypatch):
+    """``--jobs 2`` on the tool task: the separate-critic arm (~18 GB) never runs beside another
+    run, and runs start in the table's order (seed-major)."""
+    import threading
+    import time
+
+    m = load_benchmark("critic_budget")
+    lock, running, seen, started = threading.Lock(), set(), [], []
+
+    def fake(run_dir, cache, *overrides):
+        with lock:
+            running.add(run_dir.name)
+            started.append(run_dir.name)
+            seen.append(frozenset(running))
+        time.sleep(0.02)
+        with lock:
+            running.discard(run_dir.name)
+
+    monkeypatch.setattr(m, "run_recipe", fake)
+    argv = ["--task", "tool_smollm2", "--variants", "matched", "--runs", str(tmp_path / "r")]
+    argv += ["--seeds", "2", "--jobs", "2", "--out", str(tmp_path / "report.json")]
+    with pytest.raises(SystemExit, match="no finished run"):  # the fake writes no history
+        m.main(argv)
+    arms = list(m.matched_arms("tool_smollm2"))
+    order = [f"{name}_it6_s{seed}" for seed in (0, 1) for name in arms]
+    assert sorted(started) == sorted(order)  # two that start together may log either way round
+    assert all(abs(started.index(name) - order.index(name)) <= 1 for name in order)
+    alone = [s for s in seen if any(n.startswith("ppo_separate_n2_") for n in s)]
+    assert len(alone) == 2 and all(len(s) == 1 for s in alone)
+    assert any(len(s) == 2 for s in seen)  # the others do run two at once
