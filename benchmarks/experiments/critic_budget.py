@@ -29,7 +29,8 @@ Runs live in ``--runs`` (default ``outputs/critic_budget``) with a checkpoint ev
 from its checkpoint (``train.resume_from=<run dir>``), so the table can be built over several
 sittings. A machine that does not keep ``outputs/`` between sittings starts without run dirs:
 the finished runs the last report (``--out``, committed under ``benchmarks/results/``) recorded
-are kept from it and not run again (:func:`recorded_runs`; only an unfinished run is lost). ``--jobs 2`` runs two at once (then seconds per iteration compare only within a run of the
+are kept from it and not run again (:func:`recorded_runs`; only an unfinished run is lost, so
+give such a sitting ``--start-within MINUTES``: no run is begun after that). ``--jobs 2`` runs two at once (then seconds per iteration compare only within a run of the
 script, not with single-job numbers).
 
 Commands::
@@ -50,6 +51,7 @@ import os
 import sys
 import tempfile
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -249,6 +251,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, default=None, help="default: the task's")
     p.add_argument("--jobs", type=int, default=1, help="runs at once")
     p.add_argument("--runs", type=Path, default=ROOT / "outputs" / "critic_budget")
+    p.add_argument(
+        "--start-within",
+        type=float,
+        default=None,
+        metavar="MINUTES",
+        help="start no run later than this many minutes after the script starts (a sitting "
+        "whose run dirs do not outlive it: a run it cannot finish is not begun)",
+    )
     p.add_argument("--quick", action="store_true", help="3 iterations, 1 seed, a temporary dir")
     p.add_argument("--report-only", action="store_true", help="summarise the runs there, run none")
     p.add_argument(
@@ -482,10 +492,16 @@ def measure(args: argparse.Namespace) -> dict:
         print(f"{len(kept)} finished runs kept from {args.out} (no run dir here): {kept}")
     if not args.report_only:
         slots, alone = Slots(args.jobs), ALONE.get(args.task, frozenset())
+        start = time.monotonic()
+        late: list[str] = []
 
         def scheduled(ticket: int, name: str, seed: int, run_dir: Path) -> None:
             with slots.hold(ticket, args.jobs if name in alone else 1):
-                one_run(args, name, seed, run_dir, cache)
+                waited = (time.monotonic() - start) / 60
+                if args.start_within is None or waited <= args.start_within:
+                    one_run(args, name, seed, run_dir, cache)
+                else:
+                    late.append(run_dir.name)
 
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
             futures = [
@@ -494,6 +510,8 @@ def measure(args: argparse.Namespace) -> dict:
             ]
             for future in futures:
                 future.result()
+        if late:
+            print(f"not started (--start-within {args.start_within:g} min): {sorted(late)}")
     results: dict[str, list[dict]] = {}
     commit = code_version()["commit"]
     for (name, seed), run_dir in dirs.items():

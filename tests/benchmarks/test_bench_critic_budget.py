@@ -206,3 +206,22 @@ def test_an_arm_that_must_run_alone_holds_every_job_slot(tmp_path, monkeypatch):
     alone = [s for s in seen if any(n.startswith("ppo_separate_n2_") for n in s)]
     assert len(alone) == 2 and all(len(s) == 1 for s in alone)
     assert any(len(s) == 2 for s in seen)  # the others do run two at once
+
+
+def test_no_run_starts_after_the_start_window(tmp_path, monkeypatch, capsys):
+    """``--start-within 0``: the runs that wait for a slot are not begun (a sitting whose run dirs
+    do not outlive it), and the script says which."""
+    m = load_benchmark("critic_budget")
+    calls = []
+    clock = iter(range(0, 10_000, 60))  # each reading one minute later
+    monkeypatch.setattr(m.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(m, "run_recipe", lambda run_dir, cache, *o: calls.append(run_dir.name))
+    argv = ["--task", "tool_smollm2", "--variants", "matched", "--runs", str(tmp_path / "r")]
+    argv += ["--seeds", "1", "--start-within", "1.5", "--out", str(tmp_path / "report.json")]
+    with pytest.raises(SystemExit, match="no finished run"):
+        m.main(argv)
+    arms = list(m.matched_arms("tool_smollm2"))
+    assert calls == [f"{arms[0]}_it6_s0"]  # read at minute 1; the next at minute 2
+    assert f"not started (--start-within 1.5 min): {sorted(f'{a}_it6_s0' for a in arms[1:])}" in (
+        capsys.readouterr().out
+    )
