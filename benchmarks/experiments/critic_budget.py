@@ -597,15 +597,19 @@ def _ceiling(task: str) -> float | None:
 def matched_table(result: dict) -> str:
     """The matched-token table: one row per arm (mean and [min, max] over its seeds), with the
     generated tokens, the reward rise, the held-out greedy accuracy, the critic's out-of-sample EV
-    over the last 20 % of iterations against the task's token-level ceiling, and s / iteration."""
+    over the last 20 % of iterations against the task's token-level ceiling, s / iteration, and
+    s / iteration over the first arm's with the same seed (seeds may run in sittings on machines
+    of different speed; the arms of one seed run in one sitting)."""
     ceiling = _ceiling(result["task"])
     lines = [
         "| arm | overrides | seeds | generated tokens (M) | reward rise | "
         "held-out acc. start -> end | `critic/explained_variance`, last 20 % | "
         "token-level ceiling at the end | within prompt, last 20 % (ceiling at the end) | "
-        "s / iteration |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "s / iteration | time / first arm's, same seed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    first = next(iter(result["variants"].values()), {"runs": []})
+    base = {r["seed"]: r["seconds_per_iteration"] for r in first["runs"]}
     for name, v in result["variants"].items():
         runs = v["runs"]
         ev = [
@@ -632,7 +636,8 @@ def matched_table(result: dict) -> str:
             f"{_span(ev, '.3f')} | "
             f"{_span([r['ceiling_end'] for r in runs if r.get('ceiling_end') is not None], '.2f')} | "
             f"{_span(within, '.3f')} ({_span(within_ceiling, '.2f')}) | "
-            f"{_span([r['seconds_per_iteration'] for r in runs], '.2f')} |"
+            f"{_span([r['seconds_per_iteration'] for r in runs], '.2f')} | "
+            f"{_span([r['seconds_per_iteration'] / base[r['seed']] for r in runs if base.get(r['seed'])], '.2f')} |"
         )
     start = f"; the starting policy's ceiling is {ceiling:.2f}" if ceiling is not None else ""
     return "\n".join(lines) + (

@@ -117,6 +117,8 @@ def test_matched_arms_share_the_samples_per_iteration_and_table_the_critic_again
             row["rollout/groups_generated"] /= m.samples_per_prompt(arms[name])
             if name.startswith("ppo"):
                 row["critic/explained_variance"] = 0.1 * row["step"]
+            if name == "grpo_n8":  # twice the first arm's time per iteration
+                row["time/update"] = 3.5
             if name == "ppo_n2":  # the within-prompt EV needs >= 2 samples per prompt
                 row["critic/explained_variance_within_prompt"] = 0.05 * row["step"]
         path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
@@ -137,7 +139,8 @@ def test_matched_arms_share_the_samples_per_iteration_and_table_the_critic_again
         "| 1 | 0.0128 | +0.40 | 0.50 -> 0.75 | 0.500 | - | - (-) | 2.00 |" in table
     )  # no checkpoint
     assert "| 0.50 -> 0.75 | 0.500 | - | 0.250 (-) | 2.00 |" in table  # ppo_n2
-    assert "| grpo_n8 |" in table and "| 0.50 -> 0.75 | - | - | - (-) | 2.00 |" in table
+    assert "| grpo_n8 |" in table and "| 0.50 -> 0.75 | - | - | - (-) | 4.00 | 2.00 |" in table
+    assert "| 0.50 -> 0.75 | 0.500 | - | 0.250 (-) | 2.00 | 1.00 |" in table  # ppo_n2
     assert m.docs_block(result).startswith("<!-- matched_critic_arithmetic:begin -->")
     m.plot(result, tmp_path / "matched.png")
     assert (tmp_path / "matched.png").stat().st_size > 1000
