@@ -6,7 +6,13 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 
-__all__ = ["MissingKeyError", "policy_tokens", "require_key", "squeeze_feature"]
+__all__ = [
+    "MissingKeyError",
+    "policy_tokens",
+    "require_key",
+    "squeeze_feature",
+    "stored_advantages",
+]
 
 
 class MissingKeyError(KeyError):
@@ -53,3 +59,16 @@ def policy_tokens(
     if policy.dtype != torch.bool:
         raise TypeError(f"{owner}: {key!r} must be bool, got {policy.dtype}")
     return mask & policy
+
+
+def stored_advantages(td: TensorDictBase, key: NestedKey, owner: str, why: str) -> TensorDictBase:
+    """The ``inv`` side of a batch-level advantage transform registered on a replay buffer with
+    ``rb.append_transform(<owner>(), invert=True)``: a sample keeps the advantages computed when the
+    batch was written (``key`` present). Reached without them (registered without
+    ``invert=True``), it refuses, saying ``why`` computing on a sample would be wrong."""
+    if td.get(key, None) is not None:
+        return td
+    raise RuntimeError(
+        f"{owner}: reached through inv() on a batch without {key!r}. On a replay buffer, register "
+        f"it as rb.append_transform({owner}(), invert=True) so that {why}."
+    )

@@ -12,7 +12,7 @@ from tensordict.utils import NestedKey
 from torchrl.envs.transforms import Transform
 
 from ar_torchrl.functional import check_finite_reward, grpo_advantage, token_gae
-from ar_torchrl.objectives._keys import require_key, squeeze_feature
+from ar_torchrl.objectives._keys import require_key, squeeze_feature, stored_advantages
 from ar_torchrl.utils.checks import check_grpo_args
 
 __all__ = ["GRPOAdvantage"]
@@ -206,10 +206,9 @@ class GRPOAdvantage(Transform):
     def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase:
         # The read side of ``invert=True`` (samples keep the stored advantages), or the write side of a
         # registration without ``invert=True``, which would recompute on partial groups when sampled.
-        if tensordict.get(self.tensor_keys.advantage, None) is not None:
-            return tensordict
-        raise RuntimeError(
-            f"{self._owner}: reached through inv() on a batch without {self.tensor_keys.advantage!r}. On a "
-            "replay buffer, register it as rb.append_transform(GRPOAdvantage(), invert=True) so that "
-            "advantages are computed when complete groups are written (extend), not on samples."
+        return stored_advantages(
+            tensordict,
+            self.tensor_keys.advantage,
+            self._owner,
+            "advantages are computed when complete groups are written (extend), not on samples",
         )

@@ -10,7 +10,12 @@ from tensordict.utils import NestedKey
 from torchrl.envs.transforms import Transform
 
 from ar_torchrl.functional import reinforce_pp_advantage
-from ar_torchrl.objectives._keys import policy_tokens, require_key, squeeze_feature
+from ar_torchrl.objectives._keys import (
+    policy_tokens,
+    require_key,
+    squeeze_feature,
+    stored_advantages,
+)
 from ar_torchrl.utils.checks import check_bool, check_number
 
 __all__ = ["ReinforcePPAdvantage"]
@@ -130,11 +135,9 @@ class ReinforcePPAdvantage(Transform):
     def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase:
         # The read side of ``invert=True`` (samples keep the stored advantages), or the write side
         # of a registration without ``invert=True``, which would whiten over each sample instead.
-        if tensordict.get(self.tensor_keys.advantage, None) is not None:
-            return tensordict
-        raise RuntimeError(
-            f"{_OWNER}: reached through inv() on a batch without {self.tensor_keys.advantage!r}. "
-            "On a replay buffer, register it as rb.append_transform(ReinforcePPAdvantage(), "
-            "invert=True) so that advantages are whitened over the batch written (extend), not "
-            "over each sample."
+        return stored_advantages(
+            tensordict,
+            self.tensor_keys.advantage,
+            _OWNER,
+            "advantages are whitened over the batch written (extend), not over each sample",
         )
