@@ -478,15 +478,24 @@ def measure(args: argparse.Namespace) -> dict:
     runs = Path(tmp.name) if tmp else args.runs / args.task
     if args.variants != "critic" and not tmp:
         runs = args.runs.parent / args.variants / args.task
+    # the report covers every arm and the task's seeds (--only / --seeds choose what runs), so a
+    # partial sitting does not drop from args.out the runs it recorded before
+    report_seeds = args.seeds if tmp else max(args.seeds, TASKS[args.task][1])
     dirs = {  # seed-major: a sitting that stops early has compared every arm at the first seeds
         (name, seed): runs / f"{name}_it{args.iterations}_s{seed}"
-        for seed in range(args.seeds)
-        for name in names
+        for seed in range(report_seeds)
+        for name in variants
     }
     # finished runs an earlier sitting recorded in args.out (a fresh machine has no run dirs)
     recorded = {} if tmp else recorded_runs(args.out, args, variants)
     on_disk = {key for key, run_dir in dirs.items() if read_history(run_dir)}
-    todo = {key: d for key, d in dirs.items() if key in on_disk or key not in recorded}
+    todo = {
+        (name, seed): d
+        for (name, seed), d in dirs.items()
+        if name in names
+        and seed < args.seeds
+        and ((name, seed) in on_disk or (name, seed) not in recorded)
+    }
     if recorded:
         kept = sorted(set(recorded) - on_disk)
         print(f"{len(kept)} finished runs kept from {args.out} (no run dir here): {kept}")
@@ -536,7 +545,7 @@ def measure(args: argparse.Namespace) -> dict:
         "iterations": args.iterations,
         "variants": {
             name: {"overrides": list(variants[name]), "runs": results[name]}
-            for name in names
+            for name in variants
             if name in results
         },
     }

@@ -175,6 +175,10 @@ def test_a_report_keeps_the_runs_an_earlier_report_recorded(tmp_path, monkeypatc
     kept = result["variants"]["rloo_n8"]["runs"][0]
     assert kept["reward_rise"] == pytest.approx(0.2) and kept["commit"] == first["code"]["commit"]
     assert "grpo_n4" not in result["variants"]  # re-run (by the fake: no history), not kept
+    out.write_text(json.dumps(result))
+    calls.clear()  # --only / --seeds choose what runs; the report still holds every arm recorded
+    only = m.measure(m.parse_args(argv + ["--only", "rloo_n8", "--seeds", "1"]))
+    assert calls == [] and set(only["variants"]) == set(arms) - {"grpo_n4"}
     out.write_text(json.dumps({**first, "iterations": 6}))  # another iteration count: none kept
     assert m.recorded_runs(out, m.parse_args(argv), arms) == {}
 
