@@ -30,8 +30,9 @@ from its checkpoint (``train.resume_from=<run dir>``), so the table can be built
 sittings. A machine that does not keep ``outputs/`` between sittings starts without run dirs:
 the finished runs the last report (``--out``, committed under ``benchmarks/results/``) recorded
 are kept from it and not run again (:func:`recorded_runs`; only an unfinished run is lost, so
-give such a sitting ``--start-within MINUTES``: no run is begun after that). ``--jobs 2`` runs two at once (then seconds per iteration compare only within a run of the
-script, not with single-job numbers).
+give such a sitting ``--start-within MINUTES``: no run is begun after that). ``--jobs 2`` runs
+two at once (then seconds per iteration compare only within a run of the script, not with
+single-job numbers).
 
 Commands::
 
@@ -46,6 +47,7 @@ Commands::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -151,27 +153,21 @@ class Slots:
             self._issued += 1
             return self._issued - 1
 
+    @contextlib.contextmanager
     def hold(self, ticket: int, weight: int):
-        """A context manager: wait for ``ticket``'s turn and ``weight`` free slots, then hold them."""
-        import contextlib
-
+        """Wait for ``ticket``'s turn and ``weight`` free slots, then hold them (a context)."""
         weight = min(weight, self.jobs)
-
-        @contextlib.contextmanager
-        def held():
+        with self._cond:
+            self._cond.wait_for(lambda: self._next == ticket and self.free >= weight)
+            self.free -= weight
+            self._next += 1
+            self._cond.notify_all()
+        try:
+            yield
+        finally:
             with self._cond:
-                self._cond.wait_for(lambda: self._next == ticket and self.free >= weight)
-                self.free -= weight
-                self._next += 1
+                self.free += weight
                 self._cond.notify_all()
-            try:
-                yield
-            finally:
-                with self._cond:
-                    self.free += weight
-                    self._cond.notify_all()
-
-        return held()
 
 
 def matched_arms(task: str) -> dict[str, tuple[str, ...]]:
@@ -522,14 +518,14 @@ def measure(args: argparse.Namespace) -> dict:
         if late:
             print(f"not started (--start-within {args.start_within:g} min): {sorted(late)}")
     results: dict[str, list[dict]] = {}
-    commit = code_version()["commit"]
+    code = code_version()
     for (name, seed), run_dir in dirs.items():
         history = read_history(run_dir)
         if (name, seed) not in on_disk and (name, seed) in recorded:
             results.setdefault(name, []).append(recorded[name, seed])
         elif _finished(history, args.iterations):
             n = samples_per_prompt(variants[name])
-            summary = {"seed": seed, "commit": commit, **summarize(history, n)}
+            summary = {"seed": seed, "commit": code["commit"], **summarize(history, n)}
             if args.ceilings or (run_dir / CEILING_NAME).is_file():
                 ceilings = end_ceiling(run_dir) or {}
                 summary["ceiling_end"] = ceilings.get("token")
@@ -539,7 +535,7 @@ def measure(args: argparse.Namespace) -> dict:
         tmp.cleanup()
     return {
         "machine": machine_info(),
-        "code": code_version(),
+        "code": code,
         "task": args.task,
         "variant_set": args.variants,
         "iterations": args.iterations,

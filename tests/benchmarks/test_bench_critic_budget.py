@@ -216,8 +216,8 @@ def test_an_arm_that_must_run_alone_holds_every_job_slot(tmp_path, monkeypatch):
 
 
 def test_no_run_starts_after_the_start_window(tmp_path, monkeypatch, capsys):
-    """``--start-within 0``: the runs that wait for a slot are not begun (a sitting whose run dirs
-    do not outlive it), and the script says which."""
+    """``--start-within 1.5`` (minutes): a run whose slot comes later is not begun (a sitting
+    whose run dirs do not outlive it), and the script says which."""
     m = load_benchmark("critic_budget")
     calls = []
     clock = iter(range(0, 10_000, 60))  # each reading one minute later
