@@ -48,8 +48,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
+import platform
 import sys
 import tempfile
 import threading
@@ -288,6 +290,52 @@ def _finished(history: list[dict], iterations: int) -> bool:
     return sum("rollout/reward_mean" in h for h in history) >= iterations
 
 
+#: In a run dir: the sittings (machine boots) the run ran in, one id per (re)start.
+SITTINGS_NAME = "sittings.json"
+
+
+def sitting_id() -> str:
+    """This machine's boot: runs stamped with the same id ran on the same machine, in one boot
+    (so their times compare); the kernel's boot id, else the host name.
+
+    Example:
+        >>> sitting_id() == sitting_id() and len(sitting_id()) > 0
+        True
+    """
+    boot = Path("/proc/sys/kernel/random/boot_id")
+    return boot.read_text().strip() if boot.is_file() else platform.node()
+
+
+def record_sitting(run_dir: Path) -> list[str]:
+    """Add this sitting to ``run_dir``'s :data:`SITTINGS_NAME` (a run resumed on another machine
+    lists both) and return the list."""
+    path = run_dir / SITTINGS_NAME
+    sittings = json.loads(path.read_text()) if path.is_file() else []
+    if sitting_id() not in sittings:
+        sittings.append(sitting_id())
+        run_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(sittings) + "\n")
+    return sittings
+
+
+def same_sitting(a: dict, b: dict) -> bool:
+    """Whether two run summaries ran in one sitting, so that their times per iteration compare:
+    each ran in exactly one, the same (``sittings``); runs reported before the stamp existed
+    compare when they were reported at one commit (a sitting's runs were).
+
+    Example:
+        >>> same_sitting({"sittings": ["x"]}, {"sittings": ["x"]})
+        True
+        >>> same_sitting({"sittings": ["x", "y"]}, {"sittings": ["x", "y"]})  # resumed elsewhere
+        False
+        >>> same_sitting({"commit": "c"}, {"commit": "c"}), same_sitting({"commit": "c"}, {"commit": "c", "sittings": ["x"]})
+        (True, False)
+    """
+    if "sittings" in a or "sittings" in b:
+        return len(a.get("sittings", ())) == 1 and a.get("sittings") == b.get("sittings")
+    return a.get("commit") is not None and a.get("commit") == b.get("commit")
+
+
 def variants_of(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
     """The variant set ``args.variants`` on ``args.task``: name -> recipe overrides."""
     if args.variants == "matched":
@@ -304,6 +352,7 @@ def one_run(args: argparse.Namespace, variant: str, seed: int, run_dir: Path, ca
     if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
         resume = [f"train.resume_from={run_dir}"]
     config, *_ = TASKS[args.task]
+    record_sitting(run_dir)
     run_recipe(
         run_dir,
         cache,
@@ -396,7 +445,6 @@ def end_ceiling(run_dir: Path) -> dict | None:
     ``benchmarks/critic_ceiling.py``), measured once and cached in the run directory:
     ``{"token": x, "within_prompt": y}`` (``within_prompt`` ``None`` in a cache written before the
     tool measured it); ``None`` without a checkpoint."""
-    import json
     import subprocess
 
     out = run_dir / CEILING_NAME
@@ -441,7 +489,6 @@ def recorded_runs(
         >>> recorded_runs(d / "r.json", args, {"a": ("x=1",), "b": ("y=2",)})
         {('a', 0): {'commit': 'abc', 'seed': 0}}
     """
-    import json
 
     if not out.is_file():
         return {}
@@ -526,6 +573,8 @@ def measure(args: argparse.Namespace) -> dict:
         elif _finished(history, args.iterations):
             n = samples_per_prompt(variants[name])
             summary = {"seed": seed, "commit": code["commit"], **summarize(history, n)}
+            if (run_dir / SITTINGS_NAME).is_file():
+                summary["sittings"] = json.loads((run_dir / SITTINGS_NAME).read_text())
             if args.ceilings or (run_dir / CEILING_NAME).is_file():
                 ceilings = end_ceiling(run_dir) or {}
                 summary["ceiling_end"] = ceilings.get("token")
@@ -594,7 +643,6 @@ def _ceiling(task: str) -> float | None:
     path = Path(str(CEILING_FILE).format(task=name))
     if not path.is_file():
         return None
-    import json
 
     return json.loads(path.read_text())["results"]["token"]["ceiling"]
 
@@ -603,8 +651,9 @@ def matched_table(result: dict) -> str:
     """The matched-token table: one row per arm (mean and [min, max] over its seeds), with the
     generated tokens, the reward rise, the held-out greedy accuracy, the critic's out-of-sample EV
     over the last 20 % of iterations against the task's token-level ceiling, s / iteration, and
-    s / iteration over the first arm's with the same seed (seeds may run in sittings on machines
-    of different speed; the arms of one seed run in one sitting)."""
+    s / iteration over the first arm's with the same seed where both ran in one sitting
+    (:func:`same_sitting`: seeds, and sometimes the arms of one seed, run in sittings on machines of
+    different speed; "-" where the first arm's run of that seed ran elsewhere)."""
     ceiling = _ceiling(result["task"])
     lines = [
         "| arm | overrides | seeds | generated tokens (M) | reward rise | "
@@ -614,7 +663,14 @@ def matched_table(result: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     first = next(iter(result["variants"].values()), {"runs": []})
-    base = {r["seed"]: r["seconds_per_iteration"] for r in first["runs"]}
+    base = {r["seed"]: r for r in first["runs"]}
+
+    def over_first(r: dict) -> float | None:
+        b = base.get(r["seed"])
+        if b is None or not b["seconds_per_iteration"] or not same_sitting(r, b):
+            return None
+        return r["seconds_per_iteration"] / b["seconds_per_iteration"]
+
     for name, v in result["variants"].items():
         runs = v["runs"]
         ev = [
@@ -642,7 +698,7 @@ def matched_table(result: dict) -> str:
             f"{_span([r['ceiling_end'] for r in runs if r.get('ceiling_end') is not None], '.2f')} | "
             f"{_span(within, '.3f')} ({_span(within_ceiling, '.2f')}) | "
             f"{_span([r['seconds_per_iteration'] for r in runs], '.2f')} | "
-            f"{_span([r['seconds_per_iteration'] / base[r['seed']] for r in runs if base.get(r['seed'])], '.2f')} |"
+            f"{_span([x for x in map(over_first, runs) if x is not None], '.2f')} |"
         )
     start = f"; the starting policy's ceiling is {ceiling:.2f}" if ceiling is not None else ""
     return "\n".join(lines) + (

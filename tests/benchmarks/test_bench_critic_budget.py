@@ -48,6 +48,9 @@ def test_runs_are_summarised_resumed_and_tabled(tmp_path, monkeypatch):
     overrides = calls[0][1]
     assert f"train.resume_from={stopped}" in overrides and "algo=rloo" in overrides
     assert "seed=1" in overrides and "train.iterations=4" in overrides
+    # the run is stamped with the sitting it ran in (the runs not run here are not)
+    assert json.loads((stopped / m.SITTINGS_NAME).read_text()) == [m.sitting_id()]
+    assert not (tmp_path / "cpu" / "rloo_it4_s0" / m.SITTINGS_NAME).exists()
     assert len(result["variants"]["rloo"]["runs"]) == 1  # the stopped run is not summarised
     table = m.table(result)
     assert (
@@ -144,6 +147,54 @@ def test_matched_arms_share_the_samples_per_iteration_and_table_the_critic_again
     assert m.docs_block(result).startswith("<!-- matched_critic_arithmetic:begin -->")
     m.plot(result, tmp_path / "matched.png")
     assert (tmp_path / "matched.png").stat().st_size > 1000
+
+
+def test_times_compare_with_the_first_arm_only_within_one_sitting(tmp_path):
+    """The last column divides an arm's time per iteration by the first arm's of the same seed only
+    where both ran in one sitting (a recorded run from another machine shows "-"): stamped runs by
+    their sittings, runs from before the stamp by the commit they were reported at."""
+    m = load_benchmark("critic_budget")
+
+    def run(seed, seconds, **stamp):
+        return {
+            "seed": seed,
+            "seconds_per_iteration": seconds,
+            "generated_tokens": 1e3,
+            "reward_rise": 0.5,
+            "eval_accuracy_start": 0.5,
+            "eval_accuracy_end": 0.6,
+            **stamp,
+        }
+
+    result = {
+        "task": "tool_smollm2",
+        "variants": {
+            "ppo_n1": {
+                "overrides": ["a=1"],
+                "runs": [run(0, 100.0, commit="old"), run(1, 300.0, commit="new", sittings=["B"])],
+            },
+            "rloo_n8": {
+                "overrides": ["b=2"],
+                "runs": [
+                    run(
+                        0, 150.0, commit="new", sittings=["B"]
+                    ),  # ran on another machine than ppo_n1's
+                    run(1, 150.0, commit="new", sittings=["B"]),
+                ],
+            },
+            "grpo_n8": {
+                "overrides": ["c=3"],
+                "runs": [
+                    run(0, 50.0, commit="old"),
+                    run(1, 90.0, commit="new", sittings=["A", "B"]),
+                ],
+            },
+        },
+    }
+    rows = {line.split(" | ")[0][2:]: line for line in m.matched_table(result).splitlines()[2:]}
+    assert rows["ppo_n1"].endswith("| 200.00 [100.00, 300.00] | 1.00 [1.00, 1.00] |")
+    assert rows["rloo_n8"].endswith("| 150.00 [150.00, 150.00] | 0.50 |")  # seed 1 only
+    assert rows["grpo_n8"].endswith("| 70.00 [50.00, 90.00] | 0.50 |")  # seed 0 only (same commit)
 
 
 def test_a_report_keeps_the_runs_an_earlier_report_recorded(tmp_path, monkeypatch):
