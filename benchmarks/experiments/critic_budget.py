@@ -306,15 +306,20 @@ def sitting_id() -> str:
     return boot.read_text().strip() if boot.is_file() else platform.node()
 
 
+def sittings_of(run_dir: Path) -> list[str] | None:
+    """The sittings ``run_dir`` recorded (``None``: a run started before the stamp existed)."""
+    path = run_dir / SITTINGS_NAME
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def record_sitting(run_dir: Path) -> list[str]:
     """Add this sitting to ``run_dir``'s :data:`SITTINGS_NAME` (a run resumed on another machine
     lists both) and return the list."""
-    path = run_dir / SITTINGS_NAME
-    sittings = json.loads(path.read_text()) if path.is_file() else []
-    if sitting_id() not in sittings:
-        sittings.append(sitting_id())
+    sittings, here = sittings_of(run_dir) or [], sitting_id()
+    if here not in sittings:
+        sittings.append(here)
         run_dir.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(sittings) + "\n")
+        (run_dir / SITTINGS_NAME).write_text(json.dumps(sittings) + "\n")
     return sittings
 
 
@@ -489,7 +494,6 @@ def recorded_runs(
         >>> recorded_runs(d / "r.json", args, {"a": ("x=1",), "b": ("y=2",)})
         {('a', 0): {'commit': 'abc', 'seed': 0}}
     """
-
     if not out.is_file():
         return {}
     old = json.loads(out.read_text())
@@ -573,8 +577,8 @@ def measure(args: argparse.Namespace) -> dict:
         elif _finished(history, args.iterations):
             n = samples_per_prompt(variants[name])
             summary = {"seed": seed, "commit": code["commit"], **summarize(history, n)}
-            if (run_dir / SITTINGS_NAME).is_file():
-                summary["sittings"] = json.loads((run_dir / SITTINGS_NAME).read_text())
+            if (sittings := sittings_of(run_dir)) is not None:
+                summary["sittings"] = sittings
             if args.ceilings or (run_dir / CEILING_NAME).is_file():
                 ceilings = end_ceiling(run_dir) or {}
                 summary["ceiling_end"] = ceilings.get("token")
@@ -643,7 +647,6 @@ def _ceiling(task: str) -> float | None:
     path = Path(str(CEILING_FILE).format(task=name))
     if not path.is_file():
         return None
-
     return json.loads(path.read_text())["results"]["token"]["ceiling"]
 
 
