@@ -23,8 +23,12 @@ else
   bash scripts/setup_sglang_env.sh
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# One pytest worker per core (2 here; AR_TORCHRL_TEST_WORKERS=0 runs in one process): tests that
+# share a costly session or module fixture (the SGLang server, a recipe run) are grouped onto one
+# worker by tests/conftest.py, so each fixture is still built once.
+workers=${AR_TORCHRL_TEST_WORKERS:-2}
 set +e
-.venv/bin/python -m pytest tests ar_torchrl "${marker[@]}" "$@"
+.venv/bin/python -m pytest tests ar_torchrl -n "$workers" --dist loadgroup "${marker[@]}" "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

@@ -25,21 +25,56 @@ TINY_SEED = 0
 TEST_API_KEY = "ar-torchrl-test-key"
 
 
+#: Session fixtures that run the recipe: every test using one goes to one pytest-xdist worker.
+SHARED_RUNS = {"separate_run": "tool-runs", "confidence_run": "tool-runs", "straight": "straight"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (--dist loadgroup)
 def pytest_collection_modifyitems(config, items):
     """The doctests of ``backends/sglang/schema.py`` read SGLang's schema from .venv-sglang: mark
-    them ``sglang`` so that the fast tier (``-m "not sglang"``) deselects them with the rest."""
+    them ``sglang`` so that the fast tier (``-m "not sglang"``) deselects them with the rest.
+
+    Under pytest-xdist (scripts/test.sh runs 2 workers with ``--dist loadgroup``), tests that share
+    an expensive fixture run on one worker, so that it is built once: the real SGLang server (every
+    ``sglang`` test), the recipe runs of :data:`SHARED_RUNS`, and a module's module-scoped fixtures
+    (a Ray cluster, a module's recipe run). Other tests go to whichever worker is free.
+    """
     for item in items:
         if (
             "ar_torchrl.backends.sglang.schema." in item.nodeid
             and "default_sglang_venv" not in item.nodeid
         ):
             item.add_marker(pytest.mark.sglang)
+        group = _worker_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+def _worker_group(item) -> str | None:
+    if item.get_closest_marker("sglang") is not None:
+        return "sglang"
+    fixtures = getattr(item, "fixturenames", ())
+    for name in fixtures:
+        if name in SHARED_RUNS:
+            return SHARED_RUNS[name]
+    info = getattr(item, "_fixtureinfo", None)
+    for name in fixtures:
+        defs = info.name2fixturedefs.get(name) if info is not None else None
+        if defs and defs[-1].scope == "module":
+            return item.nodeid.split("::")[0]
+    return None
 
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
-    """The recipe tests' ``AR_TORCHRL_CACHE``: the warm start is computed once per session."""
-    return tmp_path_factory.mktemp("ar_torchrl_cache")
+    """The recipe tests' ``AR_TORCHRL_CACHE``: each warm start is computed once per session, also
+    under pytest-xdist (the workers share one directory; the library's cache lock makes one of them
+    train an entry while the others wait for it)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return tmp_path_factory.mktemp("ar_torchrl_cache")
+    shared = tmp_path_factory.getbasetemp().parent / "ar_torchrl_cache"
+    shared.mkdir(exist_ok=True)
+    return shared
 
 
 @pytest.fixture(scope="session")

@@ -25,6 +25,7 @@ from transformers import (
 )
 
 from ar_torchrl.models.tiny import build_char_tokenizer, build_tiny_qwen3
+from ar_torchrl.utils.files import exclusive
 
 __all__ = [
     "SMOLLM2_GGUF",
@@ -177,7 +178,9 @@ def load_smollm2_135m(cache_dir: str | os.PathLike) -> tuple[PreTrainedModel, ob
     """
     target = Path(cache_dir) / "smollm2-135m"
     if not (target / "config.json").is_file():
-        _convert_gguf(smollm2_gguf_path(), target)
+        with exclusive(target.with_name(f".{target.name}.lock"), what="the GGUF conversion"):
+            if not (target / "config.json").is_file():  # converted while this one waited?
+                _convert_gguf(smollm2_gguf_path(), target)
     return load_hf_model(target)
 
 

@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from ar_torchrl.models.hf import check_tokenizer
 from ar_torchrl.utils.checks import check_warm_start_args
+from ar_torchrl.utils.files import exclusive
 
 __all__ = [
     "build_sft_batch",
@@ -344,6 +345,20 @@ def cached_warm_start(
         (True, 2)
     """
     target = Path(cache_dir) / f"warmstart-{_fingerprint(model, tokenizer, rows, settings)}"
+    # processes sharing the cache (parallel runs, test workers) train each warm start once
+    with exclusive(_lock_path(target), what="the warm start"):
+        _warm_start_once(model, tokenizer, rows, target, settings)
+    started = time.perf_counter()
+    loaded = AutoModelForCausalLM.from_pretrained(target, dtype=model.dtype, local_files_only=True)
+    logger.info("warm start: loaded in %.1f s", time.perf_counter() - started)
+    return loaded.eval(), target
+
+
+def _lock_path(target: Path) -> Path:
+    return target.with_name(f".{target.name}.lock")
+
+
+def _warm_start_once(model, tokenizer, rows, target: Path, settings: dict) -> None:
     if (target / "warmstart.json").is_file():
         logger.info("warm start: loading cached %s", target)
     else:
@@ -359,10 +374,6 @@ def cached_warm_start(
             time.perf_counter() - started,
             target,
         )
-    started = time.perf_counter()
-    loaded = AutoModelForCausalLM.from_pretrained(target, dtype=model.dtype, local_files_only=True)
-    logger.info("warm start: loaded in %.1f s", time.perf_counter() - started)
-    return loaded.eval(), target
 
 
 def _copy_model(model: PreTrainedModel) -> PreTrainedModel:

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -66,7 +70,9 @@ def test_cache_hit_miss_and_atomic_layout(tmp_path, monkeypatch):
     trained, path = cached_warm_start(model, tok, rows, cache_dir=tmp_path, **settings)
     info = json.loads((path / "warmstart.json").read_text())
     assert info["settings"] == settings and len(info["losses"]) == 3
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dirs left
+    assert not [
+        p for p in tmp_path.iterdir() if p.is_dir() and p.name.startswith(".")
+    ]  # no temp dirs
     # the input model is not modified
     assert not torch.equal(trained.model.embed_tokens.weight, model.model.embed_tokens.weight)
 
@@ -85,6 +91,54 @@ def test_cache_hit_miss_and_atomic_layout(tmp_path, monkeypatch):
     other, _ = build_tiny_model(hidden_size=32, num_heads=2, seed=1)
     with pytest.raises(AssertionError, match="must not train"):
         cached_warm_start(other, tok, rows, cache_dir=tmp_path, **settings)
+
+
+#: A process that warm-starts the tiny model on 10 rows into the cache ``sys.argv[1]``, logging at INFO.
+WARM_START_CHILD = """
+import logging, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+from ar_torchrl.data.datasets import arithmetic_dataset
+from ar_torchrl.models import build_tiny_model
+from ar_torchrl.models.warmstart import cached_warm_start
+model, tok = build_tiny_model(hidden_size=32, num_heads=2)
+cached_warm_start(model, tok, list(arithmetic_dataset(10, seed=0)), cache_dir=sys.argv[1],
+                  steps=3, batch_size=2, seed=0)
+"""
+
+
+def test_processes_sharing_the_cache_train_a_warm_start_once(tmp_path):
+    """Two processes ask for one entry while it is locked (as by a third that trains it): both wait,
+    then exactly one trains and the other loads its result (parallel runs, pytest workers)."""
+    model, tok = build_tiny_model(hidden_size=32, num_heads=2)
+    rows = list(arithmetic_dataset(10, seed=0))
+    target = (
+        tmp_path
+        / f"warmstart-{ws._fingerprint(model, tok, rows, dict(steps=3, batch_size=2, seed=0))}"
+    )
+    with ws.exclusive(ws._lock_path(target)) as waited:
+        assert waited == 0.0
+        children = [
+            subprocess.Popen(
+                [sys.executable, "-c", WARM_START_CHILD, str(tmp_path)],
+                stderr=subprocess.PIPE,
+                text=True,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+            )
+            for _ in range(2)
+        ]
+        logs = [child.stderr for child in children]
+        for log in logs:  # each child reaches the lock and says it waits
+            line = ""
+            while "waiting for another process to finish the warm start" not in line:
+                line = log.readline()
+                assert line, "a child ended before it reached the lock"
+        time.sleep(0.2)
+        assert not target.exists()
+    errs = [log.read() for log in logs]
+    assert [child.wait(timeout=300) for child in children] == [0, 0], errs
+    assert sorted("supervised training, once" in e for e in errs) == [False, True], errs
+    assert sum("loading cached" in e for e in errs) == 1
+    assert (target / "warmstart.json").is_file()
 
 
 def test_errors_are_clear():
