@@ -17,6 +17,7 @@ import os
 import pytest
 from support.sglang_double import serve_double
 from support.sglang_helpers import ParentServer, require_schema, require_sglang_venv
+from support.xdist_groups import tag_group
 
 from ar_torchrl.backends.sglang.launcher import API_KEY_ENV, launch_sglang_server
 from ar_torchrl.models.tiny import save_tiny_model
@@ -47,7 +48,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.sglang)
         group = _worker_group(item)
         if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
+            tag_group(item, group, loadgroup=bool(getattr(config.option, "loadgroup", False)))
 
 
 def _worker_group(item) -> str | None:

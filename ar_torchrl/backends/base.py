@@ -414,6 +414,9 @@ class GenerationBackend(abc.ABC):
         """
         name = type(self).__name__
         prompts = validate_prompts(prompt_token_ids, n, name)
+        # before asking the engine anything (its context length: a server that died mid-sync
+        # cannot answer it); checked again under the lock below
+        self._check_not_broken(name)
         self._check_context(prompts, sampling, name)
         if episodes is not None or episode_ids is not None:
             episode_ids = self._check_episodes(episodes, episode_ids, len(prompts), n, name)

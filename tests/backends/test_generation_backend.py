@@ -108,6 +108,28 @@ def test_partial_sync_blocks_generation_until_a_sync_succeeds(error):
     assert engine.generate([[1]], 1, SamplingParams())[0].policy_version == 1
 
 
+def test_a_partial_sync_is_said_before_the_engine_is_asked_its_context_length():
+    """A server killed mid-sync cannot answer /server_info: generate names the partial sync,
+    not the unreachable server (found when the SGLang router test ran on its own)."""
+
+    class Dying(Echo):
+        dead = False
+
+        @property
+        def context_length(self):
+            if self.dead:
+                raise ConnectionError("the engine is gone")
+            return 64
+
+    engine = Dying(Sender(error=WeightSyncError("half sent", partial=True)))
+    with pytest.raises(WeightSyncError):
+        engine.sync_weights(TENSORS, version=1)
+    engine.dead = True
+    with pytest.raises(WeightSyncError, match="failed part-way .*sync again before generating"):
+        engine.generate([[1]], 1, SamplingParams())
+    assert engine.events == []
+
+
 def test_no_sender_cannot_sync():
     with pytest.raises(WeightSyncError, match="Echo has no weight sender"):
         Echo().sync_weights(TENSORS, 1)
