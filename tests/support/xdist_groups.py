@@ -4,9 +4,10 @@ pytest-xdist 3.8 marks a grouped test by appending ``@<group>`` to its node id i
 (``item._nodeid``), and its scheduler sends all ids with one suffix to one worker. pytest 9.2 keeps
 the node id in ``item._id`` and no longer reads ``_nodeid``, so on it that rewrite does nothing
 and every group is scattered (seen: the SGLang server and the recipe-run fixtures built on both
-workers; pytest-dev/pytest-xdist#1386, open, its fix #1388 not released). :func:`tag_group` adds the ``xdist_group`` marker and, where pytest keeps ``_id``, writes
-the suffix itself; ``tests/test_xdist_groups.py`` pins the behaviour on the installed versions.
-Torch-free (imported by a test's throwaway conftest).
+workers; pytest-dev/pytest-xdist#1386, open, its fix #1388 not released). :func:`tag_group`
+adds the ``xdist_group`` marker and, where pytest keeps ``_id``, writes the suffix itself;
+``tests/test_xdist_groups.py`` pins the behaviour on the installed versions. Torch-free
+(imported by a test's throwaway conftest).
 """
 
 from __future__ import annotations
