@@ -109,14 +109,32 @@ LAUNCH_ARGS = ("--max-total-tokens", "16384")
 
 
 # ----------------------------------------------------------------------------- setting
-def make_prompts(tok, batch: int, seed: int) -> list[list[int]]:
-    """``batch`` ChatML prompts ``What is a + b? ...`` (one-digit a, b: all of one length)."""
+#: the model's positions: an episode's final context must fit
+MAX_POSITIONS = 1024
+#: the system message ``--system-chars`` repeats (and cuts) to lengthen every prompt
+SYSTEM_FILLER = "You are a careful assistant with a calculator tool; check every step. "
+
+
+def make_prompts(tok, batch: int, seed: int, system_chars: int = 0) -> list[list[int]]:
+    """``batch`` ChatML prompts ``What is a + b? ...`` (one-digit a, b: all of one length), led
+    by a system message of ``system_chars`` characters when it is > 0 (a longer shared context
+    against the same tool answers: with the char tokenizer one token per character).
+
+    Example:
+        >>> tok = build_char_tokenizer()
+        >>> short, long = make_prompts(tok, 2, 0), make_prompts(tok, 2, 0, system_chars=100)
+        >>> len({len(p) for p in long}), len(long[0]) - len(short[0]) > 100
+        (1, True)
+    """
     gen = torch.Generator().manual_seed(seed)
+    system = (SYSTEM_FILLER * (system_chars // len(SYSTEM_FILLER) + 1))[:system_chars]
     prompts = []
     for _ in range(batch):
         a, b = torch.randint(0, 10, (2,), generator=gen).tolist()
         question = f"What is {a} + {b}? Use the calculator, then end with a line Answer: $Answer"
         messages = [{"role": "user", "content": question}]
+        if system:
+            messages.insert(0, {"role": "system", "content": system})
         prompts.append(render_ids(tok, messages, add_generation_prompt=True))
     return prompts
 
@@ -399,14 +417,22 @@ def run(args) -> tuple[dict, dict]:
         hidden_size=args.hidden,
         num_layers=args.layers,
         num_heads=args.heads,
-        max_position_embeddings=1024,
+        max_position_embeddings=MAX_POSITIONS,
         seed=args.seed,
     ).to(device=args.device, dtype=getattr(torch, args.dtype))
-    prompts = make_prompts(tok, args.batch, args.seed)
+    prompts = make_prompts(tok, args.batch, args.seed, args.system_chars)
     deltas = {  # after a turn cut at its cap / after a turn that sampled EOS (with --allow-eos)
         False: tool_delta_ids(tok, [TOOL_ANSWER], include_end_of_turn=True),
         True: tool_delta_ids(tok, [TOOL_ANSWER]),
     }
+    final = len(prompts[0]) + args.total_tokens + (max(args.ks) - 1) * len(deltas[False])
+    if final > MAX_POSITIONS:
+        raise SystemExit(
+            f"an episode's final context is {final} tokens (prompt {len(prompts[0])}, "
+            f"--total-tokens {args.total_tokens}, {max(args.ks) - 1} tool deltas of "
+            f"{len(deltas[False])}), over the model's {MAX_POSITIONS} positions: lower "
+            "--system-chars, --total-tokens or the largest K"
+        )
     info = dict(prompt_tokens=len(prompts[0]), tool_delta_tokens=len(deltas[False]))
     runs: dict[tuple[str, int], list[dict]] = {}
     with engines(args, model, tok) as engs:
@@ -504,6 +530,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--system-chars",
+        type=int,
+        default=0,
+        help="lead every prompt with a system message of this many characters (0: none)",
+    )
     p.add_argument("--allow-eos", action="store_true", help="EOS ends a turn (lengths then vary)")
     p.add_argument("--quick", action="store_true", help="T=48, B=4, 2 reps")
     p.add_argument("--out", type=Path, default=None)
@@ -534,6 +566,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"--total-tokens {args.total_tokens} is not divisible by K={bad}: every turn gets "
             "T // K tokens; pick a T that all K divide"
         )
+    if args.system_chars < 0:
+        p.error(f"--system-chars must be >= 0 (0: no system message), got {args.system_chars}")
     if args.reps < 1 or args.batch < 1:
         p.error(f"--reps and --batch must be >= 1, got {args.reps} and {args.batch}")
     args.out = args.out or RESULTS / f"bench_multi_turn{'_quick' if args.quick else ''}.json"
@@ -553,6 +587,7 @@ def main(argv: list[str] | None = None) -> None:
         threads=args.threads,
         omp_num_threads=os.environ.get("OMP_NUM_THREADS"),
         seed=args.seed,
+        system_chars=args.system_chars,
         quick=args.quick,
         hidden=args.hidden,
         layers=args.layers,

@@ -131,6 +131,7 @@ def test_bench_multi_turn_quick_all_backends(tmp_path, sglang_server):
         (["--backends", "trainside", "--launch"], r"--url/--launch given but --backends is"),
         (["--backends", "trainside", "--ks", "2,4"], r"including 1 \(the reference\)"),
         (["--backends", "trainside", "--total-tokens", "10"], r"not divisible by K=\[4, 8\]"),
+        (["--backends", "trainside", "--system-chars", "-1"], r"--system-chars must be >= 0"),
     ],
     ids=[
         "sglang-without-server",
@@ -139,6 +140,7 @@ def test_bench_multi_turn_quick_all_backends(tmp_path, sglang_server):
         "launch-without-sglang",
         "no-k-1",
         "t-not-divisible",
+        "negative-system-message",
     ],
 )
 def test_bench_multi_turn_rejects_bad_arguments(argv, message, capsys):
@@ -147,3 +149,21 @@ def test_bench_multi_turn_rejects_bad_arguments(argv, message, capsys):
         bench.parse_args(argv)
     assert exit_info.value.code == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_bench_multi_turn_system_message_lengthens_every_prompt_alike():
+    bench = importlib.import_module("bench_multi_turn")
+    tok = build_char_tokenizer()
+    plain = bench.make_prompts(tok, 3, seed=0)
+    longer = bench.make_prompts(tok, 3, seed=0, system_chars=250)
+    assert len({len(p) for p in longer}) == 1
+    # the system message's 250 characters plus its ChatML turn markers, the user turn unchanged
+    assert len(longer[0]) - len(plain[0]) > 250
+    assert all(long[-len(short) :] == short for long, short in zip(longer, plain))
+
+
+def test_bench_multi_turn_refuses_a_context_over_the_model_positions():
+    bench = importlib.import_module("bench_multi_turn")
+    args = bench.parse_args(["--backends", "trainside", "--system-chars", "1000", "--quick"])
+    with pytest.raises(SystemExit, match=r"final context is \d+ tokens .* over the model's 1024"):
+        bench.run(args)
