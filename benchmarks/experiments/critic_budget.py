@@ -13,10 +13,12 @@ where the values come from differ); per task:
   (``smollm2_arithmetic_mixed``, 3 seeds x 10 iterations) and ``tool_smollm2``
   (``tool_arithmetic_smollm2``, 3 seeds x 6 iterations): the tasks of the matched-token table
   (``--variants matched``: every arm the same samples per iteration, the task's own batch). Memory:
-  a SmolLM2 run holds ~5 GB, the tool task's separate-critic arm peaks at ~18 GB (two models and
-  their optimizers, 4,096-token micro-batches), so with ``--jobs 2`` it runs alone
-  (``ALONE``: it waits for the running job and holds both slots; beside another run it was killed
-  for memory on a 24 GB machine); run nothing else beside the script then.
+  a SmolLM2 run holds ~5 GB on the mixed task and 7-10 GB on the tool task (RSS of its 16 x 2 and
+  32 x 1 arms), the tool task's separate-critic arm peaks at ~18 GB (two models and their
+  optimizers, 4,096-token micro-batches), so with ``--jobs 2`` it runs alone (``ALONE``: it waits
+  for the running job and holds both slots; beside another run it was killed for memory on a 24 GB
+  machine); run nothing else beside the script then (two tool-task runs and a 3 GB benchmark
+  beside them were killed for memory too).
 
 Per run: reward rise (mean reward of the last 20 % of iterations minus the first 20 %), held-out
 greedy accuracy at step 0 and at the end, the run-mean of ``train/explained_variance`` (PPO and the
