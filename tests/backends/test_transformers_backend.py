@@ -153,6 +153,50 @@ def test_preallocated_cache_layer_equals_the_dynamic_layer():
         ours.update(torch.randn(2, 2, 1, 5), torch.randn(2, 2, 1, 5))
 
 
+def test_kept_states_and_load_kept_against_a_plain_loop():
+    from ar_torchrl.backends.transformers.kv_cache import (
+        KeptState,
+        decode_cache,
+        kept_states,
+        load_kept,
+    )
+
+    config = build_tiny_qwen3(VOCAB, num_layers=2).config
+    gen = torch.Generator().manual_seed(0)
+    cache = decode_cache(config, capacity=9)
+    for layer in cache.layers:  # 4 rows, 7 filled positions, 4 kv heads, head dim 16
+        layer.update(
+            torch.randn(4, 4, 7, 16, generator=gen), torch.randn(4, 4, 7, 16, generator=gen)
+        )
+    mask = torch.tensor(  # real positions: a kept prefix, left padding, new tokens, a finished row
+        [[0, 1, 1, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 1, 1, 0], [0, 1, 0, 1, 1, 0, 0]]
+    )
+    rows = [3, 0, 2]
+    got = kept_states(cache, rows, mask)
+    for out, r in zip(got, rows):  # the plain loop: the real columns of row r, in order
+        real = [j for j in range(7) if mask[r, j]]
+        for (k, v), layer in zip(out, cache.layers):
+            assert torch.equal(k, layer.keys[r][:, real]) and torch.equal(
+                v, layer.values[r][:, real]
+            )
+    # load them (and an empty row) into a fresh cache, using a prefix of each: right-aligned, zeros before
+    states = [KeptState(list(range(k[0][0].shape[1])), k) for k in got] + [None]
+    used = [3, 5, 1, 0]
+    fresh = decode_cache(config, capacity=8)
+    prefix_mask = load_kept(fresh, states, used)
+    assert prefix_mask.tolist() == [[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1], [0] * 5]
+    for layer_index, layer in enumerate(fresh.layers):
+        assert layer.get_seq_length() == 5
+        for i, (state, n) in enumerate(zip(states, used)):
+            for part, buf in enumerate((layer.keys, layer.values)):
+                want = torch.zeros(4, 5, 16)
+                if n:
+                    want[:, 5 - n :] = state.layers[layer_index][part][:, :n]
+                assert torch.equal(buf[i], want)
+    with pytest.raises(RuntimeError, match="already holds positions"):
+        fresh.layers[0].load_prefix(states[:1], [1], 1)
+
+
 def test_eos_override_and_pad_equal_eos(model):
     # A tokenizer with pad == eos: the EOS token (which equals the pad id) stays in the completion.
     eos = 44

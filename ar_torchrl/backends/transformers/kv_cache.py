@@ -22,7 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
@@ -95,6 +94,42 @@ class PreallocatedLayer(DynamicLayer):
 
     def get_seq_length(self) -> int:
         return self._length if self.is_initialized else 0
+
+    def load_prefix(
+        self, rows: list[tuple[torch.Tensor, torch.Tensor] | None], used: list[int], width: int
+    ) -> None:
+        """Fill an empty layer's first ``width`` positions: row ``i`` gets the first ``used[i]``
+        positions of its ``(keys, values)`` (``[kv_heads, >= used[i], head_dim]``) right-aligned
+        at ``width``, zeros before them (``None`` or ``used[i] == 0``: all zeros). One copy per
+        row into the preallocated buffers (no padded intermediate).
+
+        Example:
+            >>> layer = PreallocatedLayer(capacity=5)
+            >>> k = torch.ones(1, 3, 2)
+            >>> layer.load_prefix([(k, 2 * k), None], used=[2, 0], width=3)
+            >>> layer.get_seq_length(), layer.keys[:, 0, :, 0].tolist()
+            (3, [[0.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+        """
+        if self.is_initialized and self._length:
+            raise RuntimeError("PreallocatedLayer.load_prefix: the layer already holds positions")
+        if width > self.capacity:
+            raise RuntimeError(
+                f"PreallocatedLayer: a prefix of {width} positions exceeds the capacity of "
+                f"{self.capacity}"
+            )
+        keys, values = next(r for r in rows if r is not None)
+        heads = keys.shape[0]
+        self.lazy_initialization(
+            keys.new_empty(len(rows), heads, 0, keys.shape[-1]),
+            values.new_empty(len(rows), heads, 0, values.shape[-1]),
+        )
+        for i, (row, n) in enumerate(zip(rows, used)):
+            for buf, part in ((self._key_buf, 0), (self._value_buf, 1)):
+                buf[i, :, : width - n].zero_()  # padding: masked out, but never garbage
+                if n:
+                    buf[i, :, width - n : width] = row[part][:, :n]
+        self._length = width
+        self.keys, self.values = self._key_buf[:, :, :width], self._value_buf[:, :, :width]
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep only the rows ``indices`` (a copy of the filled prefix; the capacity is kept)."""
@@ -169,8 +204,8 @@ def kept_states(
 ) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     """The real (``mask == 1``) filled positions of batch rows ``rows`` of ``cache``, in order.
 
-    One gather per layer for all the rows (the real columns of each row moved to the end of a
-    ``[R, kv_heads, n, head_dim]`` copy, ``n`` the most real columns of a row); each row's state is
+    One indexed copy per layer and part for all the rows (the real columns of each row moved to
+    the end of a ``[R, kv_heads, n, head_dim]`` copy, ``n`` the most real columns of a row); each row's state is
     a view of its last ``n_row`` columns (the copy lives as long as one of its views).
 
     Args:
@@ -197,11 +232,10 @@ def kept_states(
     # a stable sort puts each row's masked columns first, its real ones last, in their order
     cols = torch.argsort(real.to(torch.int8), dim=-1, stable=True)[:, filled - n :]
     out: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in rows]
+    heads = torch.arange(cache.layers[0].keys.shape[1], device=mask.device)
+    at = (index[:, None, None], heads[None, :, None], cols[:, None, :])  # -> [R, kv_heads, n]
     for layer in cache.layers:
-        pair = []
-        for buf in (layer.keys, layer.values):
-            at = cols[:, None, :, None].expand(len(rows), buf.shape[1], n, buf.shape[-1])
-            pair.append(buf.index_select(0, index).gather(2, at))
+        pair = [buf[at] for buf in (layer.keys, layer.values)]  # one copy each: [R, H, n, D]
         for i, count in enumerate(counts):
             out[i].append((pair[0][i, :, n - count :], pair[1][i, :, n - count :]))
     return out
@@ -225,14 +259,8 @@ def load_kept(cache: DynamicCache, states: list[KeptState | None], used: list[in
     device = some.layers[0][0].device
     mask = torch.arange(width, device=device) >= width - torch.tensor(used, device=device)[:, None]
     for layer_index, layer in enumerate(cache.layers):
-        prefix = []
-        for part in (0, 1):  # keys, values: [H, n, D] per row -> [B, H, W0, D], left-padded
-            empty = some.layers[layer_index][part][:, :0].transpose(0, 1)
-            rows = [
-                s.layers[layer_index][part][:, :n].transpose(0, 1) if n else empty
-                for s, n in zip(states, used)
-            ]
-            padded = pad_sequence(rows, batch_first=True, padding_side="left")
-            prefix.append(padded.transpose(1, 2))
-        layer.update(*prefix)
+        rows = [
+            s.layers[layer_index] if s is not None and n else None for s, n in zip(states, used)
+        ]
+        layer.load_prefix(rows, used, width)
     return mask.long()
