@@ -48,7 +48,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.sglang)
         group = _worker_group(item)
         if group is not None:
-            tag_group(item, group, loadgroup=bool(getattr(config.option, "loadgroup", False)))
+            tag_group(item, group)
 
 
 def _worker_group(item) -> str | None:

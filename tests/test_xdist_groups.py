@@ -32,7 +32,7 @@ def test_a_group_runs_on_one_worker_and_the_rest_spreads(tmp_path):
             def pytest_collection_modifyitems(config, items):
                 for item in items:
                     if item.name.startswith("test_grouped"):
-                        tag_group(item, "g", loadgroup=bool(getattr(config.option, "loadgroup", False)))
+                        tag_group(item, "g")
             """
         )
     )
@@ -78,7 +78,7 @@ def test_group_names_with_the_separator_are_refused():
     from support.xdist_groups import tag_group
 
     with pytest.raises(ValueError, match="may not contain '@', got 'a@b'"):
-        tag_group(None, "a@b", loadgroup=True)
+        tag_group(None, "a@b")
 
 
 @pytest.mark.slow  # collects five test files in a pytest process (~15 s)

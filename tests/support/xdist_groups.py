@@ -15,18 +15,22 @@ from __future__ import annotations
 import pytest
 
 
-def tag_group(item: pytest.Item, group: str, *, loadgroup: bool) -> None:
-    """Send ``item`` to the worker that runs every other test of ``group``.
+def tag_group(item: pytest.Item, group: str) -> None:
+    """Send ``item`` to the worker that runs every other test of ``group`` (the node id gets its
+    suffix only where the run schedules by group: ``loadgroup`` in the item's config options).
 
     Args:
         item: a collected test.
         group: the group's name (no ``@``).
-        loadgroup: whether this run schedules by group (``config.getvalue("loadgroup")`` in a worker).
     """
     if "@" in group:
         raise ValueError(f"tag_group: a group name may not contain '@', got {group!r}")
     item.add_marker(pytest.mark.xdist_group(group))
-    if not loadgroup or hasattr(item, "_nodeid") or not hasattr(item, "_id"):
+    if (
+        not getattr(item.config.option, "loadgroup", False)
+        or hasattr(item, "_nodeid")
+        or not hasattr(item, "_id")
+    ):
         return  # pytest < 9.2 (pytest-xdist writes item._nodeid itself) or an unknown layout
     from _pytest.nodeid import NodeId  # pytest >= 9.2
 

@@ -205,8 +205,9 @@ def kept_states(
     """The real (``mask == 1``) filled positions of batch rows ``rows`` of ``cache``, in order.
 
     One indexed copy per layer and part for all the rows (the real columns of each row moved to
-    the end of a ``[R, kv_heads, n, head_dim]`` copy, ``n`` the most real columns of a row); each row's state is
-    a view of its last ``n_row`` columns (the copy lives as long as one of its views).
+    the end of a ``[R, kv_heads, n, head_dim]`` copy, ``n`` the most real columns of a row); each
+    row's state is a view of its last ``n_row`` columns (the copy lives as long as one of its
+    views).
 
     Args:
         cache: a decoded cache whose layers are all :class:`PreallocatedLayer`.
