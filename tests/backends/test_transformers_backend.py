@@ -179,6 +179,14 @@ def test_kept_states_and_load_kept_against_a_plain_loop():
             assert torch.equal(k, layer.keys[r][:, real]) and torch.equal(
                 v, layer.values[r][:, real]
             )
+    # a row whose real columns are one run (row 2) is a view of the cache, rows with holes copies
+    storage = cache.layers[0].keys.untyped_storage().data_ptr()
+    assert got[2][0][0].data_ptr() == cache.layers[0].keys[2, :, 4:6].data_ptr()
+    assert [out[0][0].untyped_storage().data_ptr() == storage for out in got] == [
+        False,
+        False,
+        True,
+    ]
     # load them (and an empty row) into a fresh cache, using a prefix of each: right-aligned, zeros before
     states = [KeptState(list(range(k[0][0].shape[1])), k) for k in got] + [None]
     used = [3, 5, 1, 0]
@@ -427,13 +435,30 @@ def play_episodes(model, *, kept, turns=4, stops=(), max_batch_size=None, sync_e
     ("stops", "max_batch_size"), [((), None), (tuple(range(40, 60)), None), ((), 2)]
 )
 def test_episodes_that_keep_their_kv_cache_give_the_re_prefilling_tokens(
-    model, stops, max_batch_size
+    model, stops, max_batch_size, monkeypatch
 ):
     """Issue 31 item 2: a K-turn episode continued from its kept KV cache samples the same tokens
     (same seeds) as the path that re-prefills the whole context every turn, with the same
     log-probs (to float rounding: the prefix's keys/values come from another forward), and each
-    turn forwards only what its context added (the last turn's last token and the tool delta)."""
-    forwarded = []
+    turn forwards only the last ``q`` tokens of every context, ``q`` the most any context of its
+    batch added (the last turn's last token and the tool delta): a row that added fewer forwards
+    kept tokens again instead of padding, so that every kept row's positions are contiguous in
+    the batch's cache and are kept as views (checked on every call), not copied."""
+    import ar_torchrl.backends.transformers.backend as backend_module
+
+    forwarded, kept_rows = [], []
+    real_kept_states = backend_module.kept_states
+
+    def spy(cache, rows, mask):  # the plain check: each row's real columns form one run
+        for r in rows:
+            cols = mask[r, : cache.layers[0].get_seq_length()].nonzero().squeeze(-1).tolist()
+            kept_rows.append(cols == list(range(cols[0], cols[0] + len(cols))))
+        out = real_kept_states(cache, rows, mask)
+        storage = cache.layers[0].keys.untyped_storage().data_ptr()
+        assert all(layers[0][0].untyped_storage().data_ptr() == storage for layers in out)
+        return out
+
+    monkeypatch.setattr(backend_module, "kept_states", spy)
     hook = model.register_forward_pre_hook(
         lambda m, a, kw: forwarded.append(kw["input_ids"].numel()), with_kwargs=True
     )
@@ -444,6 +469,7 @@ def test_episodes_that_keep_their_kv_cache_give_the_re_prefilling_tokens(
         n_kept = sum(forwarded)
     finally:
         hook.remove()
+    assert kept_rows and all(kept_rows)
     if stops:  # some turns stop early (rows dropped mid-turn), some run to the cap
         assert {c.finish_reason for turn in kept for _, c in turn.values()} == {"stop", "length"}
     for a, b in zip(whole, kept):
@@ -453,13 +479,19 @@ def test_episodes_that_keep_their_kv_cache_give_the_re_prefilling_tokens(
             assert a[episode][1].finish_reason == c.finish_reason
             ref = reference_log_probs(model, context, c.token_ids, SamplingParams())
             torch.testing.assert_close(torch.tensor(c.log_probs), ref, atol=1e-5, rtol=0)
-    # what was kept of each episode: its last context and that turn's tokens but the last one
-    reused = sum(
-        len(kept[k - 1][e][0]) + len(kept[k - 1][e][1]) - 1 for k in range(1, 4) for e in kept[k]
-    )
+    # what was kept of each episode: its last context and that turn's tokens but the last one;
+    # of it, a turn loads what lies before the last q tokens of the context (per chunk of rows)
+    reused, chunk = 0, max_batch_size or len(PROMPTS) + 2
+    for k in range(1, 4):
+        episodes = list(kept[k])
+        for s in range(0, len(episodes), chunk):
+            part = episodes[s : s + chunk]
+            have = {e: len(kept[k - 1][e][0]) + len(kept[k - 1][e][1]) - 1 for e in part}
+            q = max(len(kept[k][e][0]) - have[e] for e in part)
+            reused += sum(max(len(kept[k][e][0]) - q, 0) for e in part)
     sent = sum(len(context) for turn in kept for context, _ in turn.values())
     assert (cache.reused_tokens, cache.prefilled_tokens) == (reused, sent - reused)
-    assert cache.prefilled_tokens < sent / 3 and n_kept < n_whole / 2
+    assert cache.prefilled_tokens < sent / 2 and n_kept < n_whole / 2
     assert sorted(cache.states) == sorted(kept[-1])  # the episode that ended was dropped
 
 
@@ -469,8 +501,10 @@ def test_an_episode_whose_context_does_not_extend_its_kept_ids_is_prefilled_whol
     first = backend.generate(PROMPTS, 1, sampling, episodes=cache, episode_ids=[0, 1, 2])
     edited = [PROMPTS[0] + first[0].token_ids + [30], [99 - t for t in PROMPTS[1]] + [31]]
     out = backend.generate(edited, 1, sampling, episodes=cache, episode_ids=[0, 1])
-    reused = len(PROMPTS[0]) + len(first[0]) - 1  # episode 1's context changed: a miss
-    assert cache.reused_tokens == reused
+    kept0 = len(PROMPTS[0]) + len(first[0]) - 1  # episode 1's context changed: a miss
+    q = max(len(edited[0]) - kept0, len(edited[1]))  # the miss forwards its whole context
+    assert cache.reused_tokens == len(edited[0]) - q
+    assert cache.prefilled_tokens == sum(map(len, PROMPTS)) + 2 * q  # the first call: all
     for context, c in zip(edited, out):
         assert c.token_ids == backend.generate([context], 1, sampling)[0].token_ids
     backend.partial_rollouts = True  # a sync may come between two tokens: nothing is kept

@@ -338,7 +338,8 @@ class TransformersBackend(GenerationBackend):
         """The first forward's ids ``[B, q]`` (left-padded), the mask ``[B, W0 + q + max_new]``
         and the cache. Without ``kept``, ``W0 = 0`` and every prompt is prefilled whole; with it,
         the leading ``W0`` positions hold each episode's kept states (left-padded) and ``ids``
-        only the tokens its context added since."""
+        the last ``q`` tokens of every context, ``q`` the most any context added since its kept
+        state (a row that added fewer forwards a few kept tokens again instead of padding)."""
         used = [0] * len(prompts)
         states: list[KeptState | None] = [None] * len(prompts)
         if kept is not None:  # each state moves into the new cache (it is stored again after)
@@ -346,6 +347,13 @@ class TransformersBackend(GenerationBackend):
                 state = kept.cache.states.pop(key, None)
                 used[i] = state.reusable(context) if state is not None else 0
                 states[i] = state if used[i] else None
+            # Every row forwards the same number of tokens, the last `q` of its context: a row
+            # whose kept state covers more loads it only up to there and forwards the rest again,
+            # where it would otherwise forward padding (the same compute), so that the row's
+            # cached positions stay contiguous and the next turn keeps views, not copies.
+            q = max(len(p) - u for p, u in zip(prompts, used))
+            used = [max(len(p) - q, 0) if u else 0 for p, u in zip(prompts, used)]
+            states = [s if u else None for s, u in zip(states, used)]
             kept.cache.reused_tokens += sum(used)
             kept.cache.prefilled_tokens += sum(len(p) for p in prompts) - sum(used)
         ids, mask = self._left_pad([p[u:] for p, u in zip(prompts, used)], room=max_new)

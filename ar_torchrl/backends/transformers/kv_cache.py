@@ -11,8 +11,9 @@ on rows that still generate.
 full-attention layers only (sliding-window and other layer kinds keep Hugging Face's own classes).
 
 Multi-turn episodes keep their cache between turns (:class:`~ar_torchrl.backends.EpisodeCache`):
-:func:`kept_states` copies each row's real positions out of a decoded batch (a :class:`KeptState`:
-the token ids they hold and per layer ``[kv_heads, n, head_dim]`` keys and values), and
+:func:`kept_states` takes each row's real positions out of a decoded batch (a :class:`KeptState`:
+the token ids they hold and per layer ``[kv_heads, n, head_dim]`` keys and values; views of the
+batch's buffers where the row's positions are contiguous, as the decode loop lays them out), and
 :func:`load_kept` writes the kept states of the next turn's rows, left-padded, as the prefilled
 prefix of a new cache: the turn then forwards only the tokens each context added.
 """
@@ -204,10 +205,12 @@ def kept_states(
 ) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     """The real (``mask == 1``) filled positions of batch rows ``rows`` of ``cache``, in order.
 
-    One indexed copy per layer and part for all the rows (the real columns of each row moved to
-    the end of a ``[R, kv_heads, n, head_dim]`` copy, ``n`` the most real columns of a row); each
-    row's state is a view of its last ``n_row`` columns (the copy lives as long as one of its
-    views).
+    A row whose real columns are contiguous (what the decode loop leaves: left padding, then the
+    row's tokens) gets views of the cache's buffers, no copy (they keep the buffers alive, and
+    stay valid: a :class:`PreallocatedLayer` only writes after its filled prefix, and dropping
+    rows allocates new buffers). The other rows get one indexed copy per layer and part for them
+    all (their real columns moved to the end of a ``[R, kv_heads, n, head_dim]`` copy, ``n`` the
+    most real columns of such a row), each row's state a view of its last ``n_row`` columns.
 
     Args:
         cache: a decoded cache whose layers are all :class:`PreallocatedLayer`.
@@ -221,24 +224,40 @@ def kept_states(
         >>> cache = decode_cache(__import__("ar_torchrl").models.tiny.build_tiny_qwen3(99).config, 4)
         >>> for layer in cache.layers:
         ...     _ = layer.update(torch.randn(2, 1, 3, 8), torch.randn(2, 1, 3, 8))
-        >>> out = kept_states(cache, [1], torch.tensor([[1, 1, 1], [0, 1, 1]]))
+        >>> out = kept_states(cache, [1, 0], torch.tensor([[1, 0, 1], [0, 1, 1]]))
         >>> out[0][0][0].shape, torch.equal(out[0][0][0], cache.layers[0].keys[1, :, 1:])
         (torch.Size([1, 2, 8]), True)
+        >>> out[0][0][0].data_ptr() == cache.layers[0].keys[1, :, 1:].data_ptr()  # a view
+        True
+        >>> torch.equal(out[1][0][0], cache.layers[0].keys[0, :, [0, 2]])  # a hole: a copy
+        True
     """
     filled = cache.layers[0].get_seq_length()
     index = torch.tensor(rows, device=mask.device)
     real = mask[index, :filled].bool()
-    counts = real.sum(-1).tolist()
-    n = max(counts)
-    # a stable sort puts each row's masked columns first, its real ones last, in their order
-    cols = torch.argsort(real.to(torch.int8), dim=-1, stable=True)[:, filled - n :]
+    flag = real.to(torch.int8)
+    counts_t = real.sum(-1)
+    first_t = flag.argmax(-1)  # the first real column (0 where none)
+    end_t = filled - flag.flip(-1).argmax(-1)  # one past the last real column
+    contiguous_t = (end_t - first_t == counts_t) | (counts_t == 0)
+    counts, first, contiguous = counts_t.tolist(), first_t.tolist(), contiguous_t.tolist()
     out: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in rows]
-    heads = torch.arange(cache.layers[0].keys.shape[1], device=mask.device)
-    at = (index[:, None, None], heads[None, :, None], cols[:, None, :])  # -> [R, kv_heads, n]
+    holey = [i for i, c in enumerate(contiguous) if not c]
+    if holey:  # one indexed copy for the rows with holes
+        sub = torch.tensor(holey, device=mask.device)
+        n = max(counts[i] for i in holey)
+        # a stable sort puts each row's masked columns first, its real ones last, in their order
+        cols = torch.argsort(flag[sub], dim=-1, stable=True)[:, filled - n :]
+        heads = torch.arange(cache.layers[0].keys.shape[1], device=mask.device)
+        at = (index[sub][:, None, None], heads[None, :, None], cols[:, None, :])  # [R', H, n]
     for layer in cache.layers:
-        pair = [buf[at] for buf in (layer.keys, layer.values)]  # one copy each: [R, H, n, D]
-        for i, count in enumerate(counts):
-            out[i].append((pair[0][i, :, n - count :], pair[1][i, :, n - count :]))
+        for i, (r, f, c, ok) in enumerate(zip(rows, first, counts, contiguous)):
+            if ok:
+                out[i].append((layer.keys[r, :, f : f + c], layer.values[r, :, f : f + c]))
+        if holey:
+            pair = [buf[at] for buf in (layer.keys, layer.values)]  # one copy each: [R', H, n, D]
+            for j, i in enumerate(holey):
+                out[i].append((pair[0][j, :, n - counts[i] :], pair[1][j, :, n - counts[i] :]))
     return out
 
 
