@@ -344,9 +344,8 @@ class TransformersBackend(GenerationBackend):
         states: list[KeptState | None] = [None] * len(prompts)
         if kept is not None:  # each state moves into the new cache (it is stored again after)
             for i, (context, key) in enumerate(zip(prompts, kept.ids)):
-                state = kept.cache.states.pop(key, None)
-                used[i] = state.reusable(context) if state is not None else 0
-                states[i] = state if used[i] else None
+                states[i] = kept.cache.states.pop(key, None)
+                used[i] = states[i].reusable(context) if states[i] is not None else 0
             # Every row forwards the same number of tokens, the last `q` of its context: a row
             # whose kept state covers more loads it only up to there and forwards the rest again,
             # where it would otherwise forward padding (the same compute), so that the row's
