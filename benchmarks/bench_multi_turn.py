@@ -17,7 +17,15 @@ Engines: ``trainside`` is ``TransformersBackend`` as ``ToolEnv`` drives it, each
 its KV cache between turns (``generate(..., episodes=EpisodeCache(), episode_ids=...)``: a turn
 forwards only the previous turn's last token and the tool delta); ``trainside_prefill`` is the
 same engine re-prefilling the whole context every turn (``ToolEnv(kv_cache=False)``, and every
-turn before issue 31); ``sglang`` a real server over HTTP.
+turn before issue 31); ``sglang`` a real server over HTTP. ``one_loop`` is not an engine but a
+bound: the forwards of the trainside K-turn episode (the prompt, then one token per step, and at
+each turn boundary the turn's last token with the tool delta) done in **one** decode loop over
+**one** preallocated cache of the whole episode (:func:`one_loop_episodes`): no ``generate``
+call per turn, no kept state moved, nothing dropped. It draws the same tokens as ``trainside``
+(seeded per turn alike; tested), so ``x one loop`` (a ``trainside`` row's time over the bound's
+in the same repetition) is what the turns cost the engine beyond the forwards themselves, and the
+bound's own ratio is the least any engine doing those forwards could reach. It needs prompts of
+one length and EOS off (the default).
 
 The headline is the **ratio** ``time(K turns) / time(1 generation)`` per engine: the median over
 ``--reps`` repetitions of the ratio of the two times measured in the same repetition (the configs
@@ -65,7 +73,7 @@ inherits ``OMP_NUM_THREADS`` (set it to 1 on a shared machine). Timings are wall
 batches (``time.perf_counter``).
 
 Run (from the repository root):
-    .venv/bin/python benchmarks/bench_multi_turn.py --backends trainside,trainside_prefill
+    .venv/bin/python benchmarks/bench_multi_turn.py --backends trainside,trainside_prefill,one_loop
     .venv/bin/python benchmarks/bench_multi_turn.py --launch            # all, launches a server
     .venv/bin/python benchmarks/bench_multi_turn.py --url http://127.0.0.1:30000
     .venv/bin/python benchmarks/bench_multi_turn.py --quick --backends trainside   # seconds
@@ -102,7 +110,7 @@ from ar_torchrl.tools.template import render_ids, tool_delta_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-BACKENDS = ("trainside", "trainside_prefill", "sglang")
+BACKENDS = ("trainside", "trainside_prefill", "one_loop", "sglang")
 TOOL_ANSWER = "42"
 #: the launched server's KV pool: room for B episodes of the longest K plus the radix cache
 LAUNCH_ARGS = ("--max-total-tokens", "16384")
@@ -254,6 +262,8 @@ def flush_fn(backend, url: str):
 def episode_batch(engine: Engine, prompts, k: int, args, seed: int, deltas, eos: int) -> dict:
     """One batch of ``len(prompts)`` episodes of ``k`` turns (``T // k`` new tokens each)."""
     per_turn = args.total_tokens // k
+    if engine.name == "one_loop":
+        return one_loop_batch(engine, prompts, k, args, seed, deltas[False])
     contexts = [list(p) for p in prompts]
     if engine.flush is not None:
         engine.flush()
@@ -313,6 +323,98 @@ def episode_batch(engine: Engine, prompts, k: int, args, seed: int, deltas, eos:
     )
 
 
+@torch.no_grad()
+def one_loop_episodes(
+    model: torch.nn.Module, prompts: list[list[int]], k: int, per_turn: int, seed: int, delta
+) -> tuple[list[list[int]], list[list[float]]]:
+    """The forwards of ``k`` turns of ``per_turn`` tokens in one decode loop (the ``one_loop`` bound).
+
+    Every episode starts from its prompt (all of one length: no padding), samples ``per_turn``
+    tokens per turn like ``TransformersBackend`` (``sample_next_token``, temperature 1, a
+    generator seeded ``seed + turn`` at each turn, EOS never stops) and, between turns, forwards
+    its last sampled token followed by ``delta`` (the tool answer) in one forward, as the trainside
+    engine's next turn does from its kept cache; but all of it into one preallocated cache of the
+    whole episode, in one loop.
+
+    Returns:
+        per episode the final context (prompt, turns, deltas) and the log-prob of every sampled token.
+    """
+    from ar_torchrl.backends.transformers.kv_cache import decode_cache
+    from ar_torchrl.backends.transformers.token_sampling import sample_next_token
+
+    if len({len(p) for p in prompts}) != 1:
+        raise ValueError(
+            f"one_loop_episodes: the prompts must all have one length (no padding), got lengths "
+            f"{sorted({len(p) for p in prompts})}"
+        )
+    device = next(model.parameters()).device
+    bsz, width = len(prompts), len(prompts[0])
+    cache = decode_cache(model.config, width + k * per_turn + (k - 1) * len(delta))
+    delta_t = torch.tensor(delta, dtype=torch.long, device=device).expand(bsz, -1)
+    step = torch.tensor(prompts, dtype=torch.long, device=device)
+    tokens, log_probs, filled = [], [], 0
+    for turn in range(k):
+        sampling = SamplingParams(max_new_tokens=per_turn, temperature=1.0, seed=seed + turn)
+        generator = torch.Generator(device=device).manual_seed(seed + turn)
+        for t in range(per_turn):
+            q = step.shape[1]
+            positions = torch.arange(filled, filled + q, device=device).expand(bsz, q)
+            filled += q
+            mask = torch.ones((bsz, filled), dtype=torch.long, device=device)
+            out = model(
+                input_ids=step,
+                attention_mask=mask,
+                position_ids=positions,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            tok, lp = sample_next_token(out.logits[:, -1], sampling, generator, "temperature")
+            tokens.append(tok)
+            log_probs.append(lp)
+            step = tok[:, None]
+            if t == per_turn - 1 and turn < k - 1:  # the turn's last token, then the tool delta
+                step = torch.cat([step, delta_t], dim=1)
+    sampled, lps = torch.stack(tokens, 1).tolist(), torch.stack(log_probs, 1).tolist()
+    contexts = []
+    for b in range(bsz):
+        context = list(prompts[b])
+        for turn in range(k):
+            context += sampled[b][turn * per_turn : (turn + 1) * per_turn]
+            if turn < k - 1:
+                context += list(delta)
+        contexts.append(context)
+    return contexts, lps
+
+
+def one_loop_batch(engine: Engine, prompts, k: int, args, seed: int, delta) -> dict:
+    """:func:`one_loop_episodes` timed, with the keys of :func:`episode_batch` (``submitted``:
+    the context tokens forwarded, the prompt and the ``k - 1`` deltas; nothing is cached)."""
+    per_turn = args.total_tokens // k
+    start, cpu_start = time.perf_counter(), time.process_time()
+    contexts, _ = one_loop_episodes(engine.backend, prompts, k, per_turn, seed, delta)
+    _sync(next(engine.backend.parameters()).device)
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    submitted = sum(len(p) + (k - 1) * len(delta) for p in prompts)
+    generated = [len(c) - len(p) - (k - 1) * len(delta) for c, p in zip(contexts, prompts)]
+    return dict(
+        seconds=seconds,
+        cpu_seconds=cpu_seconds,
+        turn_seconds=[seconds],
+        generated_tokens=sum(generated),
+        min_episode_tokens=min(generated),
+        max_episode_tokens=max(generated),
+        submitted_prompt_tokens=submitted,
+        cached_tokens=None,
+        prefilled_tokens=submitted,
+        prefill_seconds=None,
+        prefill_forwards=None,
+        final_context_tokens=sum(map(len, contexts)),
+        finish_reasons={"length": len(prompts) * k},
+        seed=seed,
+    )
+
+
 # ----------------------------------------------------------------------------- the run
 @contextlib.contextmanager
 def engines(args, model, tok):
@@ -320,6 +422,9 @@ def engines(args, model, tok):
     with contextlib.ExitStack() as stack:
         out = []
         for name in args.backends:
+            if name == "one_loop":  # the trainside engine's private copy of the model, unwrapped
+                out.append(Engine(name, TransformersBackend(model, mode="copy").model))
+                continue
             if name.startswith("trainside"):
                 backend = TransformersBackend(
                     model, mode="copy", eos_token_id=(() if not args.allow_eos else None)
@@ -364,16 +469,25 @@ def engines(args, model, tok):
 
 
 def summarize(
-    name: str, k: int, args, reps: list[dict], ones: list[dict], same: list[dict] | None
+    name: str,
+    k: int,
+    args,
+    reps: list[dict],
+    ones: list[dict],
+    same: list[dict] | None,
+    bound: list[dict] | None = None,
 ) -> dict:
     """Medians over the repetitions; ``ratio``: median of the per-repetition ``t_K / t_1``;
     ``same_context_ratio``: of ``t_K / t`` of one generation whose prompt already holds the
     ``K - 1`` tool answers (the episode's final context length: what the turns cost beyond the
-    longer context the tool answers add)."""
-    same_ratios = sorted(r["seconds"] / o["seconds"] for r, o in zip(reps, same or []))
-    same_context = (
-        [same_ratios[0], statistics.median(same_ratios), same_ratios[-1]] if same_ratios else None
-    )
+    longer context the tool answers add); ``over_one_loop``: of ``t_K / t`` of the ``one_loop``
+    bound at the same ``K`` (what the turns cost beyond their forwards), [min, median, max]."""
+
+    def spread(others: list[dict] | None) -> list[float] | None:
+        ratios = sorted(r["seconds"] / o["seconds"] for r, o in zip(reps, others or []))
+        return [ratios[0], statistics.median(ratios), ratios[-1]] if ratios else None
+
+    same_context = spread(same)
     med = {
         key: statistics.median(r[key] for r in reps)
         for key in ("seconds", "generated_tokens", "submitted_prompt_tokens", "prefilled_tokens")
@@ -399,6 +513,7 @@ def summarize(
         ratio_reps=ratios,
         ratio_of_medians=med["seconds"] / statistics.median(o["seconds"] for o in ones),
         same_context_ratio=same_context,
+        over_one_loop=spread(bound) if name != "one_loop" else None,
         same_context_seconds=statistics.median(o["seconds"] for o in same) if same else None,
         submitted_prompt_tokens=med["submitted_prompt_tokens"],
         cached_tokens=statistics.median(cached) if cached else None,
@@ -452,12 +567,20 @@ def run(args) -> tuple[dict, dict]:
                     seed = args.seed + 10_000 * (rep + 1)  # the same seeds on both backends
                     r = episode_batch(e, prompts, k, args, seed, deltas, eos)
                     runs.setdefault((e.name, k), []).append(r)
-                    if k > 1:  # one generation from the K-turn episode's final context length
+                    if k > 1 and e.name != "one_loop":  # one generation of the final context
                         longer = [p + deltas[False] * (k - 1) for p in prompts]
                         r = episode_batch(e, longer, 1, args, seed, deltas, eos)
                         runs.setdefault((e.name, -k), []).append(r)
     rows = [
-        summarize(name, k, args, runs[name, k], runs[name, 1], runs.get((name, -k)))
+        summarize(
+            name,
+            k,
+            args,
+            runs[name, k],
+            runs[name, 1],
+            runs.get((name, -k)),
+            runs.get(("one_loop", k)),
+        )
         for name in args.backends
         for k in args.ks
     ]
@@ -473,7 +596,8 @@ def report(result: dict, args) -> str:
     head = (
         f"  {'backend':<17} {'K':>2} {'tok/turn':>8} {'s/batch':>8} {'ms/tok':>7} "
         f"{'ratio [min, max]':>20} {'CPU ratio [min, max]':>21} {'submitted':>9} {'cached':>7} "
-        f"{'prefilled':>9} {'prefill s':>9} {'x same context [min, max]':>26}"
+        f"{'prefilled':>9} {'prefill s':>9} {'x same context [min, max]':>26} "
+        f"{'x one loop [min, max]':>22}"
     )
     lines = [
         f"{args.batch} episodes x {args.total_tokens} generated tokens, K turns of "
@@ -494,18 +618,24 @@ def report(result: dict, args) -> str:
         if r["same_context_ratio"] is not None:
             lo, med, hi = r["same_context_ratio"]
             same = f"{med:.2f} [{lo:.2f}, {hi:.2f}]"
+        bound = "-"
+        if r["over_one_loop"] is not None:
+            lo, med, hi = r["over_one_loop"]
+            bound = f"{med:.2f} [{lo:.2f}, {hi:.2f}]"
         lines.append(
             f"  {r['backend']:<17} {r['turns']:>2} {r['max_new_tokens_per_turn']:>8} "
             f"{r['seconds']:>8.3f} {r['ms_per_generated_token']:>7.3f} {ratio:>20} {cpu:>21} "
             f"{r['submitted_prompt_tokens']:>9.0f} {cached:>7} {r['prefilled_tokens']:>9.0f} "
-            f"{prefill:>9} {same:>26}"
+            f"{prefill:>9} {same:>26} {bound:>22}"
         )
     lines.append(
         "  (submitted: prompt tokens sent over all turns; cached: taken from the kept KV cache "
         "(trainside) or SGLang's meta_info.cached_tokens; prefilled = submitted - cached; "
         "prefill s: the trainside model's prefill forwards, hooks; x same context: time(K turns) / "
         "time(1 generation whose prompt already holds the K - 1 tool answers), per rep: the cost "
-        "of the turns beyond the longer context the tool answers add)"
+        "of the turns beyond the longer context the tool answers add; one_loop: the same forwards in one "
+        "decode loop over one cache, no call per turn (a bound); x one loop: time(K turns) / "
+        "time(one_loop, same K), per rep: what the turns cost beyond their forwards)"
     )
     return "\n".join(lines) + "\n"
 
@@ -514,7 +644,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--backends",
-        default="trainside,trainside_prefill,sglang",
+        default="trainside,trainside_prefill,one_loop,sglang",
         help="comma list of " + ",".join(BACKENDS),
     )
     p.add_argument("--url", default=None, help="a running SGLang server (its weights are replaced)")
@@ -550,6 +680,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--backends has sglang: pass --url URL of a running server, or --launch")
     if "sglang" in args.backends and (args.heads != 4 or args.device != "cpu"):
         p.error("--heads / --device cuda apply to the trainside engines only (the server's model)")
+    if "one_loop" in args.backends and args.allow_eos:
+        p.error("one_loop runs every turn to its cap: it does not take --allow-eos")
     if "sglang" not in args.backends and (args.url or args.launch):
         p.error(f"--url/--launch given but --backends is {args.backends} (no sglang)")
     args.ks = [int(k) for k in (args.ks or "1,2,4,8").split(",")]

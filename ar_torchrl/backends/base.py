@@ -163,7 +163,7 @@ def validate_prompts(
     """
     if n < 1:
         raise ValueError(f"{owner}.generate: n must be >= 1, got {n}")
-    prompts = [[int(t) for t in p] for p in prompt_token_ids]
+    prompts = [list(map(int, p)) for p in prompt_token_ids]
     if not prompts:
         raise ValueError(f"{owner}.generate: got no prompts")
     empty = [i for i, p in enumerate(prompts) if not p]

@@ -13,8 +13,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from ar_torchrl.models import build_char_tokenizer
+from ar_torchrl.backends import EpisodeCache, SamplingParams, TransformersBackend
+from ar_torchrl.models import build_char_tokenizer, build_tiny_qwen3
 from ar_torchrl.tools.template import tool_delta_ids
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_multi_turn.py"
@@ -58,7 +60,7 @@ def check(data: dict, backends: list[str]) -> None:
             assert r["ratio_reps"] == [r["ratio"]]
             assert r["ratio"] == pytest.approx(rep["seconds"] / rows[name, 1]["reps"][0]["seconds"])
             # the same-context reference: one generation from the final context length (k > 1)
-            if k == 1:
+            if k == 1 or name == "one_loop":
                 assert r["same_context_ratio"] is None and r["same_context_seconds"] is None
             else:
                 lo, med, hi = r["same_context_ratio"]
@@ -67,7 +69,15 @@ def check(data: dict, backends: list[str]) -> None:
             assert r["max_new_tokens_per_turn"] == T // k
             assert rep["generated_tokens"] == r["generated_tokens"] == B * T
             assert rep["min_episode_tokens"] == rep["max_episode_tokens"] == T
-            assert rep["finish_reasons"] == {"length": B * k} and len(rep["turn_seconds"]) == k
+            assert rep["finish_reasons"] == {"length": B * k}
+            assert len(rep["turn_seconds"]) == (1 if name == "one_loop" else k)
+            # the bound: each trainside row over the one-loop time at the same K, same rep
+            if name == "one_loop" or "one_loop" not in backends:
+                assert r["over_one_loop"] is None
+            else:
+                lo, med, hi = r["over_one_loop"]
+                bound = rows["one_loop", k]["reps"][0]["seconds"]
+                assert lo == med == hi == pytest.approx(rep["seconds"] / bound)
             assert r["ms_per_generated_token"] == pytest.approx(
                 1e3 * rep["seconds"] / rep["generated_tokens"]
             )
@@ -76,6 +86,13 @@ def check(data: dict, backends: list[str]) -> None:
                 rep["cpu_seconds"] / rows[name, 1]["reps"][0]["cpu_seconds"]
             )
             assert 0 < sum(rep["turn_seconds"]) <= rep["seconds"]
+            if name == "one_loop":  # one loop: the prompt and the k - 1 deltas forwarded once
+                assert rep["cached_tokens"] is None and rep["prefill_forwards"] is None
+                assert rep["submitted_prompt_tokens"] == rep["prefilled_tokens"]
+                assert rep["submitted_prompt_tokens"] == B * (
+                    cfg["prompt_tokens"] + (k - 1) * len(delta)
+                )
+                continue
             full = submitted_tokens(cfg["prompt_tokens"], k, len(delta))
             # up to one token shorter per delta where a turn's last sampled token was the EOS id
             assert full - B * (k - 1) <= rep["submitted_prompt_tokens"] <= full
@@ -107,7 +124,7 @@ def check(data: dict, backends: list[str]) -> None:
 
 @pytest.mark.slow  # a benchmark script: full tier only
 def test_bench_multi_turn_quick_trainside_kept_and_prefilled(tmp_path):
-    names = ["trainside", "trainside_prefill"]
+    names = ["trainside", "trainside_prefill", "one_loop"]
     check(run_quick(tmp_path, "--backends", ",".join(names)), names)
 
 
@@ -132,6 +149,7 @@ def test_bench_multi_turn_quick_all_backends(tmp_path, sglang_server):
         (["--backends", "trainside", "--ks", "2,4"], r"including 1 \(the reference\)"),
         (["--backends", "trainside", "--total-tokens", "10"], r"not divisible by K=\[4, 8\]"),
         (["--backends", "trainside", "--system-chars", "-1"], r"--system-chars must be >= 0"),
+        (["--backends", "one_loop", "--allow-eos"], r"one_loop runs every turn to its cap"),
     ],
     ids=[
         "sglang-without-server",
@@ -141,6 +159,7 @@ def test_bench_multi_turn_quick_all_backends(tmp_path, sglang_server):
         "no-k-1",
         "t-not-divisible",
         "negative-system-message",
+        "one-loop-with-eos",
     ],
 )
 def test_bench_multi_turn_rejects_bad_arguments(argv, message, capsys):
@@ -167,3 +186,29 @@ def test_bench_multi_turn_refuses_a_context_over_the_model_positions():
     args = bench.parse_args(["--backends", "trainside", "--system-chars", "1000", "--quick"])
     with pytest.raises(SystemExit, match=r"final context is \d+ tokens .* over the model's 1024"):
         bench.run(args)
+
+
+def test_one_loop_bound_does_the_trainside_episode_s_work():
+    """The ``one_loop`` bound forwards exactly what the trainside engine forwards over K turns
+    (prompt, turns, tool deltas), in one loop: seeded alike, it draws the same tokens with the
+    same log-probs as K ``generate`` calls that keep each episode's cache."""
+    bench = importlib.import_module("bench_multi_turn")
+    tok = build_char_tokenizer()
+    backend = TransformersBackend(build_tiny_qwen3(len(tok), seed=0), eos_token_id=())
+    prompts = bench.make_prompts(tok, 4, seed=0)
+    delta = tool_delta_ids(tok, ["42"], include_end_of_turn=True)
+    k, per_turn, seed = 4, 6, 7
+    contexts, log_probs = [list(p) for p in prompts], [[] for _ in prompts]
+    episodes = EpisodeCache()
+    for turn in range(k):
+        sampling = SamplingParams(max_new_tokens=per_turn, temperature=1.0, seed=seed + turn)
+        out = backend.generate(contexts, 1, sampling, episodes=episodes, episode_ids=range(4))
+        for b, c in enumerate(out):
+            contexts[b] += c.token_ids + (delta if turn < k - 1 else [])
+            log_probs[b] += c.log_probs
+    assert episodes.reused_tokens > 0  # the kept-cache path ran
+    bound, bound_lps = bench.one_loop_episodes(backend.model, prompts, k, per_turn, seed, delta)
+    assert bound == contexts
+    assert torch.allclose(torch.tensor(bound_lps), torch.tensor(log_probs), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match=r"must all have one length .* got lengths \[3, 4\]"):
+        bench.one_loop_episodes(backend.model, [[5, 6, 7], [5, 6, 7, 8]], 2, 2, 0, delta)

@@ -255,11 +255,11 @@ class TransformersBackend(GenerationBackend):
     def _left_pad(self, prompts: list[list[int]], room: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded ids ``[B, W]`` and a long mask ``[B, W + room]`` (zeros after ``W``)."""
         width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width + room), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-            mask[i, width - len(p) : width] = 1
+        pad = [self.pad_token_id]
+        ids = torch.tensor([pad * (width - len(p)) + p for p in prompts], dtype=torch.long)
+        lengths = torch.tensor([len(p) for p in prompts])
+        columns = torch.arange(width + room)
+        mask = ((columns >= width - lengths[:, None]) & (columns < width)).long()
         device = self._device()
         return ids.to(device), mask.to(device)
 
@@ -365,10 +365,11 @@ class TransformersBackend(GenerationBackend):
         """Store, for the batch rows ``local`` whose turn is over, what the next turn reuses."""
         if not local:
             return
-        out_rows, counts, sampled = rows.tolist(), lengths.tolist(), tokens.cpu()
-        for i, layers in zip(local, kept_states(cache, local, mask)):
+        out_rows, counts = rows.tolist(), lengths.tolist()
+        sampled = tokens[rows[local]].tolist()
+        for j, (i, layers) in enumerate(zip(local, kept_states(cache, local, mask))):
             r = out_rows[i]
-            ids = prompts[r] + sampled[r, : counts[r] - 1].tolist()  # the last one never ran
+            ids = prompts[r] + sampled[j][: counts[r] - 1]  # the last one never ran
             if layers[0][0].shape[1] != len(ids):
                 raise RuntimeError(
                     f"TransformersBackend: row {r} keeps {layers[0][0].shape[1]} cached positions "
@@ -425,14 +426,14 @@ def _to_completions(tokens, log_probs, lengths, stopped, index, aborted=None) ->
     if aborted is None:
         aborted = torch.zeros_like(stopped)
     tokens, log_probs, lengths, stopped, aborted = (
-        x.cpu() for x in (tokens, log_probs, lengths, stopped, aborted)
+        x.tolist() for x in (tokens, log_probs, lengths, stopped, aborted)
     )
     return [
         Completion(
             prompt_index=index[i],
-            token_ids=tokens[i, : lengths[i]].tolist(),
-            log_probs=log_probs[i, : lengths[i]].tolist(),
-            finish_reason="stop" if bool(stopped[i]) else "abort" if bool(aborted[i]) else "length",
+            token_ids=tokens[i][: lengths[i]],
+            log_probs=log_probs[i][: lengths[i]],
+            finish_reason="stop" if stopped[i] else "abort" if aborted[i] else "length",
         )
         for i in range(len(index))
     ]

@@ -126,7 +126,8 @@ class PreallocatedLayer(DynamicLayer):
         )
         for i, (row, n) in enumerate(zip(rows, used)):
             for buf, part in ((self._key_buf, 0), (self._value_buf, 1)):
-                buf[i, :, : width - n].zero_()  # padding: masked out, but never garbage
+                if n < width:  # padding: masked out, but never garbage
+                    buf[i, :, : width - n].zero_()
                 if n:
                     buf[i, :, width - n : width] = row[part][:, :n]
         self._length = width
