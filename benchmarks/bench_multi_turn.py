@@ -433,7 +433,7 @@ def engines(args, model, tok):
                 clock = PrefillClock(backend.model)
                 out.append(Engine(name, backend, prefill=clock, keeps_cache=keeps))
                 continue
-            from ar_torchrl.backends import SGLangBackend, launch_sglang_server
+            from ar_torchrl.backends import SGLangBackend, SGLangClientOptions, launch_sglang_server
             from ar_torchrl.weight_sync import named_policy_tensors
 
             url = args.url
@@ -455,11 +455,13 @@ def engines(args, model, tok):
             backend = stack.enter_context(
                 SGLangBackend(
                     url,
-                    max_concurrency=args.batch,
-                    timeout_s=900,
-                    extra_sampling_params=extra,
-                    vocab_size=len(tok),
-                    show_progress=False,
+                    options=SGLangClientOptions(
+                        max_concurrency=args.batch,
+                        timeout_s=900,
+                        extra_sampling_params=extra,
+                        vocab_size=len(tok),
+                        show_progress=False,
+                    ),
                 )
             )
             # the same weights as the trainside model (a --url server may serve others)

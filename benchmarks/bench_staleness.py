@@ -182,7 +182,7 @@ def engines(args, model, tok):
         if "trainside" in args.backends:
             out["trainside"] = TransformersBackend(model, mode="copy", seed=args.seed)
         if "sglang" in args.backends:
-            from ar_torchrl.backends import SGLangBackend, launch_sglang_server
+            from ar_torchrl.backends import SGLangBackend, SGLangClientOptions, launch_sglang_server
             from ar_torchrl.weight_sync import named_policy_tensors
 
             url = args.url
@@ -201,10 +201,12 @@ def engines(args, model, tok):
             backend = stack.enter_context(
                 SGLangBackend(
                     url,
-                    max_concurrency=args.prompts * args.samples,
-                    timeout_s=900,
-                    vocab_size=len(tok),
-                    show_progress=False,
+                    options=SGLangClientOptions(
+                        max_concurrency=args.prompts * args.samples,
+                        timeout_s=900,
+                        vocab_size=len(tok),
+                        show_progress=False,
+                    ),
                 )
             )
             backend.sync_weights(named_policy_tensors(model), version=1)  # the trainer's weights

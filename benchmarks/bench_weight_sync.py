@@ -259,7 +259,7 @@ class MemCopy:
 
 def make_syncs(model, args, url: str | None, stack: contextlib.ExitStack) -> dict:
     """``method -> callable(version) -> seconds`` for the requested methods."""
-    from ar_torchrl.backends.sglang import SGLangBackend
+    from ar_torchrl.backends.sglang import SGLangBackend, SGLangClientOptions
 
     syncs = {}
     for method in args.methods:
@@ -271,8 +271,7 @@ def make_syncs(model, args, url: str | None, stack: contextlib.ExitStack) -> dic
                 url,
                 weight_sync=method,
                 weight_sync_options=options,
-                sync_timeout_s=900,
-                show_progress=False,
+                options=SGLangClientOptions(sync_timeout_s=900, show_progress=False),
             )
         stack.callback(backend.close)
         syncs[method] = _timed_sync(backend, model)

@@ -47,7 +47,7 @@ def make_backend(
         backend = TransformersBackend(model, seed=seed)
         stack.callback(backend.close)
         return backend
-    from ar_torchrl.backends.sglang import SGLangBackend, launch_sglang_server
+    from ar_torchrl.backends.sglang import SGLangBackend, SGLangClientOptions, launch_sglang_server
 
     if url is None:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="cmp-sglang-")))
@@ -57,7 +57,9 @@ def make_backend(
     else:
         url_to_use = url
     backend = SGLangBackend(
-        url_to_use, weight_sync="disk", vocab_size=vocab_size, show_progress=False
+        url_to_use,
+        weight_sync="disk",
+        options=SGLangClientOptions(vocab_size=vocab_size, show_progress=False),
     )
     stack.callback(backend.close)
     if url is not None:

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from ar_torchrl.backends import SamplingParams, TransformersBackend
-from ar_torchrl.backends.sglang import SGLangBackend, launch_sglang_server
+from ar_torchrl.backends.sglang import SGLangBackend, SGLangClientOptions, launch_sglang_server
 from ar_torchrl.models.tiny import build_char_tokenizer, build_tiny_qwen3, save_tiny_model
 
 RESULTS = Path(__file__).resolve().parent / "results" / "compare_backends.json"
@@ -162,7 +162,9 @@ def run(args: argparse.Namespace) -> dict:
                 num_layers=args.layers,
             )
             url = stack.enter_context(launch_sglang_server(model_dir, timeout_s=600)).url
-        sgl = stack.enter_context(SGLangBackend(url, show_progress=False))
+        sgl = stack.enter_context(
+            SGLangBackend(url, options=SGLangClientOptions(show_progress=False))
+        )
         if args.url is not None:  # an external server: make sure it serves these weights
             sgl.sync_weights(model.state_dict().items(), version=0)
         sgl_out, sgl_s = timed_generate(sgl, prompts, args.n, sampling, args.repeats)
