@@ -349,9 +349,11 @@ def one_loop_episodes(
         )
     device = next(model.parameters()).device
     bsz, width = len(prompts), len(prompts[0])
-    cache = decode_cache(model.config, width + k * per_turn + (k - 1) * len(delta))
+    capacity = width + k * per_turn + (k - 1) * len(delta)
+    cache = decode_cache(model.config, capacity)
     delta_t = torch.tensor(delta, dtype=torch.long, device=device).expand(bsz, -1)
     step = torch.tensor(prompts, dtype=torch.long, device=device)
+    mask = torch.ones((bsz, capacity), dtype=torch.long, device=device)
     tokens, log_probs, filled = [], [], 0
     for turn in range(k):
         sampling = SamplingParams(max_new_tokens=per_turn, temperature=1.0, seed=seed + turn)
@@ -360,10 +362,9 @@ def one_loop_episodes(
             q = step.shape[1]
             positions = torch.arange(filled, filled + q, device=device).expand(bsz, q)
             filled += q
-            mask = torch.ones((bsz, filled), dtype=torch.long, device=device)
             out = model(
                 input_ids=step,
-                attention_mask=mask,
+                attention_mask=mask[:, :filled],  # one allocation, sliced, as the engine does
                 position_ids=positions,
                 cache=cache,
                 use_cache=True,
@@ -392,8 +393,7 @@ def one_loop_batch(engine: Engine, prompts, k: int, args, seed: int, delta) -> d
     the context tokens forwarded, the prompt and the ``k - 1`` deltas; nothing is cached)."""
     per_turn = args.total_tokens // k
     start, cpu_start = time.perf_counter(), time.process_time()
-    contexts, _ = one_loop_episodes(engine.backend, prompts, k, per_turn, seed, delta)
-    _sync(next(engine.backend.parameters()).device)
+    contexts, _ = one_loop_episodes(engine.backend, prompts, k, per_turn, seed, delta)  # synced
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     submitted = sum(len(p) + (k - 1) * len(delta) for p in prompts)
     generated = [len(c) - len(p) - (k - 1) * len(delta) for c, p in zip(contexts, prompts)]
@@ -616,14 +616,7 @@ def report(result: dict, args) -> str:
         if r["backend"] == "sglang":  # this process's CPU: the client, not the server's compute
             cpu = "-"
         prefill = "-" if r["prefill_seconds"] is None else f"{r['prefill_seconds']:.3f}"
-        same = "-"
-        if r["same_context_ratio"] is not None:
-            lo, med, hi = r["same_context_ratio"]
-            same = f"{med:.2f} [{lo:.2f}, {hi:.2f}]"
-        bound = "-"
-        if r["over_one_loop"] is not None:
-            lo, med, hi = r["over_one_loop"]
-            bound = f"{med:.2f} [{lo:.2f}, {hi:.2f}]"
+        same, bound = (_spread_text(r[key]) for key in ("same_context_ratio", "over_one_loop"))
         lines.append(
             f"  {r['backend']:<17} {r['turns']:>2} {r['max_new_tokens_per_turn']:>8} "
             f"{r['seconds']:>8.3f} {r['ms_per_generated_token']:>7.3f} {ratio:>20} {cpu:>21} "
@@ -640,6 +633,14 @@ def report(result: dict, args) -> str:
         "time(one_loop, same K), per rep: what the turns cost beyond their forwards)"
     )
     return "\n".join(lines) + "\n"
+
+
+def _spread_text(spread: list[float] | None) -> str:
+    """``[min, median, max]`` as ``"median [min, max]"`` (``None``: ``"-"``)."""
+    if spread is None:
+        return "-"
+    lo, med, hi = spread
+    return f"{med:.2f} [{lo:.2f}, {hi:.2f}]"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
